@@ -1,0 +1,89 @@
+"""The ``tokenmill`` command: a root that mounts each component's commands lazily.
+
+Only this module knows every component; importing a component happens when its command runs,
+so ``tokenmill --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from tokenmill.errors import TokenmillError
+
+# command name -> "module:attribute" of a click command or group
+COMMANDS: dict[str, str] = {
+    "enqueue": "producer.cli:enqueue",
+    "status": "producer.cli:status",
+    "export": "producer.cli:export",
+    "resume": "producer.cli:resume",
+    "worker": "workers.cli:worker",
+    "server": "server_mgr.cli:server",
+    "flower": "tokenmill.flower:flower",
+    "metrics": "tokenmill.metrics:metrics",
+    "demo": "tokenmill.demo:demo",
+}
+
+HELP: dict[str, str] = {
+    "enqueue": "Enqueue dataset files into a run.",
+    "status": "Show a run's progress.",
+    "export": "Write a run's completions as JSONL, one file per partition.",
+    "resume": "Republish every job of a run that is not done.",
+    "worker": "Run a Celery worker on the short or long queue.",
+    "server": "Launch, supervise and inspect SGLang (or sim) servers.",
+    "flower": "Start Flower on the tokenmill app.",
+    "metrics": "Serve Prometheus metrics for runs and servers.",
+    "demo": "Run the whole pipeline on this machine with the sim engine.",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when used."""
+
+    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, HELP.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tokenmill")
+def cli() -> None:
+    """tokenmill: datasets of prompts in, datasets of completions out, exactly once."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: tokenmill errors print as one clear line and exit 2."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except TokenmillError as exc:
+        click.echo(f"tokenmill: error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

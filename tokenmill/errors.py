@@ -1,0 +1,133 @@
+"""The one exception tree of tokenmill.
+
+Every error tokenmill raises on purpose derives from :class:`TokenmillError`. Errors that end a
+job are split into :class:`TerminalError` (the job ends ``failed``) and :class:`RetryableError`
+(the job goes back to ``queued`` with a backoff); ``workers.taxonomy`` is the one place that maps
+a server's answer onto these classes, and the worker maps the classes onto ledger states.
+"""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base of every tokenmill error."""
+
+
+# --- configuration and input -------------------------------------------------------------------
+
+
+class ConfigError(TokenmillError):
+    """A setting, flag or config file value is invalid; the message names it."""
+
+
+class InputError(TokenmillError):
+    """A dataset row or file is invalid; ``source`` names it (``file:line``)."""
+
+    def __init__(self, source: str, problem: str) -> None:
+        super().__init__(f"{source}: {problem}")
+        self.source = source
+        self.problem = problem
+
+
+class IdConflictError(InputError):
+    """The same job id arrived with different content: both sources are named."""
+
+    def __init__(self, source: str, job_id: str, prior_source: str) -> None:
+        super().__init__(
+            source,
+            f"job id {job_id!r} was already enqueued from {prior_source} with different content; "
+            "not overwritten",
+        )
+        self.job_id = job_id
+        self.prior_source = prior_source
+
+
+# --- infrastructure ------------------------------------------------------------------------------
+
+
+class RedisUnavailableError(TokenmillError):
+    """Redis cannot be reached or refused us; the message names the (redacted) URL."""
+
+
+class LedgerError(TokenmillError):
+    """A ledger transition was refused."""
+
+
+class StaleClaimError(LedgerError):
+    """The fencing token no longer matches: another worker owns the job now."""
+
+
+# --- generation: the error taxonomy's classes ----------------------------------------------------
+
+
+class GenerationError(TokenmillError):
+    """A generation request failed. ``error_class`` is the stable name recorded in the ledger."""
+
+    error_class = "error"
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class TerminalError(GenerationError):
+    """Retrying cannot help: the job ends ``failed`` with this class and the server's message."""
+
+    error_class = "terminal"
+
+
+class ContextLengthError(TerminalError):
+    error_class = "context_length"
+
+
+class InvalidRequestError(TerminalError):
+    error_class = "invalid_request"
+
+
+class AuthError(TerminalError):
+    """The server refused our API key. Workers stop claiming instead of failing every job."""
+
+    error_class = "auth"
+
+
+class RetryableError(GenerationError):
+    """A passing fault: the job goes back to ``queued`` with a backoff."""
+
+    error_class = "retryable"
+
+
+class ServerConnectionError(RetryableError):
+    error_class = "connection"
+
+
+class ServerUnavailableError(RetryableError):
+    """A 5xx, or a 503 queue-full abort."""
+
+    error_class = "server_unavailable"
+
+
+class StreamStalledError(RetryableError):
+    error_class = "stall"
+
+
+class StreamError(RetryableError):
+    """An error chunk arrived mid-stream, or the stream ended without a finish."""
+
+    error_class = "stream_error"
+
+
+class RequestTimeoutError(RetryableError):
+    error_class = "timeout"
+
+
+class ServerNotReadyError(RetryableError):
+    """No server is ready: the job is released without burning an attempt."""
+
+    error_class = "server_not_ready"
+
+
+class ShutdownError(RetryableError):
+    """The worker is shutting down: the job is checkpointed and released."""
+
+    error_class = "shutdown"

@@ -1,0 +1,152 @@
+"""Every Redis key tokenmill uses, built here and nowhere else.
+
+Per-run keys live under ``tm:{run}:``; keys shared by every run (servers, admission, locks) live
+under ``tm:_:``. Celery's broker lists are named by kombu (the queue name itself); they are
+built here too so that nothing else spells them.
+
+Hash fields that combine two names (``state|partition`` in the counts hash) use
+:data:`FIELD_SEP`; run and partition names are validated so that neither can contain it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenmill.errors import ConfigError
+
+PREFIX = "tm"
+FIELD_SEP = "|"
+STATES = ("queued", "running", "done", "failed")
+QUEUES = ("short", "long")
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_PARTITION_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._ -]{0,199}$")
+
+
+def check_run(run: str) -> str:
+    """Return ``run`` if it is a safe run name, else raise :class:`ConfigError` naming it."""
+    if not _RUN_RE.match(run or ""):
+        raise ConfigError(
+            f"--run {run!r} is not a valid run name: use 1-100 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run
+
+
+def check_partition(partition: str) -> str:
+    """Return ``partition`` if it is a safe partition name (it names an export file)."""
+    if not _PARTITION_RE.match(partition or "") or partition.strip() != partition:
+        raise ConfigError(
+            f"partition {partition!r} is not a valid name: use letters, digits, '.', '_', '-' or "
+            "spaces (no '/', no '|'), starting with a letter, digit or '_'"
+        )
+    return partition
+
+
+def count_field(state: str, partition: str) -> str:
+    """The field of the run's counts hash for ``state`` in ``partition`` (Lua builds the same)."""
+    return f"{state}{FIELD_SEP}{partition}"
+
+
+def split_count_field(field: str) -> tuple[str, str]:
+    state, _, partition = field.partition(FIELD_SEP)
+    return state, partition
+
+
+def broker_queue(queue: str) -> str:
+    """The Redis list kombu's Redis transport uses for ``queue`` (default priority)."""
+    return queue
+
+
+def runs() -> str:
+    """Set of every run name that was ever enqueued."""
+    return f"{PREFIX}:_:runs"
+
+
+def servers() -> str:
+    """Set of server names published by server managers."""
+    return f"{PREFIX}:_:servers"
+
+
+def server(name: str) -> str:
+    """Hash: one server's published state, capacity and live figures."""
+    return f"{PREFIX}:_:server:{name}"
+
+
+def server_events(name: str) -> str:
+    """List: the server manager's recorded actions for ``name`` (restarts, OOM steps), newest first."""
+    return f"{PREFIX}:_:server:{name}:events"
+
+
+def admission(server_name: str) -> str:
+    """Sorted set of admission slots held on a server: member ``job|tokens|queue``, score = expiry ms."""
+    return f"{PREFIX}:_:admit:{server_name}"
+
+
+def pump_lock() -> str:
+    """Lock held by the one worker that runs the reaper/feeder at a time."""
+    return f"{PREFIX}:_:lock:pump"
+
+
+def worker_control() -> str:
+    """Hash of flags every worker reads (e.g. a paused reason), written by the server manager."""
+    return f"{PREFIX}:_:control"
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """The keys of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        check_run(self.run)
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}:{self.run}"
+
+    def job(self, job_id: str) -> str:
+        """Hash: one job's spec, state, claim, checkpoint and result."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def jobs(self, partition: str) -> str:
+        """List: the ids of a partition's jobs in enqueue order (export reads it)."""
+        return f"{self.prefix}:jobs:{partition}"
+
+    def partitions(self) -> str:
+        """Set: the run's partition names."""
+        return f"{self.prefix}:partitions"
+
+    def counts(self) -> str:
+        """Hash: ``state|partition`` → number of jobs, updated inside every transition."""
+        return f"{self.prefix}:counts"
+
+    def leases(self) -> str:
+        """Sorted set: running job id → lease expiry (ms, Redis clock)."""
+        return f"{self.prefix}:leases"
+
+    def delayed(self) -> str:
+        """Sorted set: queued job id → when its retry may be published (ms, Redis clock)."""
+        return f"{self.prefix}:delayed"
+
+    def backlog(self, queue: str) -> str:
+        """List: queued job ids not yet published to ``queue`` (bounded broker depth)."""
+        return f"{self.prefix}:backlog:{queue}"
+
+    def failures(self) -> str:
+        """Hash: failure class → number of jobs that ended ``failed`` with it."""
+        return f"{self.prefix}:failures"
+
+    def failure_last(self) -> str:
+        """Hash: failure class → the latest message seen for it."""
+        return f"{self.prefix}:failure_last"
+
+    def stats(self) -> str:
+        """Hash: run totals (``completion_tokens``, ``prompt_tokens``, ``continued``, ...)."""
+        return f"{self.prefix}:stats"
+
+    def throughput(self) -> str:
+        """Hash: unix second → completion tokens committed in that second (trimmed)."""
+        return f"{self.prefix}:tput"

@@ -1,0 +1,131 @@
+"""The one typed settings object, built at process start from flags and ``TOKENMILL_*`` variables.
+
+Nothing in tokenmill reads the environment at import time; entry points call
+:meth:`Settings.load` once and pass the object down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from tokenmill.errors import ConfigError
+
+ENV_PREFIX = "TOKENMILL_"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to log)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything configurable about a tokenmill process. Units are in the names."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    server_url: str = "http://127.0.0.1:30000"
+    api_key: str | None = field(default=None, repr=False)
+    model: str = "default"
+
+    # leases, the reaper and retries
+    lease_ttl_s: float = 30.0
+    reaper_period_s: float = 5.0
+    retry_backoff_s: float = 2.0
+    retry_backoff_max_s: float = 300.0
+    max_attempts: int = 8
+
+    # per-request deadlines (the threads pool has no Celery time limits)
+    connect_timeout_s: float = 10.0
+    first_token_timeout_s: float = 3600.0
+    stall_timeout_s: float = 120.0
+    total_timeout_s: float = 6 * 3600.0
+
+    # checkpoints and continuation
+    checkpoint_every_tokens: int = 256
+    checkpoint_every_s: float = 5.0
+    continue_partial: bool = True
+
+    # admission and broker depth
+    admission_fraction: float = 0.9
+    admission_wait_s: float = 0.5
+    max_queued: int = 20000
+    server_wait_s: float = 1.0
+
+    # worker shutdown
+    shutdown_grace_s: float = 30.0
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """``server_url`` split on commas (several servers, or one router)."""
+        return tuple(u.strip().rstrip("/") for u in self.server_url.split(",") if u.strip())
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``TOKENMILL_<NAME>`` variables, then ``overrides`` (None means unset)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f, raw, f"{ENV_PREFIX}{f.name.upper()}")
+        for name, value in overrides.items():
+            if value is None:
+                continue
+            if name not in {f.name for f in fields(cls)}:
+                raise ConfigError(f"unknown setting {name!r}")
+            values[name] = value
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        scheme = urlsplit(self.redis_url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"TOKENMILL_REDIS_URL {redact_url(self.redis_url)!r} must start with redis://, "
+                "rediss:// or unix://"
+            )
+        for url in self.server_urls:
+            if urlsplit(url).scheme not in ("http", "https"):
+                raise ConfigError(f"TOKENMILL_SERVER_URL {url!r} must be an http(s) URL")
+        if not self.server_urls:
+            raise ConfigError("TOKENMILL_SERVER_URL is empty")
+        for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.admission_fraction <= 1:
+            raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
+
+
+def _parse(f: dataclasses.Field[Any], raw: str, source: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("bool"):
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{source}={raw!r} is not a valid {kind}") from None
+    return raw
