@@ -20,6 +20,10 @@ class ConfigError(TokenmillError):
     """A setting, flag or config file value is invalid; the message names it."""
 
 
+class LossyKvCacheError(ConfigError):
+    """A server config asks for a lossy KV cache dtype without ``allow_lossy_kv_cache = true``."""
+
+
 class InputError(TokenmillError):
     """A dataset row or file is invalid; ``source`` names it (``file:line``)."""
 
@@ -47,6 +51,10 @@ class IdConflictError(InputError):
 
 class RedisUnavailableError(TokenmillError):
     """Redis cannot be reached or refused us; the message names the (redacted) URL."""
+
+
+class ServerStartError(TokenmillError):
+    """A managed inference server did not become ready; the message carries its last error."""
 
 
 class LedgerError(TokenmillError):

@@ -79,6 +79,11 @@ def server_events(name: str) -> str:
     return f"{PREFIX}:_:server:{name}:events"
 
 
+def server_stop(name: str) -> str:
+    """String: a pending stop request for ``name`` (JSON), polled and deleted by its supervisor."""
+    return f"{PREFIX}:_:server:{name}:stop"
+
+
 def admission(server_name: str) -> str:
     """Sorted set of admission slots held on a server: member ``job|tokens|queue``, score = expiry ms."""
     return f"{PREFIX}:_:admit:{server_name}"

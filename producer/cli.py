@@ -1,0 +1,207 @@
+"""Producer commands: ``enqueue``, ``status``, ``export``, ``resume``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+import orjson
+
+from tokenmill import keys
+
+
+def _connect(redis_url: str | None):
+    from tokenmill import redis_conn
+    from tokenmill.settings import Settings
+
+    settings = Settings.load(redis_url=redis_url)
+    return settings, redis_conn.connect(settings)
+
+
+redis_option = click.option(
+    "--redis-url",
+    envvar="TOKENMILL_REDIS_URL",
+    default=None,
+    help="Redis URL (default redis://127.0.0.1:6379/0).",
+)
+run_option = click.option("--run", "run", required=True, help="The run's name.")
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True))
+@run_option
+@click.option("--partition", default=None, help="Partition name (default: each file's stem).")
+@click.option("--model", envvar="TOKENMILL_MODEL", default=None, help="Model name sent to the server.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most N rows per partition.")
+@click.option("--short-max-tokens", type=click.IntRange(min=1), default=10240, show_default=True)
+@click.option("--long-max-tokens", type=click.IntRange(min=1), default=16384, show_default=True)
+@click.option(
+    "--long-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Prompts estimated above this many tokens go to the long queue.",
+)
+@click.option("--temperature", type=click.FloatRange(min=0), default=None)
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--skip-invalid", is_flag=True, help="Skip and count invalid rows instead of stopping.")
+@click.option(
+    "--max-queued",
+    type=click.IntRange(min=1),
+    default=None,
+    help="At most N messages per queue in the broker; the rest wait in the ledger.",
+)
+@redis_option
+def enqueue(
+    files: tuple[str, ...],
+    run: str,
+    partition: str | None,
+    model: str | None,
+    limit: int | None,
+    short_max_tokens: int,
+    long_max_tokens: int,
+    long_prompt_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    skip_invalid: bool,
+    max_queued: int | None,
+    redis_url: str | None,
+) -> None:
+    """Enqueue dataset FILES (JSONL, Parquet, or a Hugging Face datasets directory) into a run."""
+    from producer.enqueue import Enqueuer, Routing
+    from tokenmill import redis_conn
+    from tokenmill.ledger import Ledger
+
+    keys.check_run(run)
+    settings, client = _connect(redis_url)
+    redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
+    routing = Routing(
+        model=model or settings.model,
+        short_max_tokens=short_max_tokens,
+        long_max_tokens=long_max_tokens,
+        long_prompt_tokens=long_prompt_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+    )
+    enq = Enqueuer(
+        Ledger(client, run),
+        routing,
+        max_queued or settings.max_queued,
+        skip_invalid=skip_invalid,
+        limit=limit,
+        on_invalid=lambda e: click.echo(f"skipped: {e}", err=True),
+    )
+    progress = _progress()
+    if progress is not None:
+        task = progress.add_task("enqueue", total=None)
+        enq.on_progress = lambda n: progress.advance(task, n)
+        progress.start()
+    try:
+        for path in files:
+            enq.enqueue_file(path, partition)
+    finally:
+        if progress is not None:
+            progress.stop()
+        click.echo(enq.summary.line(run))
+    for conflict in enq.summary.conflicts[:20]:
+        click.echo(f"error: {conflict}", err=True)
+    if enq.summary.conflicts:
+        raise SystemExit(1)
+
+
+def _progress():
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+    from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("enqueued"),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+@click.command()
+@run_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh a live view until interrupted.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
+@redis_option
+def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str | None) -> None:
+    """Show a run's progress: per partition, throughput, ETA, failures, servers."""
+    from producer.status import run_status
+
+    keys.check_run(run)
+    _, client = _connect(redis_url)
+    if not client.sismember(keys.runs(), run):
+        raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
+    if as_json and not watch:
+        click.echo(orjson.dumps(run_status(client, run)).decode())
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    from producer.status_view import render
+
+    console = Console()
+    if not watch:
+        console.print(render(run_status(client, run)))
+        return
+    with Live(render(run_status(client, run)), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(interval)
+            doc = run_status(client, run)
+            if as_json:
+                console.print_json(orjson.dumps(doc).decode())
+            live.update(render(doc))
+
+
+@click.command()
+@run_option
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--include-truncated", is_flag=True, help="Also export jobs that finished on max_tokens.")
+@redis_option
+def export(run: str, out_dir: str, include_truncated: bool, redis_url: str | None) -> None:
+    """Write every done job as OUT/<partition>.jsonl (training-ready rows)."""
+    from producer.export import export_run
+    from tokenmill.ledger import Ledger
+
+    keys.check_run(run)
+    _, client = _connect(redis_url)
+    if not client.sismember(keys.runs(), run):
+        raise click.ClickException(f"no run named {run!r} in this Redis")
+    summary = export_run(Ledger(client, run), out_dir, include_truncated)
+    for path, n in summary.files.items():
+        click.echo(f"{path}: {n} rows")
+    notes = []
+    if summary.not_done:
+        notes.append(f"{summary.not_done} jobs not done yet (not exported)")
+    if summary.skipped_truncated:
+        notes.append(
+            f"{summary.skipped_truncated} truncated (finish_reason length) left out; "
+            "--include-truncated to include them"
+        )
+    if notes:
+        click.echo("; ".join(notes))
+
+
+@click.command()
+@run_option
+@redis_option
+def resume(run: str, redis_url: str | None) -> None:
+    """Republish every job of RUN that is not done (duplicates are harmless)."""
+    from producer.resume import resume_run
+
+    keys.check_run(run)
+    _, client = _connect(redis_url)
+    if not client.sismember(keys.runs(), run):
+        raise click.ClickException(f"no run named {run!r} in this Redis")
+    click.echo(resume_run(client, run).line(run))

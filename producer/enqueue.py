@@ -1,0 +1,150 @@
+"""Enqueue: dataset rows → job specs → route short/long → dedup → bulk publish, in batches.
+
+Each batch is one ledger script call: the jobs that are new are created and their Celery
+messages pushed in the same atomic step (or parked on the backlog when the broker already
+holds ``max_queued`` messages); existing jobs are reported, never overwritten.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from producer.readers import dataset_stem, iter_records
+from producer.rows import Row, estimate_prompt_tokens, normalize_row
+from tokenmill import keys
+from tokenmill.errors import IdConflictError, InputError
+from tokenmill.jobspec import JobSpec
+from tokenmill.ledger import Ledger
+
+BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How rows become requests: which queue, how many tokens."""
+
+    model: str
+    short_max_tokens: int = 10240
+    long_max_tokens: int = 16384
+    long_prompt_tokens: int = 4096
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def spec(self, row: Row, partition: str, source: str) -> JobSpec:
+        is_long = estimate_prompt_tokens(row.messages) > self.long_prompt_tokens
+        queue = "long" if is_long else "short"
+        max_tokens = row.max_tokens or (self.long_max_tokens if is_long else self.short_max_tokens)
+        request: dict[str, object] = {"model": self.model, "messages": row.messages, "max_tokens": max_tokens}
+        for name in ("temperature", "top_p", "seed"):
+            value = getattr(row, name)
+            if value is None:
+                value = getattr(self, name)
+            if value is not None:
+                request[name] = value
+        return JobSpec.build(
+            partition=partition,
+            queue=queue,
+            source=source,
+            request=request,
+            metadata=row.metadata,
+            record_id=row.record_id,
+        )
+
+
+@dataclass(slots=True)
+class Summary:
+    """What an enqueue did, by outcome."""
+
+    new: Counter[str] = field(default_factory=Counter)  # by queue
+    done: int = 0
+    queued: int = 0
+    failed: int = 0
+    invalid: int = 0
+    conflicts: list[IdConflictError] = field(default_factory=list)
+    backlog: int = 0
+
+    @property
+    def total_new(self) -> int:
+        return sum(self.new.values())
+
+    def line(self, run: str) -> str:
+        queues = ", ".join(f"{q} {n}" for q, n in sorted(self.new.items())) or "none"
+        text = (
+            f"run {run}: {self.total_new} new ({queues}), {self.done} already done, "
+            f"{self.queued} already queued or running, {self.failed} already failed, "
+            f"{self.invalid} invalid, {len(self.conflicts)} id conflicts"
+        )
+        if self.backlog:
+            text += f"; {self.backlog} held in the ledger's backlog until the queue drains"
+        if not self.total_new and not self.invalid and not self.conflicts:
+            text += " — nothing to add"
+        return text
+
+
+@dataclass(slots=True)
+class Enqueuer:
+    ledger: Ledger
+    routing: Routing
+    max_queued: int
+    skip_invalid: bool = False
+    limit: int | None = None
+    on_invalid: Callable[[InputError], None] | None = None
+    on_progress: Callable[[int], None] | None = None
+    summary: Summary = field(default_factory=Summary)
+
+    def enqueue_file(self, path: str | Path, partition: str | None = None) -> None:
+        """Enqueue every row of ``path`` into ``partition`` (default: the file's stem)."""
+        part = keys.check_partition(partition or dataset_stem(path))
+        batch: list[JobSpec] = []
+        taken = 0
+        try:
+            for spec in self._specs(path, part):
+                if self.limit is not None and taken >= self.limit:
+                    break
+                taken += 1
+                batch.append(spec)
+                if len(batch) >= BATCH:
+                    self._flush(part, batch)
+                    batch = []
+        finally:
+            # Everything read before a bad row is enqueued before the error surfaces.
+            self._flush(part, batch)
+
+    def _specs(self, path: str | Path, partition: str) -> Iterable[JobSpec]:
+        for rec in iter_records(path):
+            try:
+                if rec.error is not None or rec.data is None:
+                    raise InputError(rec.source, rec.error or "empty record")
+                row = normalize_row(rec.source, rec.data)
+            except InputError as exc:
+                if not self.skip_invalid:
+                    raise
+                self.summary.invalid += 1
+                if self.on_invalid:
+                    self.on_invalid(exc)
+                continue
+            yield self.routing.spec(row, partition, rec.source)
+
+    def _flush(self, partition: str, batch: list[JobSpec]) -> None:
+        if not batch:
+            return
+        outcomes = self.ledger.enqueue_batch(partition, batch, self.max_queued)
+        s = self.summary
+        for spec, outcome in zip(batch, outcomes, strict=True):
+            if outcome in ("new", "backlog"):
+                s.new[spec.queue] += 1
+                s.backlog += outcome == "backlog"
+            elif outcome == "done":
+                s.done += 1
+            elif outcome in ("queued", "running"):
+                s.queued += 1
+            elif outcome == "failed":
+                s.failed += 1
+            elif outcome.startswith("conflict:"):
+                s.conflicts.append(IdConflictError(spec.source, spec.job_id, outcome.split(":", 1)[1]))
+        if self.on_progress:
+            self.on_progress(len(batch))

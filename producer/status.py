@@ -1,0 +1,75 @@
+"""Status: a run's progress from the ledger's counters (O(partitions), never a scan of jobs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from tokenmill import keys
+from tokenmill import servers as server_records
+from tokenmill.ledger import Ledger
+
+WINDOW_S = 60
+
+
+def _i(v: Any) -> int:
+    return int(v) if v is not None else 0
+
+
+def run_status(client: redis.Redis, run: str) -> dict[str, Any]:
+    """The ``status --json`` document of design.md."""
+    ledger = Ledger(client, run)
+    k = keys.RunKeys(run)
+    partitions = ledger.counts()
+    totals = dict.fromkeys(keys.STATES, 0)
+    for counts in partitions.values():
+        for state, n in counts.items():
+            totals[state] += n
+    totals["total"] = sum(totals[s] for s in keys.STATES)
+    now = int(client.time()[0])
+    window = [str(t) for t in range(now - WINDOW_S, now)]
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(k.throughput(), window)
+    pipe.hgetall(k.stats())
+    pipe.hgetall(k.failures())
+    pipe.hgetall(k.failure_last())
+    tput, stats, failures, last = pipe.execute()
+    tokens_per_s = sum(_i(v) for v in tput) / WINDOW_S
+    stats = {a.decode(): _i(b) for a, b in stats.items()}
+    done = totals["done"]
+    remaining = totals["queued"] + totals["running"]
+    eta_s = None
+    if remaining == 0:
+        eta_s = 0.0
+    elif tokens_per_s > 0 and done > 0:
+        per_job = stats.get("completion_tokens", 0) / done
+        eta_s = round(remaining * per_job / tokens_per_s, 1)
+    return {
+        "run": run,
+        "partitions": partitions,
+        "totals": totals,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "eta_s": eta_s,
+        "failures": {a.decode(): _i(b) for a, b in failures.items()},
+        "failure_messages": {a.decode(): b.decode() for a, b in last.items()},
+        "stats": stats,
+        "servers": [_server_view(r) for r in server_records.load_all(client)],
+        "at": time.time(),
+    }
+
+
+def _server_view(rec: server_records.ServerRecord) -> dict[str, Any]:
+    return {
+        "name": rec.name,
+        "engine": rec.engine,
+        "url": rec.url,
+        "state": rec.state,
+        "pid": rec.pid,
+        "restarts": rec.restarts,
+        "max_total_num_tokens": rec.max_total_num_tokens,
+        "context_length": rec.context_length,
+        "last_error": rec.last_error,
+        "live": rec.live,
+    }

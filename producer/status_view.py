@@ -1,0 +1,65 @@
+"""The human view of a run's status (rich): progress per partition, throughput, failures, servers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+
+def _eta(eta_s: float | None) -> str:
+    if eta_s is None:
+        return "unknown"
+    s = int(eta_s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+def render(doc: dict[str, Any]) -> Group:
+    """One screen: what a person watching a run needs, without reading logs."""
+    t = doc["totals"]
+    head = Text(
+        f"run {doc['run']}: {t['done']}/{t['total']} done, {t['running']} running, "
+        f"{t['queued']} queued, {t['failed']} failed · {doc['tokens_per_s']:.0f} tok/s · "
+        f"ETA {_eta(doc['eta_s'])}",
+        style="bold",
+    )
+    parts = Table(box=None, pad_edge=False)
+    for col in ("partition", "progress", "done", "total", "running", "queued", "failed"):
+        parts.add_column(col, justify="left" if col in ("partition", "progress") else "right")
+    for name, c in sorted(doc["partitions"].items()):
+        total = sum(c.values())
+        finished = c["done"] + c["failed"]
+        parts.add_row(
+            name,
+            ProgressBar(total=max(total, 1), completed=finished, width=30),
+            str(c["done"]),
+            str(total),
+            str(c["running"]),
+            str(c["queued"]),
+            str(c["failed"]),
+        )
+    items: list[Any] = [head, parts]
+    if doc["failures"]:
+        fails = Table("failure class", "jobs", "latest message", box=None)
+        for cls, n in sorted(doc["failures"].items()):
+            fails.add_row(cls, str(n), (doc.get("failure_messages", {}).get(cls) or "")[:120])
+        items.append(fails)
+    if doc["servers"]:
+        srv = Table("server", "state", "url", "KV usage", "running", "queued", "restarts", box=None)
+        for s in doc["servers"]:
+            live = s.get("live") or {}
+            usage = live.get("token_usage")
+            srv.add_row(
+                s["name"],
+                s["state"],
+                s["url"],
+                f"{usage:.0%}" if isinstance(usage, float) else "-",
+                str(int(live["running_req"])) if "running_req" in live else "-",
+                str(int(live["queue_req"])) if "queue_req" in live else "-",
+                str(s["restarts"]),
+            )
+        items.append(srv)
+    return Group(*items)

@@ -1,0 +1,84 @@
+"""The launch command of a server: its argv, its environment, and a printable (redacted) form."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import sys
+
+from server_mgr.config import ServerConfig
+
+REDACTED = "***"
+_SECRET_ENV_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+# SGLang flags the sim engine does not model; they are left out of a sim's command.
+SIM_UNSUPPORTED = frozenset(
+    {"--dp-size", "--kv-cache-dtype", "--enable-hierarchical-cache", "--hicache-size"}
+)
+
+
+def launch_argv(config: ServerConfig, *, redact: bool = False) -> list[str]:
+    """The exact argv that starts ``config``'s server (the API key as ``***`` when ``redact``)."""
+    if config.engine == "sim":
+        flags = server_flags(config, redact=redact, skip=SIM_UNSUPPORTED)
+        return [sys.executable, "-m", "server_mgr.sim", *flags, *sim_flags(config)]
+    return [*config.launcher, *server_flags(config, redact=redact)]
+
+
+def server_flags(config: ServerConfig, *, redact: bool = False,
+                 skip: frozenset[str] = frozenset()) -> list[str]:
+    """The SGLang flags for ``config`` in a fixed order (minus ``skip``), then ``extra_args``."""
+    c = config
+    pairs: list[tuple[str, object]] = [
+        ("--model-path", c.model_path or None),
+        ("--served-model-name", c.served_model_name),
+        ("--host", c.host),
+        ("--port", c.port),
+        ("--tp-size", c.tp_size),
+        ("--dp-size", c.dp_size if c.dp_size != 1 else None),
+        ("--mem-fraction-static", c.mem_fraction_static),
+        ("--kv-cache-dtype", c.kv_cache_dtype if c.kv_cache_dtype != "auto" else None),
+        ("--enable-hierarchical-cache", c.enable_hierarchical_cache),
+        ("--hicache-size", c.hicache_size),
+        ("--context-length", c.context_length),
+        ("--max-running-requests", c.max_running_requests),
+        ("--reasoning-parser", c.reasoning_parser),
+        ("--enable-metrics", c.enable_metrics),
+        ("--api-key", (REDACTED if redact else c.api_key) if c.api_key else None),
+    ]
+    argv: list[str] = []
+    for flag, value in pairs:
+        if value is None or value is False or flag in skip:
+            continue
+        argv.extend([flag] if value is True else [flag, _text(value)])
+    return [*argv, *c.extra_args]
+
+
+def sim_flags(config: ServerConfig) -> list[str]:
+    """``--sim-<knob> value`` for every knob set in ``[server.sim]``."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config.sim):
+        value = getattr(config.sim, f.name)
+        if value is not None:
+            argv.extend([f"--sim-{f.name.replace('_', '-')}", _text(value)])
+    return argv
+
+
+def launch_env(config: ServerConfig) -> dict[str, str]:
+    """The environment of the server process: ours, plus the config's ``env`` table."""
+    return {**os.environ, **config.env}
+
+
+def display_command(config: ServerConfig, *, show_secrets: bool = False) -> str:
+    """The launch command as one shell line: ``ENV=value ... argv`` (secrets as ``***``)."""
+    env = [f"{k}={v if show_secrets or not _SECRET_ENV_RE.search(k) else REDACTED}"
+           for k, v in config.env.items()]
+    return shlex.join([*env, *launch_argv(config, redact=not show_secrets)])
+
+
+def _text(value: object) -> str:
+    if isinstance(value, float):
+        return repr(round(value, 6))
+    return str(value)

@@ -1,0 +1,150 @@
+"""Reading an SGLang log: live figures from Prefill/Decode lines, by field name, and a file tail.
+
+Field order differs between releases (contract §5.3), so a batch line is read as ``name: value``
+pairs. Names map to the same vocabulary the ``/metrics`` reader uses (``running_req``,
+``queue_req``, ``token_usage``, ``gen_throughput``, ...); unknown fields keep a slug of their name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_BATCH_RE = re.compile(r"\b(Prefill|Decode) batch(?: \[\d+\])?[,.] (?P<fields>.*)$")
+_PAIR_RE = re.compile(r"^\s*(?P<name>[^:,]+?):\s*(?P<value>-?[0-9.]+(?:[eE][-+]?\d+)?|True|False)\s*$")
+_RETRACT_RE = re.compile(r"#retracted_reqs:\s*(\d+)")
+_CAPACITY_RE = re.compile(r"\bmax_total_num_tokens=(\d+)")
+_CONTEXT_RE = re.compile(r"\bcontext_len=(\d+)")
+_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
+_READY_LINE = "The server is fired up and ready to roll!"
+
+# SGLang's field names -> the names published as live.<name>
+FIELD_NAMES = {
+    "#running-req": "running_req",
+    "#queue-req": "queue_req",
+    "token usage": "token_usage",
+    "full token usage": "token_usage",
+    "gen throughput (token/s)": "gen_throughput",
+    "input throughput (token/s)": "input_throughput",
+    "#token": "num_used_tokens",
+    "#new-seq": "new_seq",
+    "#new-token": "new_token",
+    "#cached-token": "cached_token",
+    "#pending-token": "pending_token",
+    "cuda graph": "cuda_graph",
+}
+
+
+def parse_batch_line(line: str) -> tuple[str, dict[str, float]] | None:
+    """``("prefill"|"decode", figures)`` for a batch line, else None."""
+    match = _BATCH_RE.search(line)
+    if not match:
+        return None
+    figures: dict[str, float] = {}
+    for part in match["fields"].split(","):
+        pair = _PAIR_RE.match(part)
+        if pair:
+            figures[field_name(pair["name"])] = _number(pair["value"])
+    return match[1].lower(), figures
+
+
+def field_name(raw: str) -> str:
+    """The published name of an SGLang log field (a slug when it is not a known one)."""
+    raw = raw.strip()
+    if raw in FIELD_NAMES:
+        return FIELD_NAMES[raw]
+    return re.sub(r"[^a-z0-9]+", "_", raw.lower().replace("(token/s)", "")).strip("_")
+
+
+def retracted(line: str) -> int:
+    """How many requests a ``KV cache pool is full. Retract requests.`` line retracted (else 0)."""
+    if "Retract requests" not in line:
+        return 0
+    match = _RETRACT_RE.search(line)
+    return int(match[1]) if match else 0
+
+
+def capacity_line(line: str) -> tuple[int, int | None] | None:
+    """``(max_total_num_tokens, context_len)`` from the scheduler's startup summary line."""
+    match = _CAPACITY_RE.search(line)
+    if not match:
+        return None
+    context = _CONTEXT_RE.search(line)
+    return int(match[1]), int(context[1]) if context else None
+
+
+def launch_fraction(log_text: str) -> float | None:
+    """The ``mem_fraction_static`` SGLang resolved, from its ``server_args=`` or OOM lines."""
+    match = _FRACTION_RE.search(log_text)
+    return float(match[1]) if match else None
+
+
+def is_ready_line(line: str) -> bool:
+    return _READY_LINE in line
+
+
+def _number(text: str) -> float:
+    if text in ("True", "False"):
+        return 1.0 if text == "True" else 0.0
+    return float(text)
+
+
+@dataclass(slots=True)
+class LiveFigures:
+    """Figures accumulated from log lines; ``retractions`` counts since the launch."""
+
+    figures: dict[str, float] = field(default_factory=dict)
+    retractions: int = 0
+    decode_lines: int = 0
+    changed: bool = False
+
+    def feed(self, line: str) -> None:
+        """Take one log line into account."""
+        batch = parse_batch_line(line)
+        if batch:
+            kind, figures = batch
+            self.decode_lines += kind == "decode"
+            self.figures.update(figures)
+            self.changed = True
+            return
+        count = retracted(line)
+        if count:
+            self.retractions += count
+            self.figures["retractions"] = float(self.retractions)
+            self.changed = True
+
+
+class LogTail:
+    """Reads the lines appended to a file since a given offset, a chunk at a time."""
+
+    def __init__(self, path: Path, offset: int = 0, chunk_bytes: int = 1 << 20) -> None:
+        self.path = path
+        self.offset = offset
+        self.chunk_bytes = chunk_bytes
+        self._partial = b""
+
+    def read_lines(self) -> list[str]:
+        """Complete new lines (tqdm's ``\\r`` also ends a line)."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(self.chunk_bytes)
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = re.split(rb"\r\n|\n|\r", data)
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+def read_since(path: Path, offset: int, max_bytes: int = 512 * 1024) -> str:
+    """The text appended to ``path`` after ``offset`` (its last ``max_bytes`` at most)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, 2)
+            end = fh.tell()
+            fh.seek(max(offset, end - max_bytes))
+            return fh.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""

@@ -1,0 +1,97 @@
+"""The sim's settings: SGLang's own flags plus the sim-only ``--sim-*`` knobs.
+
+Derived limits follow SGLang 0.5.23 (``reference/sglang-contract.md`` §4.2): a request may hold at
+most ``max_req_len = min(context_length - 1, max_total_tokens - 1)`` tokens, and its input at most
+``max_req_len - 5``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VERSION = "0.5.23"
+# Figures the startup lines and /server_info report; the sim has no GPU, so these pretend to be
+# one 80 GB H100 holding an 8B bf16 model.
+GPU_TOTAL_GB = 79.11
+WEIGHTS_GB = 15.06
+KV_BYTES_PER_TOKEN = 131072  # 32 layers x 8 kv heads x 128 dims x 2 (K, V) x 2 bytes
+CHUNKED_PREFILL_SIZE = 8192
+MAX_PREFILL_TOKENS = 16384
+CUDA_GRAPH_MAX_BS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything the sim server is launched with. Units are in the names."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str = "sim-model"
+    served_model_name: str | None = None
+    max_total_tokens: int = 200000
+    context_length: int = 32768
+    max_running_requests: int = 1024
+    max_queued_requests: int | None = None
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    mem_fraction_static: float = 0.88
+    tp_size: int = 1
+    stream_interval: int = 1
+    decode_log_interval: int = 40
+    enable_metrics: bool = False
+    allow_auto_truncate: bool = False
+    log_level: str = "info"
+    skip_server_warmup: bool = False
+
+    # sim-only knobs
+    startup_delay_s: float = 0.5
+    warmup_s: float = 0.2
+    health_latency_s: float = 1.0
+    health_timeout_s: float = 20.0
+    drain_poll_s: float = 5.0
+    step_ms: float = 10.0
+    step_ms_per_req: float = 0.05
+    prefill_tokens_per_ms: float = 200.0
+    mean_output_tokens: int = 200
+    crash_after_requests: int | None = None
+    error_every: int | None = None
+    stall_every: int | None = None
+    oom_above: float | None = None
+    oom_below: float | None = None
+    perturb: float = 0.0
+    seed: int = 0
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (``--served-model-name``, else the model path)."""
+        return self.served_model_name or self.model_path
+
+    @property
+    def max_req_len(self) -> int:
+        """Most tokens (input + output) one request may hold."""
+        return min(self.context_length - 1, self.max_total_tokens - 1)
+
+    @property
+    def max_req_input_len(self) -> int:
+        """Longest input the scheduler accepts."""
+        return self.max_req_len - 5
+
+    @property
+    def rank_prefix(self) -> str:
+        """The scheduler's log prefix: `` TP0`` only when tensor parallelism is on."""
+        return " TP0" if self.tp_size > 1 else ""
+
+    def validate(self) -> None:
+        """Refuse what SGLang's ``check_server_args`` would refuse (ValueError names the flag)."""
+        if ":" in self.model_name:
+            raise ValueError(
+                "served_model_name cannot contain a colon (':') character. "
+                f"Invalid value: {self.model_name!r}"
+            )
+        for name in ("max_total_tokens", "context_length", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.stream_interval < 1 or self.decode_log_interval < 1 or self.tp_size < 1:
+            raise ValueError("--stream-interval, --decode-log-interval and --tp-size must be >= 1")
+        if not 0.0 <= self.perturb <= 1.0:
+            raise ValueError(f"--sim-perturb must be in [0, 1], got {self.perturb}")

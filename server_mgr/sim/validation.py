@@ -1,0 +1,224 @@
+"""Checks a chat request the way SGLang 0.5.23 does and turns it into a :class:`ChatPlan`.
+
+Order follows the real server: request-model checks (messages), then the tokenizer manager's
+context-length checks (§4.2), then sampling parameters (§4.4). Failures raise
+:class:`RequestError`, rendered as the OpenAI error envelope with the same message text.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from server_mgr.sim import textgen
+from server_mgr.sim.config import SimConfig
+from server_mgr.sim.logs import SimLog
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class RequestError(Exception):
+    """A request SGLang would refuse: ``status``, error ``type`` and the exact ``message``."""
+
+    def __init__(self, message: str, *, status: int = 400, type_: str = "BadRequestError"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type_
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "object": "error",
+            "message": self.message,
+            "type": self.type,
+            "param": None,
+            "code": self.status,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """Everything a chat request needs once accepted."""
+
+    rid: str
+    model: str
+    stream: bool
+    include_usage: bool
+    completion: textgen.Completion
+    max_new_tokens: int  # the limit the scheduler knows (clamped to the context)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"{name}: Input should be a valid number", type_="Bad Request")
+    return float(value)
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name}: Input should be a valid integer", type_="Bad Request")
+    return value
+
+
+def check_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The request's messages; 400 when missing, empty or with an unknown role."""
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("messages: Field required", type_="Bad Request")
+    if not isinstance(messages, list):
+        raise RequestError("messages: Input should be a valid list", type_="Bad Request")
+    if not messages:
+        raise RequestError("Messages cannot be empty.")
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise RequestError(
+                f"messages.{i}.role: Input should be 'system', 'user', 'assistant' or 'tool' "
+                f"(got {role!r})",
+                type_="Bad Request",
+            )
+    return messages
+
+
+def check_sampling(body: Mapping[str, Any], max_new_tokens: int | None) -> None:
+    """SGLang 0.5.23's sampling-parameter checks, with its messages."""
+    t = _number(body, "temperature")
+    if t is not None and (t < 0 or not math.isfinite(t)):
+        raise RequestError(f"temperature must be a non-negative finite number, got {t}.")
+    p = _number(body, "top_p")
+    if p is not None and not 0 < p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {p}.")
+    k = _int(body, "top_k")
+    if k is not None and k != -1 and k < 1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {k}.")
+    mp = _number(body, "min_p")
+    if mp is not None and not 0 <= mp <= 1:
+        raise RequestError(f"min_p must be in [0, 1], got {mp}.")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = _number(body, name)
+        if v is not None and not -2 <= v <= 2:
+            raise RequestError(f"{name} must be in [-2, 2], got {v}.")
+    rp = _number(body, "repetition_penalty")
+    if rp is not None and not 0 < rp <= 2:
+        raise RequestError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rp}.")
+    if max_new_tokens is not None and max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+
+
+def _reasoning_on(body: Mapping[str, Any], cfg: SimConfig) -> bool:
+    if not cfg.reasoning_parser or body.get("separate_reasoning", True) is False:
+        return False
+    kwargs = body.get("chat_template_kwargs") or {}
+    return not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
+
+
+def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog) -> int | None:
+    """§4.2: refuse (or with --allow-auto-truncate clamp) what does not fit the context."""
+    ctx = cfg.context_length
+    if prompt >= ctx:
+        if not cfg.allow_auto_truncate:
+            raise RequestError(
+                f"The input ({prompt} tokens) is longer than the model's context length "
+                f"({ctx} tokens)."
+            )
+        log.warning(
+            f"The input ({prompt} tokens) is longer than the model's context length ({ctx} "
+            "tokens). Truncating the input."
+        )
+        return None
+    if max_new is not None and prompt + max_new > ctx:
+        if not cfg.allow_auto_truncate:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} "
+                f"tokens. You requested a total of {prompt + max_new} tokens: {prompt} tokens "
+                f"from the input messages and {max_new} tokens for the completion. Please reduce "
+                "the number of tokens in the input messages or the completion to fit within the "
+                "limit."
+            )
+        log.warning(
+            f"Requested token count ({prompt} input + {max_new} new) exceeds the model's "
+            f"context length ({ctx} tokens). Truncating max_new_tokens."
+        )
+        return ctx - prompt
+    return max_new
+
+
+def _truncated_input(completion: textgen.Completion, cfg: SimConfig) -> textgen.Completion:
+    """With --allow-auto-truncate, an over-long input is cut to the scheduler's input limit."""
+    prompt = cfg.max_req_input_len
+    budget = textgen.generation_budget(
+        prompt, context_length=cfg.context_length, max_total_tokens=cfg.max_total_tokens
+    )
+    tokens = completion.tokens[:budget]
+    n_reason = min(completion.reasoning_tokens, len(tokens))
+    cut = len(tokens) < len(completion.tokens)
+    return replace(
+        completion,
+        tokens=tokens,
+        reasoning_content="".join(tokens[:n_reason]) or None,
+        content="".join(tokens[n_reason:]),
+        completion_tokens=len(tokens),
+        reasoning_tokens=n_reason,
+        finish_reason="length" if cut else completion.finish_reason,
+        prompt_tokens=prompt,
+    )
+
+
+def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
+    """Validate a /v1/chat/completions body and compute its deterministic completion."""
+    messages = check_messages(body)
+    # 0.5.23: max_completion_tokens wins; 0 is falsy, i.e. unlimited
+    max_new = _int(body, "max_completion_tokens") or _int(body, "max_tokens") or None
+    seed = _int(body, "seed")
+    params = dict(
+        seed=seed,
+        temperature=_number(body, "temperature"),
+        top_p=_number(body, "top_p"),
+        max_tokens=max_new if max_new and max_new > 0 else None,
+        reasoning=_reasoning_on(body, cfg),
+        mean_output_tokens=cfg.mean_output_tokens,
+        perturb=cfg.perturb,
+        sim_seed=cfg.seed,
+        context_length=cfg.context_length,
+        max_total_tokens=cfg.max_total_tokens,
+    )
+    try:
+        completion = textgen.resolve(
+            messages, continue_final_message=bool(body.get("continue_final_message")), **params
+        )
+    except textgen.ContinuationError as exc:
+        raise RequestError(str(exc)) from None
+    limit = _check_context(completion.prompt_tokens, max_new, cfg, log)
+    if completion.prompt_tokens >= cfg.context_length:
+        completion = _truncated_input(completion, cfg)
+    elif completion.prompt_tokens > cfg.max_req_input_len:
+        raise RequestError(
+            f"Input length ({completion.prompt_tokens} tokens) exceeds the maximum allowed "
+            f"length ({cfg.max_req_input_len} tokens). Use a shorter input or enable "
+            "--allow-auto-truncate."
+        )
+    check_sampling(body, max_new)
+    budget = textgen.generation_budget(
+        completion.prompt_tokens,
+        context_length=cfg.context_length,
+        max_total_tokens=cfg.max_total_tokens,
+    )
+    rid = body.get("rid")
+    options = body.get("stream_options") or {}
+    return ChatPlan(
+        rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
+        model=str(body.get("model") or "default"),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        completion=completion,
+        max_new_tokens=max(completion.completion_tokens, min(limit or budget, budget)),
+    )

@@ -1,0 +1,41 @@
+"""Session fixtures: one private redis-server (AOF on) for the session, flushed per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.procs import Proc, RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """A clean database on the session's redis-server."""
+    if not redis_server.ping():
+        redis_server.start()
+    redis_server.client().flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def rclient(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[list[Proc]]:
+    """Processes a test starts; all are stopped (then killed) when it ends."""
+    started: list[Proc] = []
+    yield started
+    for p in reversed(started):
+        p.stop(timeout=10)

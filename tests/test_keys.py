@@ -1,0 +1,44 @@
+"""Key formats: every key under tm:{run}: or tm:_:, built in tokenmill/keys.py."""
+
+import pytest
+
+from tokenmill import keys
+from tokenmill.errors import ConfigError
+
+
+def test_run_keys_have_one_shape() -> None:
+    k = keys.RunKeys("synth")
+    assert k.job("B1:7") == "tm:synth:job:B1:7"
+    assert k.jobs("B1") == "tm:synth:jobs:B1"
+    assert k.partitions() == "tm:synth:partitions"
+    assert k.counts() == "tm:synth:counts"
+    assert k.leases() == "tm:synth:leases"
+    assert k.delayed() == "tm:synth:delayed"
+    assert k.backlog("long") == "tm:synth:backlog:long"
+    assert k.failures() == "tm:synth:failures"
+    assert k.stats() == "tm:synth:stats"
+    assert k.throughput() == "tm:synth:tput"
+
+
+def test_shared_keys_live_under_the_shared_prefix() -> None:
+    for key in (keys.runs(), keys.servers(), keys.server("a"), keys.server_events("a"), keys.admission("a"),
+                keys.pump_lock(), keys.worker_control()):
+        assert key.startswith("tm:_:")
+    assert keys.broker_queue("short") == "short"
+
+
+def test_count_fields_round_trip() -> None:
+    assert keys.count_field("done", "B 1") == "done|B 1"
+    assert keys.split_count_field("done|B 1") == ("done", "B 1")
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "a b", "x" * 101, "-lead", "a|b", "a/b", "a*"])
+def test_run_names_that_would_break_keys_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="not a valid run name"):
+        keys.check_run(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "a|b", "a/b", ".hidden", " x", "x "])
+def test_partition_names_that_would_break_keys_or_files_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="not a valid name"):
+        keys.check_partition(bad)

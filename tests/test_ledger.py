@@ -1,0 +1,182 @@
+"""Each ledger transition's pre- and post-conditions, on a real redis-server."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import redis
+
+from tokenmill import keys
+from tokenmill.jobspec import JobSpec
+from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
+
+RUN = "r1"
+
+
+def spec(n: int, partition: str = "P", queue: str = "short", record_id: str | None = None,
+         text: str | None = None) -> JobSpec:
+    return JobSpec.build(partition=partition, queue=queue, source=f"f.jsonl:{n}",
+                         request={"model": "m", "messages": [{"role": "user", "content": text or f"q{n}"}],
+                                  "max_tokens": 10},
+                         metadata={}, record_id=record_id)
+
+
+@pytest.fixture
+def ledger(rclient: redis.Redis) -> Ledger:
+    return Ledger(rclient, RUN)
+
+
+def counts(ledger: Ledger, partition: str = "P") -> dict[str, int]:
+    return ledger.counts()[partition]
+
+
+def claimed(ledger: Ledger, job: JobSpec, worker: str = "w1", ttl: float = 30) -> Claim:
+    c = ledger.claim(job.job_id, worker, ttl)
+    assert isinstance(c, Claim), c
+    return c
+
+
+def _claim_or_none(ledger: Ledger, job: JobSpec, worker: str) -> Claim | None:
+    c = ledger.claim(job.job_id, worker, 30)
+    return c if isinstance(c, Claim) else None
+
+
+def test_enqueue_creates_once_and_publishes_once(ledger: Ledger, rclient: redis.Redis) -> None:
+    jobs = [spec(1), spec(2, queue="long")]
+    assert ledger.enqueue_batch("P", jobs, 100) == ["new", "new"]
+    assert ledger.enqueue_batch("P", jobs, 100) == ["queued", "queued"]
+    assert counts(ledger) == {"queued": 2, "running": 0, "done": 0, "failed": 0}
+    assert rclient.llen("short") == 1 and rclient.llen("long") == 1
+    assert [x.decode() for x in rclient.lrange(keys.RunKeys(RUN).jobs("P"), 0, -1)] == [j.job_id for j in jobs]
+
+
+def test_same_id_with_other_content_is_a_conflict_naming_the_first_source(ledger: Ledger) -> None:
+    first = spec(1, record_id="7", text="a")
+    other = JobSpec.build(partition="P", queue="short", source="g.jsonl:9",
+                          request={"model": "m", "messages": [{"role": "user", "content": "b"}], "max_tokens": 10},
+                          metadata={}, record_id="7")
+    ledger.enqueue_batch("P", [first], 100)
+    assert ledger.enqueue_batch("P", [other], 100) == ["conflict:f.jsonl:1"]
+    assert orjson.loads(ledger.job("P:7")["spec"])["request"]["messages"][0]["content"] == "a"
+
+
+def test_enqueue_beyond_max_depth_parks_ids_on_the_backlog_and_feed_publishes_them(
+        ledger: Ledger, rclient: redis.Redis) -> None:
+    out = ledger.enqueue_batch("P", [spec(i) for i in range(5)], 2)
+    assert out == ["new", "new", "backlog", "backlog", "backlog"]
+    assert rclient.llen("short") == 2
+    rclient.delete("short")
+    assert ledger.feed_backlog("short", 2) == 2
+    assert rclient.llen("short") == 2 and rclient.llen(keys.RunKeys(RUN).backlog("short")) == 1
+
+
+def test_claim_moves_queued_to_running_with_a_fencing_token(ledger: Ledger) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    c = claimed(ledger, job)
+    assert c.token == "1" and c.attempt == 1 and c.spec["request"]["max_tokens"] == 10
+    assert counts(ledger)["running"] == 1 and counts(ledger)["queued"] == 0
+    assert ledger.claim(job.job_id, "w2", 30) == "busy"
+    assert ledger.claim("nope", "w2", 30) == "missing"
+
+
+def test_a_stale_fencing_token_is_refused_everywhere(ledger: Ledger) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    old = claimed(ledger, job, ttl=0.001)
+    from tests.procs import wait_for
+
+    new = wait_for(lambda: _claim_or_none(ledger, job, "w2"), 5, "a takeover after the lease expired")
+    assert new.token == "2"
+    assert ledger.heartbeat(old, 30) is False
+    assert ledger.commit(old, {"content": "x"}, 0) == "stale"
+    assert ledger.fail(old, JobError("x", "y")) == "stale"
+    assert ledger.release(old, JobError("x", "y"), delay_s=0, burn=True, max_attempts=3) == "stale"
+    assert counts(ledger) == {"queued": 0, "running": 1, "done": 0, "failed": 0}
+    assert ledger.commit(new, {"content": "ok", "usage": {"completion_tokens": 3}}, 3) == "ok"
+
+
+def test_commit_is_final_and_idempotent(ledger: Ledger, rclient: redis.Redis) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    c = claimed(ledger, job)
+    ledger.heartbeat(c, 30, Checkpoint("par", "", 2), 2)
+    assert ledger.commit(c, {"content": "partial+rest", "usage": {"completion_tokens": 5}}, 3) == "ok"
+    assert ledger.commit(c, {"content": "again"}, 0) == "done"
+    assert ledger.claim(job.job_id, "w2", 30) == "done"
+    data = ledger.job(job.job_id)
+    assert data["state"] == "done" and "ckpt_content" not in data
+    assert orjson.loads(data["result"])["content"] == "partial+rest"
+    assert counts(ledger) == {"queued": 0, "running": 0, "done": 1, "failed": 0}
+    assert ledger.enqueue_batch("P", [job], 100) == ["done"]
+    assert rclient.zcard(keys.RunKeys(RUN).leases()) == 0
+
+
+def test_fail_records_class_and_message(ledger: Ledger, rclient: redis.Redis) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    c = claimed(ledger, job)
+    assert ledger.fail(c, JobError("context_length", "too long")) == "ok"
+    assert ledger.job(job.job_id)["error_class"] == "context_length"
+    assert rclient.hget(keys.RunKeys(RUN).failures(), "context_length") == b"1"
+    assert counts(ledger)["failed"] == 1
+    assert ledger.claim(job.job_id, "w", 30) == "failed"
+
+
+def test_release_keeps_the_checkpoint_and_republishes(ledger: Ledger, rclient: redis.Redis) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    rclient.delete("short")
+    c = claimed(ledger, job)
+    out = ledger.release(c, JobError("stall", "no chunk"), delay_s=0, burn=True, max_attempts=3,
+                         checkpoint=Checkpoint("abc", "think", 4))
+    assert out == "queued" and rclient.llen("short") == 1
+    again = claimed(ledger, job)
+    assert again.checkpoint == Checkpoint("abc", "think", 4) and again.retries == 1
+
+
+def test_release_with_delay_waits_in_the_delayed_set(ledger: Ledger, rclient: redis.Redis) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    rclient.delete("short")
+    c = claimed(ledger, job)
+    assert ledger.release(c, JobError("x", "y"), delay_s=0.05, burn=False, max_attempts=3) == "delayed"
+    assert rclient.llen("short") == 0
+    from tests.procs import wait_for
+
+    wait_for(lambda: ledger.promote_due() == 1, 5, "the delayed retry to be published")
+    assert rclient.llen("short") == 1
+
+
+def test_retries_are_bounded(ledger: Ledger) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    outs = []
+    for _ in range(3):
+        c = claimed(ledger, job)
+        outs.append(ledger.release(c, JobError("server_unavailable", "503"), delay_s=0, burn=True, max_attempts=3))
+    assert outs == ["queued", "queued", "failed"]
+    assert "gave up after 3 attempts" in ledger.job(job.job_id)["error"]
+
+
+def test_release_without_burning_does_not_count_a_retry(ledger: Ledger) -> None:
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    for _ in range(5):
+        c = claimed(ledger, job)
+        assert ledger.release(c, JobError("server_not_ready", "down"), delay_s=0, burn=False, max_attempts=2) == "queued"
+    assert claimed(ledger, job).retries == 0
+
+
+def test_reap_requeues_only_expired_leases(ledger: Ledger, rclient: redis.Redis) -> None:
+    a, b = spec(1), spec(2)
+    ledger.enqueue_batch("P", [a, b], 100)
+    rclient.delete("short")
+    claimed(ledger, a, ttl=0.001)
+    claimed(ledger, b, ttl=60)
+    from tests.procs import wait_for
+
+    assert wait_for(lambda: ledger.reap_expired(), 5, "the expired lease to be reaped") == [a.job_id]
+    assert ledger.job(a.job_id)["state"] == "queued" and ledger.job(b.job_id)["state"] == "running"
+    assert rclient.llen("short") == 1
+    assert counts(ledger) == {"queued": 1, "running": 1, "done": 0, "failed": 0}

@@ -1,0 +1,352 @@
+"""The ledger: the single source of truth for work, as named atomic transitions.
+
+Each transition (enqueue, claim, heartbeat/checkpoint, commit, release, fail, reap, promote,
+feed) is one Lua script in ``tokenmill/lua/`` whose header states its pre- and
+post-conditions. Every transition after a claim carries the claim's fencing token, so a worker
+whose lease was taken over cannot write. Counters per partition and state move inside the same
+script, so status is O(partitions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+
+from tokenmill import keys
+from tokenmill.jobspec import JobSpec
+from tokenmill.messages import task_message
+
+SCRIPT_NAMES = (
+    "enqueue",
+    "claim",
+    "heartbeat",
+    "commit",
+    "fail",
+    "release",
+    "reap",
+    "promote",
+    "feed",
+)
+_SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A partial generation: what a retried job continues from."""
+
+    content: str = ""
+    reasoning: str = ""
+    tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+
+@dataclass(slots=True)
+class Claim:
+    """A worker's hold on one attempt of a job."""
+
+    run: str
+    job_id: str
+    token: str
+    attempt: int
+    spec: dict[str, Any]
+    checkpoint: Checkpoint
+    partition: str
+    queue: str
+    retries: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobError:
+    error_class: str
+    message: str
+
+
+class Ledger:
+    """Transitions of one run's jobs, on a synchronous Redis client."""
+
+    def __init__(self, client: redis.Redis, run: str) -> None:
+        self.r = client
+        self.run = run
+        self.k = keys.RunKeys(run)
+        self._scripts = {n: client.register_script(src) for n, src in _SOURCES.items()}
+
+    # -- producer side ----------------------------------------------------------------------
+
+    def enqueue_batch(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> list[str]:
+        """Create-if-absent and publish ``jobs`` (all of ``partition``); one outcome per job."""
+        if not jobs:
+            return []
+        k = self.k
+        script_keys = [
+            keys.runs(),
+            k.partitions(),
+            k.counts(),
+            k.jobs(partition),
+            keys.broker_queue("short"),
+            keys.broker_queue("long"),
+            k.backlog("short"),
+            k.backlog("long"),
+        ]
+        args: list[Any] = [self.run, partition, max_depth]
+        for job in jobs:
+            script_keys.append(k.job(job.job_id))
+            args += [
+                job.job_id,
+                job.digest,
+                job.source,
+                job.queue,
+                job.to_json(),
+                task_message(self.run, partition, job.job_id, job.queue),
+            ]
+        return [_s(x) for x in self._scripts["enqueue"](script_keys, args)]
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def claim(self, job_id: str, worker: str, lease_ttl_s: float) -> Claim | str:
+        """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed`` or ``busy``."""
+        k = self.k
+        res = self._scripts["claim"](
+            [k.job(job_id), k.counts(), k.leases(), k.delayed()],
+            [job_id, worker, int(lease_ttl_s * 1000)],
+        )
+        if _s(res[0]) != "ok":
+            return _s(res[0])
+        return Claim(
+            run=self.run,
+            job_id=job_id,
+            token=_s(res[1]),
+            attempt=int(res[2]),
+            spec=orjson.loads(res[3]),
+            checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6])),
+            partition=_s(res[7]),
+            queue=_s(res[8]),
+            retries=int(res[9]),
+        )
+
+    def heartbeat(
+        self, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None = None, new_tokens: int = 0
+    ) -> bool:
+        """Renew the lease (and checkpoint); False when the claim is stale."""
+        return bool(
+            self._scripts["heartbeat"](*heartbeat_args(self.k, claim, lease_ttl_s, checkpoint, new_tokens))
+        )
+
+    def commit(self, claim: Claim, result: dict[str, Any], new_tokens: int) -> str:
+        """Record the result: ``ok``, ``done`` (already) or ``stale``."""
+        k = self.k
+        usage = result.get("usage") or {}
+        res = self._scripts["commit"](
+            [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()],
+            [
+                claim.job_id,
+                claim.token,
+                orjson.dumps(result),
+                int(usage.get("completion_tokens") or 0),
+                int(usage.get("prompt_tokens") or 0),
+                int(result.get("continued_tokens") or 0),
+                new_tokens,
+                1 if result.get("finish_reason") == "length" else 0,
+            ],
+        )
+        return _s(res)
+
+    def fail(self, claim: Claim, error: JobError) -> str:
+        """End the job ``failed``: ``ok``, ``done``/``failed`` (already) or ``stale``."""
+        k = self.k
+        return _s(
+            self._scripts["fail"](
+                [k.job(claim.job_id), k.counts(), k.leases(), k.failures(), k.failure_last()],
+                [claim.job_id, claim.token, error.error_class, error.message],
+            )
+        )
+
+    def release(
+        self,
+        claim: Claim,
+        error: JobError,
+        *,
+        delay_s: float,
+        burn: bool,
+        max_attempts: int,
+        checkpoint: Checkpoint | None = None,
+    ) -> str:
+        """Back to ``queued`` (now or after ``delay_s``), keeping the checkpoint."""
+        k = self.k
+        ck = checkpoint
+        return _s(
+            self._scripts["release"](
+                [
+                    k.job(claim.job_id),
+                    k.counts(),
+                    k.leases(),
+                    k.delayed(),
+                    keys.broker_queue(claim.queue),
+                    k.failures(),
+                    k.failure_last(),
+                ],
+                [
+                    claim.job_id,
+                    claim.token,
+                    error.error_class,
+                    error.message,
+                    int(delay_s * 1000),
+                    task_message(self.run, claim.partition, claim.job_id, claim.queue),
+                    1 if burn else 0,
+                    max_attempts,
+                    1 if ck else 0,
+                    ck.content if ck else "",
+                    ck.reasoning if ck else "",
+                    ck.tokens if ck else 0,
+                ],
+            )
+        )
+
+    # -- the pump (reaper, delayed retries, backlog feeder) ---------------------------------
+
+    def reap_expired(self, limit: int = 500) -> list[str]:
+        """Requeue jobs whose lease expired; returns their ids."""
+        k = self.k
+        now_ms = _redis_now_ms(self.r)
+        ids = [_s(x) for x in self.r.zrangebyscore(k.leases(), "-inf", now_ms, 0, limit)]
+        reaped = []
+        for job_id in ids:
+            part, queue = (_s(x) if x else "" for x in self.r.hmget(k.job(job_id), "partition", "queue"))
+            queue = queue or "short"
+            msg = task_message(self.run, part, job_id, queue)
+            if self._scripts["reap"](
+                [k.job(job_id), k.counts(), k.leases(), keys.broker_queue(queue)], [job_id, msg]
+            ):
+                reaped.append(job_id)
+        return reaped
+
+    def promote_due(self, limit: int = 500) -> int:
+        """Publish delayed retries whose time has come."""
+        k = self.k
+        now_ms = _redis_now_ms(self.r)
+        ids = [_s(x) for x in self.r.zrangebyscore(k.delayed(), "-inf", now_ms, 0, limit)]
+        published = 0
+        for job_id in ids:
+            part, queue = (_s(x) if x else "" for x in self.r.hmget(k.job(job_id), "partition", "queue"))
+            queue = queue or "short"
+            msg = task_message(self.run, part, job_id, queue)
+            published += int(
+                self._scripts["promote"](
+                    [k.job(job_id), k.delayed(), keys.broker_queue(queue)], [job_id, msg]
+                )
+            )
+        return published
+
+    def feed_backlog(self, queue: str, max_depth: int, batch: int = 1000) -> int:
+        """Top the broker list of ``queue`` up to ``max_depth`` from the backlog."""
+        k = self.k
+        fed = 0
+        while True:
+            room = max_depth - self.r.llen(keys.broker_queue(queue))
+            if room <= 0:
+                return fed
+            ids = [_s(x) for x in self.r.lrange(k.backlog(queue), 0, min(room, batch) - 1)]
+            if not ids:
+                return fed
+            parts = self.r.pipeline(transaction=False)
+            for job_id in ids:
+                parts.hget(k.job(job_id), "partition")
+            msgs = [
+                task_message(self.run, _s(p or b""), j, queue)
+                for j, p in zip(ids, parts.execute(), strict=True)
+            ]
+            n = int(self._scripts["feed"]([k.backlog(queue), keys.broker_queue(queue)], ids + msgs))
+            if n > 0:
+                fed += n
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{partition: {state: n}}`` for every partition, from the counts hash (O(partitions))."""
+        out: dict[str, dict[str, int]] = {}
+        for p in self.r.smembers(self.k.partitions()):
+            out[_s(p)] = dict.fromkeys(keys.STATES, 0)
+        for field, value in self.r.hgetall(self.k.counts()).items():
+            state, part = keys.split_count_field(_s(field))
+            out.setdefault(part, dict.fromkeys(keys.STATES, 0))[state] = int(value)
+        return out
+
+    def iter_jobs(
+        self, partition: str, fields: Sequence[str], batch: int = 500
+    ) -> Iterator[tuple[str, list[bytes | None]]]:
+        """``(job_id, [field values])`` for each job of ``partition``, in enqueue order."""
+        key = self.k.jobs(partition)
+        start = 0
+        while True:
+            ids = [_s(x) for x in self.r.lrange(key, start, start + batch - 1)]
+            if not ids:
+                return
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hmget(self.k.job(job_id), list(fields))
+            yield from zip(ids, pipe.execute(), strict=True)
+            start += batch
+
+    def job(self, job_id: str) -> dict[str, str]:
+        return {_s(a): _s(b) for a, b in self.r.hgetall(self.k.job(job_id)).items()}
+
+    def republish(self, job_ids: Iterable[str]) -> int:
+        """Publish a message for each of ``job_ids`` that is ``queued`` (duplicates are harmless)."""
+        n = 0
+        for job_id in job_ids:
+            state, part, queue = (
+                _s(x) if x else "" for x in self.r.hmget(self.k.job(job_id), "state", "partition", "queue")
+            )
+            if state == "queued":
+                self.r.lpush(keys.broker_queue(queue), task_message(self.run, part, job_id, queue))
+                n += 1
+        return n
+
+
+def heartbeat_args(
+    k: keys.RunKeys, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None, new_tokens: int
+) -> tuple[list[str], list[Any]]:
+    ck = checkpoint
+    return (
+        [k.job(claim.job_id), k.leases(), k.throughput()],
+        [
+            claim.job_id,
+            claim.token,
+            int(lease_ttl_s * 1000),
+            1 if ck is not None else 0,
+            ck.content if ck else "",
+            ck.reasoning if ck else "",
+            ck.tokens if ck else 0,
+            new_tokens,
+        ],
+    )
+
+
+class AsyncHeartbeat:
+    """The heartbeat/checkpoint transition on an asyncio client (used while streaming)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.script = client.register_script(_SOURCES["heartbeat"])
+
+    async def __call__(
+        self, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None, new_tokens: int
+    ) -> bool:
+        k = keys.RunKeys(claim.run)
+        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens)
+        return bool(await self.script(script_keys, args))
+
+
+def _redis_now_ms(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000

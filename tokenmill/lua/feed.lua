@@ -1,0 +1,15 @@
+-- feed: move job ids from a queue's backlog onto the broker, keeping the broker list short.
+-- Pre:  ARGV ids are the backlog's first entries (read just before; checked here).
+-- Post: those ids left the backlog and their messages are on the broker list. If the backlog
+--       changed meanwhile nothing is written (the caller reads again).
+-- KEYS: 1 backlog, 2 broker.  ARGV: n ids, then n messages.
+-- Returns the number of messages published, or -1 when the backlog changed.
+local n = #ARGV / 2
+local head = redis.call('LRANGE', KEYS[1], 0, n - 1)
+if #head ~= n then return -1 end
+for i = 1, n do
+  if head[i] ~= ARGV[i] then return -1 end
+end
+redis.call('LTRIM', KEYS[1], n, -1)
+for i = 1, n do redis.call('LPUSH', KEYS[2], ARGV[n + i]) end
+return n

@@ -1,0 +1,164 @@
+"""The published state of inference servers: what server managers write and workers read.
+
+One Redis hash per server (:func:`tokenmill.keys.server`) plus a set of every server name
+(:func:`tokenmill.keys.servers`). A server manager publishes the state, the URL, the capacity
+read from ``/server_info`` and live figures (stored as ``live.<name>`` fields); workers read the
+records to decide where to send work and how many tokens a server can take.
+
+States: ``starting`` (launched, not yet answering ``/health``), ``ready`` (send work),
+``draining`` (finishing in-flight work, take no new work), ``down`` (stopped or restarting),
+``failed`` (gave up: the reason is in ``last_error``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import orjson
+import redis
+
+from tokenmill import keys
+
+STARTING = "starting"
+READY = "ready"
+DRAINING = "draining"
+DOWN = "down"
+FAILED = "failed"
+STATES = (STARTING, READY, DRAINING, DOWN, FAILED)
+
+LIVE_PREFIX = "live."
+EVENTS_KEPT = 200
+
+_INT_FIELDS = {"pid", "restarts", "max_total_num_tokens", "context_length"}
+_FLOAT_FIELDS = {"updated_at"}
+
+
+@dataclass(slots=True)
+class ServerRecord:
+    """One server as published. ``live`` holds figures such as ``running_req``, ``token_usage``."""
+
+    name: str
+    url: str
+    state: str
+    engine: str = "sglang"
+    pid: int | None = None
+    restarts: int = 0
+    max_total_num_tokens: int | None = None
+    context_length: int | None = None
+    last_error: str = ""
+    updated_at: float = 0.0
+    live: dict[str, float] = field(default_factory=dict)
+
+    def is_fresh(self, max_age_s: float, now: float | None = None) -> bool:
+        """Whether the record was refreshed within ``max_age_s`` (its manager is alive)."""
+        return ((time.time() if now is None else now) - self.updated_at) <= max_age_s
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(ServerRecord) if f.name != "live")
+
+
+def _encode(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _mapping(values: dict[str, Any]) -> dict[str, str]:
+    """Hash fields for ``values``: ``live`` flattened to ``live.<name>``, None stored as ``""``."""
+    out: dict[str, str] = {}
+    for name, value in values.items():
+        if name == "live":
+            out.update({LIVE_PREFIX + k: _encode(v) for k, v in (value or {}).items()})
+        else:
+            out[name] = _encode(value)
+    return out
+
+
+def publish(redis_client: redis.Redis, record: ServerRecord) -> None:
+    """Write the whole record (one HSET) and register its name (SADD), in one pipeline."""
+    values = {name: getattr(record, name) for name in _RECORD_FIELDS}
+    values["live"] = record.live
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.hset(keys.server(record.name), mapping=_mapping(values))
+    pipe.sadd(keys.servers(), record.name)
+    pipe.execute()
+
+
+def update(redis_client: redis.Redis, name: str, **values: Any) -> None:
+    """Set some fields of a server's record; ``updated_at`` is refreshed unless given.
+
+    ``live=`` merges figures into the ``live.*`` fields. Fields that are not part of
+    :class:`ServerRecord` (e.g. ``mem_fraction_static``) are stored too and ignored by :func:`load`.
+    """
+    values.setdefault("updated_at", time.time())
+    pipe = redis_client.pipeline(transaction=True)
+    mapping = _mapping(values)
+    if mapping:
+        pipe.hset(keys.server(name), mapping=mapping)
+    pipe.sadd(keys.servers(), name)
+    pipe.execute()
+
+
+def load(redis_client: redis.Redis, name: str) -> ServerRecord | None:
+    """The record of ``name``, or None if it was never published."""
+    raw = redis_client.hgetall(keys.server(name))
+    return _decode(name, raw) if raw else None
+
+
+def load_all(redis_client: redis.Redis) -> list[ServerRecord]:
+    """Every published record, sorted by name."""
+    names = sorted(_s(n) for n in redis_client.smembers(keys.servers()))
+    pipe = redis_client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.server(name))
+    return [_decode(n, raw) for n, raw in zip(names, pipe.execute(), strict=True) if raw]
+
+
+def record_event(redis_client: redis.Redis, name: str, kind: str, message: str, **data: Any) -> None:
+    """Prepend one action of the manager (restart, OOM step, verdict) to the server's event list."""
+    event = {"ts": time.time(), "kind": kind, "message": message, **data}
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.lpush(keys.server_events(name), orjson.dumps(event))
+    pipe.ltrim(keys.server_events(name), 0, EVENTS_KEPT - 1)
+    pipe.execute()
+
+
+def load_events(redis_client: redis.Redis, name: str, limit: int = EVENTS_KEPT) -> list[dict[str, Any]]:
+    """The server's recorded events, newest first."""
+    return [orjson.loads(e) for e in redis_client.lrange(keys.server_events(name), 0, limit - 1)]
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
+    if value == "":
+        return None
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except ValueError:
+        return None
+
+
+def _decode(name: str, raw: dict[Any, Any]) -> ServerRecord:
+    data = {_s(k): _s(v) for k, v in raw.items()}
+    live = {
+        k[len(LIVE_PREFIX) :]: float(v)
+        for k, v in data.items()
+        if k.startswith(LIVE_PREFIX) and _number(v, float) is not None
+    }
+    values: dict[str, Any] = {"name": name, "url": data.get("url", ""), "state": data.get("state", DOWN)}
+    for key in ("engine", "last_error"):
+        if key in data:
+            values[key] = data[key]
+    for key in _INT_FIELDS | _FLOAT_FIELDS:
+        if key in data:
+            number = _number(data[key], float if key in _FLOAT_FIELDS else int)
+            if number is not None or key not in ("restarts", "updated_at"):
+                values[key] = number
+    return ServerRecord(**values, live=live)

@@ -1,0 +1,188 @@
+"""One attempt at a job on the worker's event loop: stream, watch, checkpoint.
+
+The stream runs as a task; beside it a watchdog wakes about once a second to enforce the
+request's deadlines (first token, stall, total), renew the lease, and checkpoint the partial
+text every N tokens or S seconds. The per-chunk path therefore never touches Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from tokenmill import errors
+from tokenmill.ledger import AsyncHeartbeat, Checkpoint, Claim
+from tokenmill.settings import Settings
+from workers.stream import Progress, stream_chat
+
+WATCH_PERIOD_S = 1.0
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A finished attempt: the result to commit and the tokens not yet counted."""
+
+    result: dict[str, Any]
+    new_tokens: int
+
+
+@dataclass(slots=True)
+class AttemptState:
+    """Shared between the stream and the watchdog; also what a release checkpoints."""
+
+    base: Checkpoint
+    progress: Progress
+    reported_tokens: int = 0
+
+    def checkpoint(self) -> Checkpoint:
+        p = self.progress
+        return Checkpoint(
+            content=self.base.content + "".join(p.content),
+            reasoning=self.base.reasoning + "".join(p.reasoning),
+            tokens=self.base.tokens + p.chunks,
+        )
+
+
+def build_request(
+    claim: Claim, settings: Settings, base: Checkpoint
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat request for this attempt, continuing from ``base`` when it is non-empty."""
+    req = claim.spec["request"]
+    messages = list(req["messages"])
+    extra: dict[str, Any] = {"rid": f"{claim.run}/{claim.job_id}/{claim.attempt}"}
+    max_tokens = req.get("max_tokens")
+    if base:
+        final: dict[str, Any] = {"role": "assistant", "content": base.content}
+        if base.reasoning:
+            final["reasoning_content"] = base.reasoning
+        messages.append(final)
+        extra["continue_final_message"] = True
+        if max_tokens is not None:
+            max_tokens -= base.tokens
+    request: dict[str, Any] = {"model": req.get("model") or settings.model, "messages": messages}
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "seed"):
+        if req.get(name) is not None:
+            request[name] = req[name]
+    return request, extra
+
+
+async def run_attempt(
+    client: AsyncOpenAI,
+    claim: Claim,
+    settings: Settings,
+    heartbeat: AsyncHeartbeat,
+    state: AttemptState,
+    stopping: threading.Event,
+) -> Outcome:
+    """Stream the job to completion under the watchdog; raise a classified error otherwise."""
+    request, extra = build_request(claim, settings, state.base)
+    if request.get("max_tokens") is not None and request["max_tokens"] <= 0:
+        return _outcome(claim, request, state, "length", 0.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    stream = asyncio.ensure_future(stream_chat(client, request, extra, state.progress))
+    watch = asyncio.ensure_future(_watchdog(stream, claim, settings, heartbeat, state, started, stopping))
+    try:
+        await stream
+    except asyncio.CancelledError:
+        if watch.done() and watch.exception() is not None:
+            raise watch.exception() from None  # type: ignore[misc]
+        raise
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, errors.TokenmillError):
+            await watch
+    return _outcome(claim, request, state, state.progress.finish_reason or "stop", started)
+
+
+async def _watchdog(
+    stream: asyncio.Future[Any],
+    claim: Claim,
+    s: Settings,
+    heartbeat: AsyncHeartbeat,
+    state: AttemptState,
+    started: float,
+    stopping: threading.Event,
+) -> None:
+    loop = asyncio.get_running_loop()
+    p = state.progress
+    last_renew = last_ckpt_at = started
+    last_ckpt_tokens = 0
+    renew_every = s.lease_ttl_s / 3
+    while not stream.done():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(stream), WATCH_PERIOD_S)
+        if stream.done():
+            return
+        now = loop.time()
+        problem = _deadline_problem(s, p, now, started, stopping)
+        if problem is not None:
+            stream.cancel()
+            raise problem
+        tokens = p.chunks
+        due_ckpt = tokens > last_ckpt_tokens and (
+            tokens - last_ckpt_tokens >= s.checkpoint_every_tokens
+            or now - last_ckpt_at >= s.checkpoint_every_s
+        )
+        if due_ckpt or now - last_renew >= renew_every:
+            ck = state.checkpoint() if due_ckpt else None
+            total = state.base.tokens + tokens
+            new = max(0, total - state.base.tokens - state.reported_tokens)
+            if not await heartbeat(claim, s.lease_ttl_s, ck, new):
+                stream.cancel()
+                raise errors.StaleClaimError(f"job {claim.job_id}: the lease was taken over")
+            state.reported_tokens += new
+            last_renew = now
+            if due_ckpt:
+                last_ckpt_at, last_ckpt_tokens = now, tokens
+
+
+def _deadline_problem(
+    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event
+) -> errors.GenerationError | None:
+    if stopping.is_set():
+        return errors.ShutdownError("the worker is shutting down; checkpointed and released")
+    if now - started > s.total_timeout_s:
+        return errors.RequestTimeoutError(f"the request ran past total_timeout_s={s.total_timeout_s}")
+    if not p.first_chunk_at:
+        if now - started > s.first_token_timeout_s:
+            return errors.StreamStalledError(
+                f"no first token within first_token_timeout_s={s.first_token_timeout_s}"
+            )
+    elif now - p.last_chunk_at > s.stall_timeout_s:
+        return errors.StreamStalledError(f"no chunk for stall_timeout_s={s.stall_timeout_s}")
+    return None
+
+
+def _outcome(
+    claim: Claim, request: dict[str, Any], state: AttemptState, finish: str, started: float
+) -> Outcome:
+    p = state.progress
+    ck = state.checkpoint()
+    usage = p.usage or {}
+    new_completion = int(usage.get("completion_tokens") or p.chunks)
+    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    if state.base:
+        prompt_tokens = max(0, prompt_tokens - state.base.tokens)
+    ttft = (p.first_chunk_at - started) if p.first_chunk_at and started else None
+    decode_s = (p.last_chunk_at - p.first_chunk_at) if p.first_chunk_at else 0.0
+    result = {
+        "content": ck.content,
+        "reasoning_content": ck.reasoning or None,
+        "finish_reason": finish,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": state.base.tokens + new_completion},
+        "model": p.model or request["model"],
+        "attempt": claim.attempt,
+        "continued_tokens": state.base.tokens,
+        "ttft_s": round(ttft, 4) if ttft is not None else None,
+        "decode_tps": round(p.chunks / decode_s, 2) if decode_s > 0 else None,
+    }
+    new_tokens = max(0, new_completion - state.reported_tokens)
+    return Outcome(result=result, new_tokens=new_tokens)

@@ -1,0 +1,60 @@
+"""``tokenmill worker --queue short|long [--concurrency N]``: a Celery worker, threads pool."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from tokenmill import keys
+
+
+@click.command()
+@click.option("--queue", "-Q", type=click.Choice(keys.QUEUES), required=True, help="The queue to consume.")
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(1, 4096),
+    default=None,
+    help="Threads (jobs in flight) in this worker; default 150 for short, 32 for long.",
+)
+@click.option(
+    "--redis-url", envvar="TOKENMILL_REDIS_URL", default=None, help="Redis URL (broker and ledger)."
+)
+@click.option(
+    "--server-url", envvar="TOKENMILL_SERVER_URL", default=None, help="SGLang server URL(s), comma-separated."
+)
+@click.option("--hostname", "-n", default=None, help="Celery node name (default <queue>-<pid>@<host>).")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+def worker(
+    queue: str,
+    concurrency: int | None,
+    redis_url: str | None,
+    server_url: str | None,
+    hostname: str | None,
+    loglevel: str,
+) -> None:
+    """Run a Celery worker on one queue (``celery -A tokenmill.app worker`` also works)."""
+    from tokenmill.app import configure
+    from tokenmill.settings import Settings
+
+    settings = Settings.load(redis_url=redis_url, server_url=server_url)
+    app = configure(settings)
+    threads = concurrency or (150 if queue == "short" else 32)
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            queue,
+            "-P",
+            "threads",
+            "-c",
+            str(threads),
+            "-l",
+            loglevel,
+            "-n",
+            hostname or f"{queue}-{os.getpid()}@%h",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )

@@ -1,0 +1,118 @@
+"""The generate task's body: claim → wait for a server → stream → commit, or settle the error.
+
+Errors are mapped to ledger states here and only here: terminal → ``failed``; retryable →
+``queued`` with a backoff (no retry burned while the server is down); shutdown → checkpointed
+and released at once; a stale claim → nothing (another worker owns the job).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from tokenmill import errors
+from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
+from workers.attempt import AttemptState, Outcome, run_attempt
+from workers.runtime import Runtime
+from workers.stream import Progress
+
+log = logging.getLogger("tokenmill.worker")
+
+
+def run_job(rt: Runtime, run: str, job_id: str) -> str:
+    """Run one delivery of ``job_id``; returns what happened (for logs and tests)."""
+    s = rt.settings
+    ledger = rt.ledger(run)
+    if rt.auth_error is not None or rt.stopping.is_set():
+        return "skipped"
+    server = rt.pool.wait_ready(rt.stopping)
+    if server is None:
+        return "stopping"
+    claim = ledger.claim(job_id, rt.worker_id, s.lease_ttl_s)
+    if isinstance(claim, str):
+        log.info("job %s/%s not claimed: %s", run, job_id, claim)
+        return claim
+    base = claim.checkpoint if s.continue_partial else Checkpoint()
+    state = AttemptState(base=base, progress=Progress())
+    try:
+        outcome = _attempt(rt, claim, server.url, state)
+    except errors.GenerationError as exc:
+        return _settle(rt, ledger, claim, server.url, exc, state)
+    except errors.StaleClaimError as exc:
+        log.warning("%s", exc)
+        return "stale"
+    outcome.result["server"] = server.url
+    verdict = ledger.commit(claim, outcome.result, outcome.new_tokens)
+    if verdict != "ok":
+        log.warning("commit of %s/%s: %s", run, job_id, verdict)
+    return "done" if verdict == "ok" else verdict
+
+
+def _attempt(rt: Runtime, claim: Claim, url: str, state: AttemptState) -> Outcome:
+    client = rt.client(url)
+    coro = run_attempt(client, claim, rt.settings, rt.heartbeat, state, rt.abort_streams)
+    try:
+        return rt.loop.run(coro)
+    except errors.InvalidRequestError as exc:
+        if not state.base:
+            raise
+        # The server refused to continue the partial: start over, and record that it did.
+        log.warning("job %s: continuation refused (%s); starting over", claim.job_id, exc.message)
+        state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(), 0
+        outcome = rt.loop.run(run_attempt(client, claim, rt.settings, rt.heartbeat, state, rt.abort_streams))
+        outcome.result["restarted"] = True
+        return outcome
+
+
+def _settle(
+    rt: Runtime, ledger: Ledger, claim: Claim, url: str, exc: errors.GenerationError, state: AttemptState
+) -> str:
+    s = rt.settings
+    err = JobError(exc.error_class, exc.message)
+    checkpoint = state.checkpoint()
+    if isinstance(exc, errors.AuthError):
+        _auth_broken(rt, exc)
+        return ledger.release(
+            claim, err, delay_s=60, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
+        )
+    if isinstance(exc, errors.TerminalError):
+        log.warning("job %s/%s failed: %s: %s", claim.run, claim.job_id, err.error_class, err.message)
+        return ledger.fail(claim, err)
+    if isinstance(exc, errors.ShutdownError):
+        return ledger.release(
+            claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
+        )
+    down = rt.pool.is_down(url)
+    delay = backoff_s(s.retry_backoff_s, s.retry_backoff_max_s, claim.retries)
+    log.warning(
+        "job %s/%s: %s (%s); %s",
+        claim.run,
+        claim.job_id,
+        err.error_class,
+        err.message,
+        "server down: released without burning a retry" if down else f"retry in {delay:.1f}s",
+    )
+    return ledger.release(
+        claim,
+        err,
+        delay_s=s.server_wait_s if down else delay,
+        burn=not down,
+        max_attempts=s.max_attempts,
+        checkpoint=checkpoint,
+    )
+
+
+def _auth_broken(rt: Runtime, exc: errors.AuthError) -> None:
+    if rt.auth_error is None:
+        rt.auth_error = exc.message
+        log.error(
+            "the server refused the API key (%s): this worker stops claiming jobs. "
+            "Set TOKENMILL_API_KEY to the server's --api-key and restart the worker.",
+            exc.message,
+        )
+
+
+def backoff_s(base: float, cap: float, retries: int) -> float:
+    """Exponential backoff with full jitter on its upper half."""
+    ceiling = min(cap, base * (2**retries))
+    return ceiling / 2 + random.random() * ceiling / 2

@@ -1,0 +1,137 @@
+"""The servers a worker may send work to, and whether each is ready.
+
+A server published by a server manager (``tokenmill.servers``) is ready when its state is
+``ready``. A server nobody manages is presumed ready until a request to it fails; then it is
+probed on ``/health`` (200 after warmup; never ``/v1/models``) until it answers again. While no
+server is ready, workers wait instead of failing jobs or burning retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import redis
+
+from tokenmill import servers as server_records
+from tokenmill.settings import Settings
+
+log = logging.getLogger("tokenmill.pool")
+
+HEALTH_TIMEOUT_S = 25.0  # a wedged SGLang /health answers 503 after 20 s
+RECORDS_TTL_S = 1.0
+
+
+@dataclass(slots=True)
+class ServerView:
+    url: str
+    name: str
+    ready: bool
+    capacity: int | None = None
+    managed: bool = False
+
+
+class ServerPool:
+    """Readiness of ``settings.server_urls``, shared by a worker's threads."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.settings = settings
+        self.r = client
+        self._lock = threading.Lock()
+        self._suspect: dict[str, float] = {}  # url -> when it was last found unhealthy
+        self._records: dict[str, server_records.ServerRecord] = {}
+        self._records_at = 0.0
+        self._rr = 0
+
+    def _load_records(self) -> dict[str, server_records.ServerRecord]:
+        now = time.monotonic()
+        if now - self._records_at > RECORDS_TTL_S:
+            try:
+                recs = server_records.load_all(self.r)
+            except redis.RedisError:
+                recs = []
+            self._records = {rec.url.rstrip("/"): rec for rec in recs}
+            self._records_at = now
+        return self._records
+
+    def views(self) -> list[ServerView]:
+        records = self._load_records()
+        out = []
+        for url in self.settings.server_urls:
+            rec = records.get(url)
+            if rec is not None:
+                out.append(
+                    ServerView(
+                        url,
+                        rec.name,
+                        rec.state == server_records.READY,
+                        rec.max_total_num_tokens,
+                        managed=True,
+                    )
+                )
+            else:
+                out.append(ServerView(url, url, url not in self._suspect))
+        return out
+
+    def pick(self) -> ServerView | None:
+        """A ready server (round robin among the ready ones), or None."""
+        ready = [v for v in self.views() if v.ready]
+        if not ready:
+            self._probe_suspects()
+            ready = [v for v in self.views() if v.ready]
+            if not ready:
+                return None
+        with self._lock:
+            self._rr += 1
+            return ready[self._rr % len(ready)]
+
+    def wait_ready(self, stopping: threading.Event, timeout_s: float | None = None) -> ServerView | None:
+        """Block until a server is ready (or ``stopping`` is set / the timeout passes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        said = False
+        while not stopping.is_set():
+            view = self.pick()
+            if view is not None:
+                if said:
+                    log.warning("server %s is ready again; resuming", view.url)
+                return view
+            if not said:
+                log.warning("no server is ready (%s); waiting", ", ".join(self.settings.server_urls))
+                said = True
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            stopping.wait(self.settings.server_wait_s)
+        return None
+
+    def is_down(self, url: str) -> bool:
+        """After a failed request: is the server down (rather than the request at fault)?"""
+        rec = self._load_records().get(url)
+        if rec is not None:
+            self._records_at = 0.0
+            rec = self._load_records().get(url)
+            return rec is None or rec.state != server_records.READY
+        if probe_health(url):
+            self._suspect.pop(url, None)
+            return False
+        self._suspect[url] = time.monotonic()
+        return True
+
+    def _probe_suspects(self) -> None:
+        with self._lock:
+            suspects = list(self._suspect)
+        for url in suspects:
+            if probe_health(url):
+                self._suspect.pop(url, None)
+
+
+def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """True when ``GET {url}/health`` answers 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return False

@@ -1,0 +1,65 @@
+"""The Celery task ``tokenmill.generate(run, partition, job_id)`` and the worker's signal hooks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Task
+from celery.signals import worker_ready, worker_shutting_down
+
+from tokenmill import redis_conn
+from tokenmill.app import TASK_NAME, app
+from tokenmill.app import settings as app_settings
+from workers.job import run_job
+from workers.pump import Pump
+from workers.runtime import current, get_runtime
+
+log = logging.getLogger("tokenmill.worker")
+_pump: dict[str, Pump] = {}
+
+
+@app.task(name=TASK_NAME, bind=True, ignore_result=True, acks_late=True)
+def generate(self: Task, run: str, partition: str, job_id: str) -> str:
+    """Run one job of ``run``; duplicated deliveries and done jobs are no-ops."""
+    rt = get_runtime(app_settings)
+    outcome = run_job(rt, run, job_id)
+    if outcome in ("skipped", "stopping"):
+        # Not claimed: keep the job's message alive (acks_late acks this delivery on return).
+        rt.ledger(run).republish([job_id])
+        if rt.auth_error is not None:
+            _stop_consuming(self)
+    return outcome
+
+
+def _stop_consuming(task: Task) -> None:
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    if queue and task.request.hostname:
+        task.app.control.cancel_consumer(queue, destination=[task.request.hostname])
+
+
+@worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    rt = get_runtime(app_settings)
+    redis_conn.warn_durability(rt.redis)
+    if "pump" not in _pump:
+        _pump["pump"] = Pump(rt.redis, rt.settings)
+        _pump["pump"].start()
+
+
+@worker_shutting_down.connect
+def _on_shutting_down(**_: Any) -> None:
+    rt = current()
+    if rt is None:
+        return
+    rt.stopping.set()
+    grace = rt.settings.shutdown_grace_s
+    log.warning(
+        "shutting down: in-flight streams get %.0fs to finish, then are checkpointed and released", grace
+    )
+    timer = threading.Timer(grace, rt.abort_streams.set)
+    timer.daemon = True
+    timer.start()
+    if "pump" in _pump:
+        _pump["pump"].stop()

@@ -1,0 +1,77 @@
+"""The error taxonomy: the one place a server's answer becomes a tokenmill error class.
+
+Terminal (retrying cannot help): context length exceeded, invalid request, auth.
+Retryable (a passing fault): connection errors, timeouts, 5xx, 503 queue-full, stalls,
+mid-stream error chunks, aborted or unfinished streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+
+from tokenmill import errors
+
+_CONTEXT_MARKERS = (
+    "context length",
+    "maximum context length",
+    "Requested token count exceeds",
+    "exceeds the maximum allowed length",
+)
+
+
+def from_status(status: int, message: str) -> errors.GenerationError:
+    """Classify an HTTP error status (or an error chunk's ``code``) and its message."""
+    if status in (401, 403):
+        return errors.AuthError(message, status=status)
+    if status == 400 and any(m in message for m in _CONTEXT_MARKERS):
+        return errors.ContextLengthError(message, status=status)
+    if status in (400, 422):
+        return errors.InvalidRequestError(message, status=status)
+    if status == 404:
+        return errors.ServerUnavailableError(
+            f"HTTP 404 from the server: is it an SGLang (OpenAI-compatible) server? {message}",
+            status=status,
+        )
+    return errors.ServerUnavailableError(f"HTTP {status}: {message}", status=status)
+
+
+def from_error_chunk(payload: dict) -> errors.GenerationError:
+    """Classify an SSE ``{"error": {...}}`` chunk received mid-stream."""
+    err = payload.get("error")
+    if isinstance(err, dict):
+        message = str(err.get("message") or err)
+        code = err.get("code")
+    else:
+        message, code = str(err), None
+    if code == 400 and any(m in message for m in _CONTEXT_MARKERS):
+        return errors.ContextLengthError(message, status=400)
+    return errors.StreamError(f"error chunk mid-stream (code {code}): {message}", status=code)
+
+
+def from_exception(exc: BaseException) -> errors.GenerationError:
+    """Classify a client-side exception raised while requesting or streaming."""
+    if isinstance(exc, errors.GenerationError):
+        return exc
+    if isinstance(exc, openai.APIStatusError):
+        return from_status(exc.status_code, _status_message(exc))
+    if isinstance(exc, openai.APITimeoutError | asyncio.TimeoutError | TimeoutError):
+        return errors.RequestTimeoutError(f"request timed out: {exc}")
+    if isinstance(exc, openai.APIConnectionError | aiohttp.ClientError | ConnectionError | OSError):
+        cause = exc.__cause__ or exc
+        return errors.ServerConnectionError(f"connection to the server failed: {cause}")
+    return errors.StreamError(f"{type(exc).__name__}: {exc}")
+
+
+def _status_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict):
+            return str(body["error"].get("message") or body)
+        if "message" in body:
+            return str(body["message"])
+        if "error" in body:
+            return str(body["error"])
+    return exc.message
