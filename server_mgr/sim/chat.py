@@ -31,9 +31,7 @@ def json_response(body: Any, status: int = 200) -> web.Response:
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The JSON body of an OpenAI route, refused as SGLang refuses it (400, not 415/422)."""
     if request.content_type != "application/json":
-        raise RequestError(
-            "Unsupported Media Type: Only 'application/json' is allowed", type_="Bad Request"
-        )
+        raise RequestError("Unsupported Media Type: Only 'application/json' is allowed", type_="Bad Request")
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
@@ -95,18 +93,18 @@ async def _queue_full(request: web.Request, plan: ChatPlan) -> web.StreamRespons
 
 
 async def _open_stream(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     # uvicorn logs a stream's access line when its headers go out, not when it ends
-    request.app[STATE].log.access(_peer(request), request.method, request.path_qs, 200, "OK")
+    request.app[STATE].log.access(peer(request), request.method, request.path_qs, 200, "OK")
     request["access_logged"] = True
     return resp
 
 
-def _peer(request: web.Request) -> str:
-    peer = request.transport.get_extra_info("peername") if request.transport else None
-    return f"{peer[0]}:{peer[1]}" if peer else "unknown"
+def peer(request: web.Request) -> str:
+    """``host:port`` of the client, for access lines."""
+    addr = request.transport.get_extra_info("peername") if request.transport else None
+    return f"{addr[0]}:{addr[1]}" if addr else "unknown"
 
 
 async def _stream(
@@ -125,9 +123,9 @@ async def _stream(
         if upto > sent:
             buf = b""
             if sent < split:
-                buf = enc.reasoning("".join(tokens[sent:min(upto, split)]))
+                buf = enc.reasoning("".join(tokens[sent : min(upto, split)]))
             if upto > split:
-                buf += enc.content("".join(tokens[max(sent, split):upto]))
+                buf += enc.content("".join(tokens[max(sent, split) : upto]))
             await resp.write(buf)
             sent = upto
         elif req.finished:
@@ -162,9 +160,7 @@ async def _stream_fault(
     return resp
 
 
-async def _whole(
-    state: SimState, plan: ChatPlan, req: SimRequest, fault: str | None
-) -> web.StreamResponse:
+async def _whole(state: SimState, plan: ChatPlan, req: SimRequest, fault: str | None) -> web.StreamResponse:
     while not req.finished:
         if fault and req.emitted >= FAULT_AFTER_TOKENS:
             state.scheduler.finish(req, "abort")

@@ -22,8 +22,6 @@ from server_mgr.sim.config import (
 )
 from server_mgr.sim.state import STATE, SimState
 
-EMPTY_200 = 200
-
 
 def _empty(status: int) -> web.Response:
     return web.Response(status=status)
@@ -167,8 +165,7 @@ def model_info(state: SimState) -> dict[str, Any]:
 
 def _deprecated(state: SimState, old: str, new: str) -> None:
     state.log.warning(
-        f"Endpoint '{old}' is deprecated and will be removed in a future version. "
-        f"Please use '{new}' instead."
+        f"Endpoint '{old}' is deprecated and will be removed in a future version. Please use '{new}' instead."
     )
 
 
@@ -188,8 +185,15 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 def _model_card(state: SimState) -> dict[str, Any]:
     name = state.cfg.model_name
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-            "root": name, "parent": None, "max_model_len": state.cfg.context_length}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": name,
+        "parent": None,
+        "max_model_len": state.cfg.context_length,
+    }
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -201,8 +205,12 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name == state.cfg.model_name:
         return json_response(_model_card(state))
-    err = {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
-           "param": "model", "code": "model_not_found"}
+    err = {
+        "message": f"The model '{name}' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     return json_response({"error": err}, 404)
 
 
@@ -223,8 +231,15 @@ async def loads(request: web.Request) -> web.Response:
         "cache_hit_rate": 0.0,
         "utilization": 1.0 if s.running else 0.0,
     }
-    return json_response({"timestamp": time.time(), "version": VERSION, "accelerator": "cuda",
-                          "num_accelerators": state.cfg.tp_size, "loads": [load]})
+    return json_response(
+        {
+            "timestamp": time.time(),
+            "version": VERSION,
+            "accelerator": "cuda",
+            "num_accelerators": state.cfg.tp_size,
+            "loads": [load],
+        }
+    )
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -270,24 +285,27 @@ async def sim_fault(request: web.Request) -> web.Response:
         state.set_health_stall(bool(body["health_stall"]))
     if "stall_streams" in body:
         state.set_stall_streams(bool(body["stall_streams"]))
-    return json_response({"health_stall": state.faults.health_stall,
-                          "stall_streams": state.faults.stall_streams})
+    return json_response(
+        {"health_stall": state.faults.health_stall, "stall_streams": state.faults.stall_streams}
+    )
 
 
 async def sim_stats(request: web.Request) -> web.Response:
     """``GET /_sim/stats``: scheduler internals for tests (peak KV use, retractions)."""
     state = request.app[STATE]
     s = state.scheduler
-    return json_response({
-        "status": state.status,
-        "capacity": s.capacity,
-        "used_tokens": s.used_tokens,
-        "peak_used_tokens": s.peak_used_tokens,
-        "running": len(s.running),
-        "queued": len(s.waiting),
-        "retracted_total": s.retracted_total,
-        "generated_total": s.generated_total,
-        "new_token_ratio": s.new_token_ratio,
-        "chat_requests": state.chat_requests,
-        "inflight": len(state.inflight),
-    })
+    return json_response(
+        {
+            "status": state.status,
+            "capacity": s.capacity,
+            "used_tokens": s.used_tokens,
+            "peak_used_tokens": s.peak_used_tokens,
+            "running": len(s.running),
+            "queued": len(s.waiting),
+            "retracted_total": s.retracted_total,
+            "generated_total": s.generated_total,
+            "new_token_ratio": s.new_token_ratio,
+            "chat_requests": state.chat_requests,
+            "inflight": len(state.inflight),
+        }
+    )

@@ -17,7 +17,8 @@ from server_mgr.sim.logs import SimLog
 _SGLANG = "/usr/local/lib/python3.12/dist-packages/sglang/srt"
 
 
-def _die(log: SimLog) -> NoReturn:
+def die(log: SimLog) -> NoReturn:
+    """The main process's SIGQUIT path: log, then SIGKILL the whole (one-process) tree."""
     pid = os.getpid()
     log.error("Received sigquit from a child process. It usually means the child failed.")
     log.error(f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}")
@@ -46,7 +47,7 @@ def crash(log: SimLog) -> NoReturn:
         "stacktrace below might be incorrect.",
         rank=True,
     )
-    _die(log)
+    die(log)
 
 
 def oom_too_high(cfg: SimConfig, log: SimLog) -> NoReturn:
@@ -76,7 +77,7 @@ def oom_too_high(cfg: SimConfig, log: SimLog) -> NoReturn:
         rank=True,
     )
     _scheduler_died(log)
-    _die(log)
+    die(log)
 
 
 def oom_too_low(cfg: SimConfig, log: SimLog) -> NoReturn:
@@ -92,4 +93,4 @@ def oom_too_low(cfg: SimConfig, log: SimLog) -> NoReturn:
         rank=True,
     )
     _scheduler_died(log)
-    _die(log)
+    die(log)

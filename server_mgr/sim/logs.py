@@ -136,8 +136,11 @@ def kv_allocated_lines(cfg: SimConfig) -> list[str]:
 
 def graph_and_limits_lines(cfg: SimConfig) -> list[str]:
     """The end of graph capture and the ``max_total_num_tokens=...`` line."""
-    bs = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-          if b <= min(cfg.max_running_requests, CUDA_GRAPH_MAX_BS)]
+    bs = [
+        b
+        for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+        if b <= min(cfg.max_running_requests, CUDA_GRAPH_MAX_BS)
+    ]
     avail = available_after_pool_gb(cfg)
     lines = [
         f"Capture target decode CUDA graph end. bs={bs}, elapsed=5.37 s, "

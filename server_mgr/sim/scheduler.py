@@ -170,9 +170,7 @@ class Scheduler:
     def _reserved(self) -> float:
         """Tokens the running requests are expected to still need (SGLang's estimate)."""
         ratio = self.new_token_ratio
-        return sum(
-            min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS) * ratio for r in self.running
-        )
+        return sum(min(r.max_new_tokens - r.generated, CLIP_MAX_NEW_TOKENS) * ratio for r in self.running)
 
     def _admit(self) -> list[SimRequest]:
         """Take requests from the head of the queue while their tokens fit (FCFS, no skipping)."""
@@ -258,13 +256,10 @@ class Scheduler:
         old = self.new_token_ratio
         decoded = sum(r.generated for r in self.running)
         max_new = sum(r.max_new_tokens for r in self.running)
-        self.new_token_ratio = min(
-            1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1)
-        )
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
         self.retracted_total += len(victims)
         self._retracted_since_log += len(victims)
-        self.log.warning(logs.retract_line(len(victims), gained, old, self.new_token_ratio),
-                         rank=True)
+        self.log.warning(logs.retract_line(len(victims), gained, old, self.new_token_ratio), rank=True)
 
     def _check_pool(self) -> None:
         if self.used_tokens > self.peak_used_tokens:
@@ -280,8 +275,7 @@ class Scheduler:
         self._last_prefill_log = now
         running = len(self.running) - new_seq
         self.log.info(
-            logs.prefill_line(new_seq, new_tokens, self.token_usage, running, len(self.waiting),
-                              throughput),
+            logs.prefill_line(new_seq, new_tokens, self.token_usage, running, len(self.waiting), throughput),
             rank=True,
         )
         self._take_snapshot()
@@ -293,8 +287,9 @@ class Scheduler:
         self._last_decode_log = (now, self.generated_total)
         self.snapshot.gen_throughput = throughput
         self.log.info(
-            logs.decode_line(len(self.running), self.used_tokens, self.token_usage, throughput,
-                             len(self.waiting)),
+            logs.decode_line(
+                len(self.running), self.used_tokens, self.token_usage, throughput, len(self.waiting)
+            ),
             rank=True,
         )
         self._take_snapshot()
@@ -304,6 +299,7 @@ class Scheduler:
         """An idle /health probe shows as a 1-token prefill, as on the real server."""
         if not self.running and not self.waiting:
             self.log.info(logs.prefill_line(1, 1, self.token_usage, 0, 0, 0.0), rank=True)
+            self._take_snapshot()
 
     def _take_snapshot(self) -> None:
         s = self.snapshot

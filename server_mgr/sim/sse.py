@@ -47,8 +47,12 @@ class ChunkEncoder:
 
     def __init__(self, rid: str, created: int, model: str) -> None:
         self._top = (
-            b'{"id":' + orjson.dumps(rid) + b',"object":"chat.completion.chunk","created":'
-            + str(created).encode() + b',"model":' + orjson.dumps(model)
+            b'{"id":'
+            + orjson.dumps(rid)
+            + b',"object":"chat.completion.chunk","created":'
+            + str(created).encode()
+            + b',"model":'
+            + orjson.dumps(model)
         )
         self._head = b"data: " + self._top + b',"choices":[{"index":0,"delta":{'
         self._content = self._head + b'"reasoning_content":null,"content":'
@@ -66,8 +70,7 @@ class ChunkEncoder:
     def finish(self, finish_reason: str) -> bytes:
         """The separate finish chunk, with an empty delta."""
         tail = orjson.dumps(
-            {"logprobs": None, "finish_reason": finish_reason,
-             "matched_stop": matched_stop(finish_reason)}
+            {"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched_stop(finish_reason)}
         )
         return self._head + b'"reasoning_content":null},' + tail[1:-1] + b"}]}\n\n"
 

@@ -39,7 +39,7 @@ _WORDS = (
     "server stream batch prompt ledger worker lease retry shard GPU kernel tensor layer vector "
     "café naïve résumé über Größe façade señor jalapeño smörgåsbord é ß Ω π λ ∑ → "
     "日本 東京 中文 漢字 한국어 русский ελληνικά العربية עברית हिन्दी "
-    "🙂 🚀 ✨ 🎉 🧪 👍🏽 ☕ 🌍 ok. yes, no; (see) [note] {x} \"quote\" it's 42 3.14 100% #tag @user"
+    '🙂 🚀 ✨ 🎉 🧪 👍🏽 ☕ 🌍 ok. yes, no; (see) [note] {x} "quote" it\'s 42 3.14 100% #tag @user'
 ).split()
 VOCAB: tuple[str, ...] = tuple(" " + w for w in dict.fromkeys(_WORDS))
 EOS_TOKEN_ID = 151645  # matched_stop of a natural stop (Qwen's <|im_end|>)
@@ -72,9 +72,7 @@ def message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p
-        )
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p)
     return str(content)
 
 
@@ -87,9 +85,7 @@ def count_prompt_tokens(messages: Sequence[Message]) -> int:
     return total
 
 
-def generation_budget(
-    prompt_tokens: int, *, context_length: int, max_total_tokens: int | None = None
-) -> int:
+def generation_budget(prompt_tokens: int, *, context_length: int, max_total_tokens: int | None = None) -> int:
     """Most tokens a request may generate: SGLang's silent scheduler clamp (§4.2)."""
     max_req_len = context_length - 1
     if max_total_tokens is not None:
@@ -191,9 +187,7 @@ def expected_completion(
     key = _hash_key(messages, seed, temperature, top_p, sim_seed)
     length, fraction = _shape(key, mean_output_tokens)
     prompt = count_prompt_tokens(messages)
-    limit = generation_budget(
-        prompt, context_length=context_length, max_total_tokens=max_total_tokens
-    )
+    limit = generation_budget(prompt, context_length=context_length, max_total_tokens=max_total_tokens)
     if max_tokens:
         limit = min(limit, max_tokens)
     n = min(length, limit)
@@ -267,9 +261,7 @@ def resolve(
     return expected_completion(messages, **params)
 
 
-def full_output(
-    messages: Sequence[Message], **params: Any
-) -> tuple[str | None, str]:
+def full_output(messages: Sequence[Message], **params: Any) -> tuple[str | None, str]:
     """(reasoning_content, content) of partial + continuation, for a continuation request.
 
     Equals the uninterrupted output's when ``max_tokens`` did not cut the continuation short.

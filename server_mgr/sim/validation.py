@@ -82,8 +82,7 @@ def check_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
             raise RequestError(
-                f"messages.{i}.role: Input should be 'system', 'user', 'assistant' or 'tool' "
-                f"(got {role!r})",
+                f"messages.{i}.role: Input should be 'system', 'user', 'assistant' or 'tool' (got {role!r})",
                 type_="Bad Request",
             )
     return messages
@@ -127,8 +126,7 @@ def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog
     if prompt >= ctx:
         if not cfg.allow_auto_truncate:
             raise RequestError(
-                f"The input ({prompt} tokens) is longer than the model's context length "
-                f"({ctx} tokens)."
+                f"The input ({prompt} tokens) is longer than the model's context length ({ctx} tokens)."
             )
         log.warning(
             f"The input ({prompt} tokens) is longer than the model's context length ({ctx} "

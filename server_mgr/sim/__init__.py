@@ -1,0 +1,28 @@
+"""The ``sim`` engine: an SGLang-compatible HTTP server without a GPU, for tests, demos, benchmarks.
+
+It follows SGLang 0.5.23's HTTP and process contract (``reference/sglang-contract.md``): the
+startup timeline, ``/health`` and ``/server_info``, the chat SSE shapes, errors with their exact
+texts, a KV-pool scheduler with retraction, the Prefill/Decode log lines and the SIGTERM drain.
+Its output is deterministic (:mod:`server_mgr.sim.textgen`), so tests check every byte.
+
+Modules: ``cli`` (flags), ``lifecycle`` (startup, signals), ``app`` (routes, auth), ``chat``
+(the chat endpoint), ``endpoints`` (the rest), ``validation`` (request checks), ``textgen``
+(output), ``scheduler`` (KV model), ``sse`` (chunk bytes), ``metrics``, ``logs``, ``faults``.
+
+Test hooks, never on the real server and exempt from ``--api-key``:
+
+``POST /_sim/fault`` with a JSON object; each key is optional:
+
+- ``{"health_stall": true}``: /health hangs like a wedged server until set back to ``false``
+  (after ``--sim-health-timeout-s``, 20 s as in SGLang, it answers 503 and logs the
+  ``Health check failed`` line);
+- ``{"stall_streams": true}``: the scheduler stops stepping, so every stream goes silent and new
+  requests queue, until set back to ``false``;
+- ``{"crash": true}``: log SGLang's scheduler-crash lines and SIGKILL the process.
+
+It answers ``{"health_stall": bool, "stall_streams": bool}``.
+
+``GET /_sim/stats``: ``capacity``, ``used_tokens``, ``peak_used_tokens``, ``running``,
+``queued``, ``retracted_total``, ``generated_total``, ``new_token_ratio``, ``chat_requests``,
+``inflight``, ``status``.
+"""
