@@ -123,7 +123,7 @@ def _active_consumers(control: Any, timeout_s: float) -> dict[str, list[str]]:
     """Queue name -> the workers consuming it now (asks every worker; silent ones are missed)."""
     try:
         replies = control.inspect(timeout=timeout_s).active_queues() or {}
-    except Exception as exc:  # noqa: BLE001 - any broker trouble just means "nobody answered"
+    except Exception as exc:  # any broker trouble just means "nobody answered"
         log.warning("cannot ask the workers which queues they consume: %s", exc)
         return {}
     found: dict[str, list[str]] = {}

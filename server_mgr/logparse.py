@@ -8,6 +8,7 @@ pairs. Names map to the same vocabulary the ``/metrics`` reader uses (``running_
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +99,7 @@ class LiveFigures:
     retractions: int = 0
     decode_lines: int = 0
     changed: bool = False
+    last_batch_at: float = 0.0  # time.monotonic() of the last batch line (0: none yet)
 
     def feed(self, line: str) -> None:
         """Take one log line into account."""
@@ -105,6 +107,7 @@ class LiveFigures:
         if batch:
             kind, figures = batch
             self.decode_lines += kind == "decode"
+            self.last_batch_at = time.monotonic()
             self.figures.update(figures)
             self.changed = True
             return
@@ -113,6 +116,11 @@ class LiveFigures:
             self.retractions += count
             self.figures["retractions"] = float(self.retractions)
             self.changed = True
+
+
+    def quiet_for(self) -> float:
+        """Seconds since the last batch line (infinite when there was none)."""
+        return time.monotonic() - self.last_batch_at if self.last_batch_at else float("inf")
 
 
 class LogTail:

@@ -34,6 +34,9 @@ class Sink(Protocol):
     def take_stop_request(self, name: str) -> dict[str, Any] | None:
         """A pending stop request for ``name`` (consumed), or None."""
 
+    def previous_pid(self, name: str) -> int | None:
+        """The pid an earlier run published for ``name`` (to find an orphaned server)."""
+
 
 class LogSink:
     """Reports to the manager's log only (a quality check must not attract workers)."""
@@ -45,6 +48,9 @@ class LogSink:
         log.info("[%s] %s: %s", name, kind, message)
 
     def take_stop_request(self, name: str) -> dict[str, Any] | None:
+        return None
+
+    def previous_pid(self, name: str) -> int | None:
         return None
 
 
@@ -75,6 +81,13 @@ class RedisSink(LogSink):
         except redis.RedisError:
             return None
         return orjson.loads(raw) if raw else None
+
+    def previous_pid(self, name: str) -> int | None:
+        try:
+            record = servers.load(self.client, name)
+        except redis.RedisError:
+            return None
+        return record.pid if record else None
 
 
 def request_stop(client: redis.Redis, name: str, *, drain: bool = True) -> None:

@@ -32,18 +32,35 @@ def mixed_rows(partition: str, n: int, long_every: int = 10) -> list[dict[str, A
         if i % 2:
             rows.append({"prompt": text, "topic": f"t{i % 3}"})
         else:
-            rows.append({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
-                         "metadata": {"i": i}})
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": text},
+                    ],
+                    "metadata": {"i": i},
+                }
+            )
     return rows
 
 
-def cli(*args: str, env: dict[str, str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str], check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     import os
 
-    res = subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
-                         env={**os.environ, **env}, cwd=ROOT, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=ROOT,
+        timeout=timeout,
+    )
     if check and res.returncode != 0:
-        raise AssertionError(f"tokenmill {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
+        raise AssertionError(
+            f"tokenmill {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
+        )
     return res
 
 
@@ -57,10 +74,17 @@ def wait_run_finished(client: redis.Redis, run: str, timeout: float = 120) -> di
 
 
 def read_export(out: Path) -> dict[str, list[dict[str, Any]]]:
-    return {p.stem: [orjson.loads(line) for line in p.read_bytes().splitlines()] for p in sorted(out.glob("*.jsonl"))}
+    return {
+        p.stem: [orjson.loads(line) for line in p.read_bytes().splitlines()]
+        for p in sorted(out.glob("*.jsonl"))
+    }
 
 
 def expected_for(row: dict[str, Any], *, max_tokens: int, reasoning: bool, mean_output_tokens: int) -> Any:
     """What the sim generates for an exported row's request (its input messages)."""
-    return expected_completion(row["messages"][:-1], max_tokens=max_tokens, reasoning=reasoning,
-                               mean_output_tokens=mean_output_tokens)
+    return expected_completion(
+        row["messages"][:-1],
+        max_tokens=max_tokens,
+        reasoning=reasoning,
+        mean_output_tokens=mean_output_tokens,
+    )

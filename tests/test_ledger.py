@@ -13,12 +13,17 @@ from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
 RUN = "r1"
 
 
-def spec(n: int, partition: str = "P", queue: str = "short", record_id: str | None = None,
-         text: str | None = None) -> JobSpec:
-    return JobSpec.build(partition=partition, queue=queue, source=f"f.jsonl:{n}",
-                         request={"model": "m", "messages": [{"role": "user", "content": text or f"q{n}"}],
-                                  "max_tokens": 10},
-                         metadata={}, record_id=record_id)
+def spec(
+    n: int, partition: str = "P", queue: str = "short", record_id: str | None = None, text: str | None = None
+) -> JobSpec:
+    return JobSpec.build(
+        partition=partition,
+        queue=queue,
+        source=f"f.jsonl:{n}",
+        request={"model": "m", "messages": [{"role": "user", "content": text or f"q{n}"}], "max_tokens": 10},
+        metadata={},
+        record_id=record_id,
+    )
 
 
 @pytest.fixture
@@ -47,21 +52,29 @@ def test_enqueue_creates_once_and_publishes_once(ledger: Ledger, rclient: redis.
     assert ledger.enqueue_batch("P", jobs, 100) == ["queued", "queued"]
     assert counts(ledger) == {"queued": 2, "running": 0, "done": 0, "failed": 0}
     assert rclient.llen("short") == 1 and rclient.llen("long") == 1
-    assert [x.decode() for x in rclient.lrange(keys.RunKeys(RUN).jobs("P"), 0, -1)] == [j.job_id for j in jobs]
+    assert [x.decode() for x in rclient.lrange(keys.RunKeys(RUN).jobs("P"), 0, -1)] == [
+        j.job_id for j in jobs
+    ]
 
 
 def test_same_id_with_other_content_is_a_conflict_naming_the_first_source(ledger: Ledger) -> None:
     first = spec(1, record_id="7", text="a")
-    other = JobSpec.build(partition="P", queue="short", source="g.jsonl:9",
-                          request={"model": "m", "messages": [{"role": "user", "content": "b"}], "max_tokens": 10},
-                          metadata={}, record_id="7")
+    other = JobSpec.build(
+        partition="P",
+        queue="short",
+        source="g.jsonl:9",
+        request={"model": "m", "messages": [{"role": "user", "content": "b"}], "max_tokens": 10},
+        metadata={},
+        record_id="7",
+    )
     ledger.enqueue_batch("P", [first], 100)
     assert ledger.enqueue_batch("P", [other], 100) == ["conflict:f.jsonl:1"]
     assert orjson.loads(ledger.job("P:7")["spec"])["request"]["messages"][0]["content"] == "a"
 
 
 def test_enqueue_beyond_max_depth_parks_ids_on_the_backlog_and_feed_publishes_them(
-        ledger: Ledger, rclient: redis.Redis) -> None:
+    ledger: Ledger, rclient: redis.Redis
+) -> None:
     out = ledger.enqueue_batch("P", [spec(i) for i in range(5)], 2)
     assert out == ["new", "new", "backlog", "backlog", "backlog"]
     assert rclient.llen("short") == 2
@@ -128,8 +141,14 @@ def test_release_keeps_the_checkpoint_and_republishes(ledger: Ledger, rclient: r
     ledger.enqueue_batch("P", [job], 100)
     rclient.delete("short")
     c = claimed(ledger, job)
-    out = ledger.release(c, JobError("stall", "no chunk"), delay_s=0, burn=True, max_attempts=3,
-                         checkpoint=Checkpoint("abc", "think", 4))
+    out = ledger.release(
+        c,
+        JobError("stall", "no chunk"),
+        delay_s=0,
+        burn=True,
+        max_attempts=3,
+        checkpoint=Checkpoint("abc", "think", 4),
+    )
     assert out == "queued" and rclient.llen("short") == 1
     again = claimed(ledger, job)
     assert again.checkpoint == Checkpoint("abc", "think", 4) and again.retries == 1
@@ -154,7 +173,9 @@ def test_retries_are_bounded(ledger: Ledger) -> None:
     outs = []
     for _ in range(3):
         c = claimed(ledger, job)
-        outs.append(ledger.release(c, JobError("server_unavailable", "503"), delay_s=0, burn=True, max_attempts=3))
+        outs.append(
+            ledger.release(c, JobError("server_unavailable", "503"), delay_s=0, burn=True, max_attempts=3)
+        )
     assert outs == ["queued", "queued", "failed"]
     assert "gave up after 3 attempts" in ledger.job(job.job_id)["error"]
 
@@ -164,7 +185,10 @@ def test_release_without_burning_does_not_count_a_retry(ledger: Ledger) -> None:
     ledger.enqueue_batch("P", [job], 100)
     for _ in range(5):
         c = claimed(ledger, job)
-        assert ledger.release(c, JobError("server_not_ready", "down"), delay_s=0, burn=False, max_attempts=2) == "queued"
+        assert (
+            ledger.release(c, JobError("server_not_ready", "down"), delay_s=0, burn=False, max_attempts=2)
+            == "queued"
+        )
     assert claimed(ledger, job).retries == 0
 
 

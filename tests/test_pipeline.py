@@ -15,7 +15,8 @@ MEAN = 40
 
 
 def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     # Given 500 rows in two partitions: mixed messages/prompt rows, unicode, long prompts, and
     # exact duplicates (within a file and across files), and a sim with reasoning on
     b1_rows = mixed_rows("B1", 250)
@@ -27,7 +28,14 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
     env = worker_env(redis_url, url)
 
     # When they are enqueued (twice) and two workers run, one started the plain Celery way
-    flags = ["--short-max-tokens", str(MAX_TOKENS), "--long-max-tokens", str(MAX_TOKENS), "--long-prompt-tokens", "300"]
+    flags = [
+        "--short-max-tokens",
+        str(MAX_TOKENS),
+        "--long-max-tokens",
+        str(MAX_TOKENS),
+        "--long-prompt-tokens",
+        "300",
+    ]
     first = cli("enqueue", str(b1), str(b2), "--run", "synth", *flags, env=env)
     assert "490 new" in first.stdout and "10 already queued" in first.stdout, first.stdout
     again = cli("enqueue", str(b1), str(b2), "--run", "synth", *flags, env=env)
@@ -71,7 +79,8 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
     kept = read_export(out2)
     assert all(r["finish_reason"] != "length" for rows in kept.values() for r in rows)
     assert sum(len(v) for v in kept.values()) == 490 - sum(
-        r["finish_reason"] == "length" for rows in exported.values() for r in rows)
+        r["finish_reason"] == "length" for rows in exported.values() for r in rows
+    )
 
     # And re-enqueueing a finished run adds nothing
     third = cli("enqueue", str(b1), str(b2), "--run", "synth", *flags, env=env)
@@ -81,7 +90,8 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
 
 
 def test_over_long_prompt_fails_once_and_a_mid_stream_error_is_retried(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     # Given a sim with a 2,000-token context that breaks every 3rd stream with a 503 error chunk
     sim, url = start_sim(tmp_path, "--context-length", "2000", "--sim-error-every", "3")
     procs.append(sim)

@@ -1,0 +1,373 @@
+"""One server's life: launch, readiness, watch, restart with backoff, OOM steps, drain, stop.
+
+``Supervisor.run`` blocks until the server is stopped (``down``) or given up on (``failed``).
+Every action is reported to a :class:`~server_mgr.sink.Sink` (Redis for ``server up``) and to
+the manager's log. Stopping: set ``stop_event`` (signals) or leave a stop request in Redis
+(``tokenmill server stop``); ``hurry`` skips the drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from server_mgr import health, logparse, process
+from server_mgr.command import display_command, launch_argv, launch_env
+from server_mgr.config import ServerConfig
+from server_mgr.crash import GIVE_UP, RESTART, Crash, classify
+from server_mgr.policy import FAIL, RestartPolicy
+from server_mgr.sink import Sink
+from tokenmill import servers
+from tokenmill.servers import ServerRecord
+
+log = logging.getLogger("tokenmill.server")
+
+TICK_S = 0.1
+STOP_POLL_S = 0.5
+LIVE_PUBLISH_S = 1.0
+LOG_QUIET_S = 10.0  # no batch line for this long: the log says nothing is in flight
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one launch ended: ``stopped`` on request, else a ``crash`` to remedy."""
+
+    kind: str
+    crash: Crash | None = None
+
+
+class Supervisor:
+    """Runs one server until it is stopped or given up on."""
+
+    def __init__(self, config: ServerConfig, sink: Sink, *, stop_event: threading.Event | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.sink = sink
+        self.stop_event = stop_event or threading.Event()
+        self.hurry = threading.Event()
+        self.on_change = on_change or (lambda: None)
+        self.policy = RestartPolicy(config)
+        self.record = ServerRecord(name=config.name, url=config.public_url, state=servers.DOWN,
+                                   engine=config.engine)
+        self.changed = threading.Condition()
+        self.live = logparse.LiveFigures()
+        self._tail: logparse.LogTail | None = None
+        self._stop: dict[str, Any] | None = None
+        self._next_stop_poll = 0.0
+        self._last_live = 0.0
+        self._probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"probe-{config.name}")
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Supervise until stopped (returns ``down``) or given up on (returns ``failed``)."""
+        try:
+            return self._run()
+        finally:
+            self._probes.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> str:
+        self._stop_orphan()
+        while True:
+            outcome = self._run_once()
+            if outcome.kind == "stopped":
+                self._set_state(servers.DOWN)
+                self._event("stopped", "server stopped")
+                return servers.DOWN
+            assert outcome.crash is not None
+            decision = self.policy.decide(outcome.crash, time.time(), self.config.mem_fraction_static)
+            if decision.action == FAIL:
+                return self._fail(decision.reason)
+            if decision.fraction is not None:
+                self._event("oom_step", decision.reason, previous=self.config.mem_fraction_static,
+                            fraction=decision.fraction)
+                self.config = self.config.with_mem_fraction(decision.fraction)
+            if self._sleep_unless_stopped(decision.delay_s):
+                self._set_state(servers.DOWN)
+                self._event("stopped", "server stopped (it was down, waiting to restart)")
+                return servers.DOWN
+            self.record.restarts += 1
+            self._event("restart", f"relaunch #{self.record.restarts} after {decision.reason}",
+                        delay_s=decision.delay_s)
+
+    def _run_once(self) -> Outcome:
+        outcome = self._before_launch()
+        if outcome is not None:
+            return outcome
+        try:
+            engine = self._launch()
+        except OSError as exc:
+            argv0 = launch_argv(self.config)[0]
+            return Outcome("crashed", Crash("launch_failed", f"cannot start {argv0!r}: {exc}", GIVE_UP))
+        outcome = self._await_ready(engine)
+        if outcome is None:
+            self._on_ready(engine)
+            outcome = self._watch(engine)
+        return self._shut_down(engine, outcome)
+
+    # --- launch and readiness ------------------------------------------------------------------
+
+    def _before_launch(self) -> Outcome | None:
+        """Refuse to launch on a port something else holds (waits a little for a dying server)."""
+        host = self.config.probe_url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+        deadline = time.monotonic() + 5.0
+        while process.port_in_use(host, self.config.port):
+            if self._stop_wanted():
+                return Outcome("stopped")
+            if time.monotonic() >= deadline:
+                return Outcome("crashed", Crash(
+                    "port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART))
+            time.sleep(0.2)
+        return None
+
+    def _launch(self) -> process.Engine:
+        c = self.config
+        shown = display_command(c)
+        banner = f"===== tokenmill: launching {c.name} (restart {self.record.restarts}): {shown}"
+        engine = process.launch(launch_argv(c), launch_env(c), c.log_path, banner)
+        self.live = logparse.LiveFigures()
+        self._tail = logparse.LogTail(c.log_path, engine.log_offset)
+        self._set_state(servers.STARTING, pid=engine.pid, max_total_num_tokens=None,
+                        context_length=None, live={k: 0.0 for k in self.record.live},
+                        extra={"command": shown, "log_path": str(c.log_path),
+                               "host": socket.gethostname(),
+                               "mem_fraction_static": c.mem_fraction_static})
+        self._event("launch", f"pid {engine.pid}: {shown}", pid=engine.pid)
+        return engine
+
+    def _await_ready(self, engine: process.Engine) -> Outcome | None:
+        """None once ``/health`` answers 200, else how the startup ended."""
+        c = self.config
+        deadline = time.monotonic() + c.startup_timeout_s
+        probe: Future[health.Probe] | None = None
+        while True:
+            self._read_log()
+            code = engine.returncode()
+            if code is not None:
+                return Outcome("crashed", self._classify(engine, code, first_prefill=True))
+            if self._stop_wanted():
+                return Outcome("stopped")
+            if time.monotonic() >= deadline:
+                return Outcome("crashed", Crash(
+                    "startup_timeout", f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
+                    RESTART))
+            if probe is None:
+                probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
+            elif probe.done():
+                if probe.result().ok:
+                    return None
+                probe = None
+            time.sleep(TICK_S)
+
+    def _on_ready(self, engine: process.Engine) -> None:
+        c = self.config
+        total, context = self._capacity(engine)
+        self._set_state(servers.READY, max_total_num_tokens=total, context_length=context)
+        self._event("ready", f"ready after {time.time() - engine.started_at:.1f} s: "
+                             f"max_total_num_tokens={total}, context_length={context}",
+                    max_total_num_tokens=total, context_length=context,
+                    mem_fraction_static=c.mem_fraction_static)
+
+    def _capacity(self, engine: process.Engine) -> tuple[int | None, int | None]:
+        c = self.config
+        try:
+            return health.capacity(health.server_info(c.probe_url, c.api_key, c.health_timeout_s))
+        except (OSError, ValueError) as exc:
+            log.warning("[%s] /server_info failed (%s); capacity from the log", c.name, exc)
+        summary = next((logparse.capacity_line(line) for line in
+                        logparse.read_since(c.log_path, engine.log_offset).splitlines()
+                        if logparse.capacity_line(line)), None)
+        return summary if summary else (None, None)
+
+    # --- watching a ready server ---------------------------------------------------------------
+
+    def _watch(self, engine: process.Engine) -> Outcome:
+        """Watch the process and ``/health`` until it dies, wedges or is asked to stop."""
+        c = self.config
+        failures = 0
+        probe: Future[health.Probe] | None = None
+        next_probe = time.monotonic() + c.health_interval_s
+        while True:
+            self._read_log()
+            code = engine.returncode()
+            if code is not None:
+                return Outcome("crashed", self._classify(
+                    engine, code, first_prefill=self.live.decode_lines == 0))
+            if self._stop_wanted():
+                self._drain(engine)
+                return Outcome("stopped")
+            if probe is not None and probe.done():
+                failures = self._count_probe(probe.result(), failures)
+                if failures >= c.health_failures:
+                    return Outcome("crashed", Crash(
+                        "health_failed", f"{failures} /health probes failed in a row "
+                        f"(last: {probe.result().error})", RESTART))
+                probe = None
+            if probe is None and time.monotonic() >= next_probe:
+                probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
+                next_probe = time.monotonic() + c.health_interval_s
+                self._periodic(engine)
+            time.sleep(TICK_S)
+
+    def _count_probe(self, result: health.Probe, failures: int) -> int:
+        if result.ok:
+            return 0
+        log.warning("[%s] health probe failed (%d in a row): %s", self.config.name, failures + 1,
+                    result.error)
+        return failures + 1
+
+    def _periodic(self, engine: process.Engine) -> None:
+        """Each health interval: /metrics figures, the process tree, and a heartbeat."""
+        c = self.config
+        engine.remember_members()
+        if c.enable_metrics:
+            try:
+                self.live.figures.update(health.metrics(c.probe_url, c.health_timeout_s))
+                self.live.changed = True
+            except (OSError, ValueError) as exc:
+                log.debug("[%s] /metrics failed: %s", c.name, exc)
+        self._publish_live(force=True)
+
+    def _read_log(self) -> None:
+        if self._tail is None:
+            return
+        for line in self._tail.read_lines():
+            self.live.feed(line)
+        self._publish_live()
+
+    def _publish_live(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and (not self.live.changed or now - self._last_live < LIVE_PUBLISH_S):
+            return
+        self._last_live = now
+        self.live.changed = False
+        self.record.live = dict(self.live.figures)
+        self.record.updated_at = time.time()
+        self.sink.publish(self.record)
+
+    # --- stopping ------------------------------------------------------------------------------
+
+    def _stop_orphan(self) -> None:
+        """Stop a server this config left running on this host (its manager died)."""
+        c = self.config
+        pid = self.sink.previous_pid(c.name)
+        if pid is None or not process.is_stale_server(pid, c.port):
+            return
+        self._event("orphan", f"pid {pid} of an earlier run still serves port {c.port}; stopping it",
+                    pid=pid)
+        left = process.stop_orphan(pid, c.stop_grace_s)
+        if left:
+            log.error("[%s] the earlier server is still there: %s", c.name, "; ".join(left))
+
+    def _stop_wanted(self) -> bool:
+        if self._stop is None and self.stop_event.is_set():
+            self._stop = {"drain": True, "by": "signal"}
+        if self._stop is None and time.monotonic() >= self._next_stop_poll:
+            self._next_stop_poll = time.monotonic() + STOP_POLL_S
+            self._stop = self.sink.take_stop_request(self.config.name)
+        if self._stop is not None and not self._stop.get("drain", True):
+            self.hurry.set()
+        return self._stop is not None
+
+    def _drain(self, engine: process.Engine) -> None:
+        """State ``draining`` (consumers pause), then wait up to drain_grace_s for in-flight work."""
+        c = self.config
+        self._set_state(servers.DRAINING)
+        self._event("drain", f"draining (up to {c.drain_grace_s:g} s), requested by "
+                             f"{self._stop.get('by', '?') if self._stop else '?'}")
+        deadline = time.monotonic() + c.drain_grace_s
+        busy = self._in_flight()
+        while busy and not self.hurry.is_set() and engine.returncode() is None:
+            if time.monotonic() >= deadline:
+                self._event("drain_timeout", f"{busy} request(s) still in flight after "
+                                             f"{c.drain_grace_s:g} s; stopping anyway")
+                return
+            time.sleep(max(TICK_S, 0.25))
+            self._read_log()
+            busy = self._in_flight()
+
+    def _in_flight(self) -> int:
+        """Running plus queued requests: /v1/loads, else /metrics, else the log's batch lines."""
+        c = self.config
+        count = health.in_flight(c.probe_url, c.api_key, min(c.health_timeout_s, 5.0))
+        if count is not None:
+            return count
+        if c.enable_metrics:
+            try:
+                figures = health.metrics(c.probe_url, min(c.health_timeout_s, 5.0))
+                return int(figures.get("running_req", 0) + figures.get("queue_req", 0))
+            except (OSError, ValueError):
+                pass
+        if self.live.quiet_for() >= LOG_QUIET_S:
+            return 0
+        return int(self.live.figures.get("running_req", 0) + self.live.figures.get("queue_req", 0))
+
+    def _shut_down(self, engine: process.Engine, outcome: Outcome) -> Outcome:
+        """Stop what is left of the server and make sure none of it remains."""
+        c = self.config
+        if outcome.crash is not None:
+            self._set_state(servers.DOWN, last_error=outcome.crash.describe())
+            self._event("crash", outcome.crash.describe(), kind=outcome.crash.kind,
+                        returncode=outcome.crash.returncode)
+        graceful = outcome.kind == "stopped" or outcome.crash.kind == "health_failed"
+        code = process.stop(engine, c.stop_grace_s, graceful=graceful and not self.hurry.is_set())
+        left = process.ensure_gone(engine.pgid, engine.seen)
+        if left:
+            reason = f"processes of the old server remain after SIGKILL: {'; '.join(left)}"
+            return Outcome("crashed", Crash("not_released", reason, GIVE_UP, code))
+        log.info("[%s] pid %d and its process group are gone (exit %s)", c.name, engine.pid, code)
+        return outcome
+
+    def _sleep_unless_stopped(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; True if a stop was asked meanwhile."""
+        deadline = time.monotonic() + delay_s
+        while time.monotonic() < deadline:
+            if self._stop_wanted():
+                return True
+            time.sleep(TICK_S)
+        return self._stop_wanted()
+
+    # --- reporting -----------------------------------------------------------------------------
+
+    def _classify(self, engine: process.Engine, code: int, *, first_prefill: bool) -> Crash:
+        self._read_log()
+        text = logparse.read_since(engine.log_path, engine.log_offset)
+        if self.config.mem_fraction_static is None:
+            fraction = logparse.launch_fraction(text)
+            if fraction is not None:
+                self.config = self.config.with_mem_fraction(fraction)
+        return classify(text, code, first_prefill=first_prefill)
+
+    def _fail(self, reason: str) -> str:
+        log.error("[%s] giving up: %s", self.config.name, reason)
+        self._set_state(servers.FAILED, last_error=reason)
+        self._event("failed", reason)
+        return servers.FAILED
+
+    def _set_state(self, state: str, *, extra: dict[str, Any] | None = None, **changes: Any) -> None:
+        previous = self.record.state
+        for name, value in changes.items():
+            setattr(self.record, name, value)
+        self.record.state = state
+        self.record.updated_at = time.time()
+        self.sink.publish(self.record, **(extra or {}))
+        with self.changed:
+            self.changed.notify_all()
+        if state != previous:
+            log.info("[%s] %s -> %s", self.config.name, previous, state)
+            self.on_change()
+
+    def _event(self, kind: str, message: str, **data: Any) -> None:
+        self.sink.event(self.config.name, kind, message, **data)
+
+    def wait_for(self, states: tuple[str, ...], timeout_s: float) -> str:
+        """Block until the state is one of ``states`` (or the timeout); returns the state."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.record.state in states, timeout=timeout_s)
+        return self.record.state
