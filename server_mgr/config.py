@@ -24,6 +24,7 @@ from tokenmill.errors import ConfigError, LossyKvCacheError
 
 ENGINES = ("sglang", "sim")
 DEFAULT_LAUNCHER = ("python", "-m", "sglang.launch_server")
+DEFAULT_LOG_DIR = ".tokenmill/logs"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -90,7 +91,7 @@ class ServerConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 25.0
     health_failures: int = 3
-    log_dir: str = ".tokenmill/logs"
+    log_dir: str = DEFAULT_LOG_DIR
     sim: SimKnobs = field(default_factory=SimKnobs)
     source: str = field(default="", compare=False)
 
@@ -156,7 +157,7 @@ def _server(table: dict[str, Any], where: str, env: typing.Mapping[str, str]) ->
     for key in ("name", "port"):
         if key not in table:
             raise _bad(where, key, "is required")
-    values["log_dir"] = str(Path(values.get("log_dir", ServerConfig.log_dir)).expanduser().resolve())
+    values["log_dir"] = str(Path(values.get("log_dir", DEFAULT_LOG_DIR)).expanduser().resolve())
     config = ServerConfig(**values, source=where)
     config = _resolve_api_key(config, where, env)
     _validate(config, table, where)

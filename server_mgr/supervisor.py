@@ -31,6 +31,7 @@ log = logging.getLogger("tokenmill.server")
 TICK_S = 0.1
 STOP_POLL_S = 0.5
 LIVE_PUBLISH_S = 1.0
+HEARTBEAT_S = 5.0  # the record's updated_at is refreshed at least this often
 LOG_QUIET_S = 10.0  # no batch line for this long: the log says nothing is in flight
 
 
@@ -60,7 +61,7 @@ class Supervisor:
         self._tail: logparse.LogTail | None = None
         self._stop: dict[str, Any] | None = None
         self._next_stop_poll = 0.0
-        self._last_live = 0.0
+        self._last_report = 0.0
         self._probes = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"probe-{config.name}")
 
     # --- the loop ------------------------------------------------------------------------------
@@ -232,20 +233,20 @@ class Supervisor:
                 self.live.changed = True
             except (OSError, ValueError) as exc:
                 log.debug("[%s] /metrics failed: %s", c.name, exc)
-        self._publish_live(force=True)
+        self._report(force=True)
 
     def _read_log(self) -> None:
-        if self._tail is None:
-            return
-        for line in self._tail.read_lines():
-            self.live.feed(line)
-        self._publish_live()
+        if self._tail is not None:
+            for line in self._tail.read_lines():
+                self.live.feed(line)
+        self._report()
 
-    def _publish_live(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and (not self.live.changed or now - self._last_live < LIVE_PUBLISH_S):
+    def _report(self, force: bool = False) -> None:
+        """Publish new live figures (at most every LIVE_PUBLISH_S) and a heartbeat."""
+        since = time.monotonic() - self._last_report
+        if not (force or since >= HEARTBEAT_S or (self.live.changed and since >= LIVE_PUBLISH_S)):
             return
-        self._last_live = now
+        self._last_report = time.monotonic()
         self.live.changed = False
         self.record.live = dict(self.live.figures)
         self.record.updated_at = time.time()
@@ -330,6 +331,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             if self._stop_wanted():
                 return True
+            self._report()
             time.sleep(TICK_S)
         return self._stop_wanted()
 

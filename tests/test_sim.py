@@ -210,7 +210,7 @@ def test_output_stops_at_the_context_edge_without_max_tokens() -> None:
 def test_port_refused_then_models_before_health_then_fired_up(
     start_sim: Callable[..., Sim],
 ) -> None:
-    sim = start_sim("--sim-startup-delay-s", "0.5", "--sim-warmup-s", "0.8", "--max-total-tokens",
+    sim = start_sim("--sim-startup-delay-s", "0.5", "--sim-warmup-s", "1.2", "--max-total-tokens",
                     "12345", ready=False)  # fmt: skip
     assert status_of(sim, "/v1/models") is None  # still loading: connection refused
     wait_until(lambda: status_of(sim, "/v1/models") == 200, what="/v1/models 200")
@@ -330,6 +330,17 @@ def test_abort_request_by_rid_prefix_ends_the_stream_with_abort(start_sim: Calla
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
 
 
+def test_stream_interval_groups_tokens_and_keeps_the_text(start_sim: Callable[..., Sim]) -> None:
+    sim = start_sim("--stream-interval", "4")
+    events = sim.chat_stream({"messages": USER, "max_tokens": 21})
+    deltas = events[1:-2]
+    # the first token alone, then 4 per chunk, the rest at the finish
+    assert [len(d["choices"][0]["delta"]["content"].split(" ")) - 1 for d in deltas] == [
+        1, 3, 4, 4, 4, 4, 1,
+    ]  # fmt: skip
+    assert streamed_text(events)[1] == expected(USER, max_tokens=21).content
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 
@@ -353,6 +364,19 @@ def test_context_length_errors_have_sglangs_exact_text(start_sim: Callable[..., 
     # exactly at the limit is accepted (0.5.23 rejects only '>')
     status, _ = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 64 - p})
     assert status == 200
+
+
+def test_auto_truncate_clamps_instead_of_refusing(start_sim: Callable[..., Sim]) -> None:
+    sim = start_sim("--context-length", "64", "--allow-auto-truncate", "--sim-mean-output-tokens", "400")
+    p = textgen.count_prompt_tokens(USER)
+    status, resp = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 90})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 64 - 2 - p
+    assert resp["choices"][0]["finish_reason"] == "length"
+    long_msgs = [{"role": "user", "content": "x" * 400}]
+    status, resp = sim.json("POST", "/v1/chat/completions", {"messages": long_msgs})
+    assert status == 200 and resp["usage"] == {**resp["usage"], "prompt_tokens": 58,
+                                               "completion_tokens": 4}  # fmt: skip
+    assert "Truncating max_new_tokens." in sim.logs() and "Truncating the input." in sim.logs()
 
 
 def test_invalid_requests_get_sglangs_messages(shared_sim: Sim) -> None:
@@ -425,14 +449,14 @@ def test_queue_full_gives_503(start_sim: Callable[..., Sim]) -> None:
     async def run() -> list[tuple[int, Any]]:
         async with aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{sim.port}/v1/chat/completions"
-            body = {"messages": USER, "max_tokens": 20}
+            body = {"messages": USER, "max_tokens": 40}
 
             async def one(delay: float) -> tuple[int, Any]:
                 await asyncio.sleep(delay)
                 async with s.post(url, json=body) as r:
                     return r.status, await r.json()
 
-            return await asyncio.gather(one(0), one(0.1), one(0.2))
+            return await asyncio.gather(one(0), one(0.15), one(0.3))
 
     results = asyncio.run(run())
     assert [s for s, _ in results] == [200, 200, 503]
@@ -513,6 +537,20 @@ def test_health_stall_fault_wedges_health_until_lifted(start_sim: Callable[..., 
     assert status_of(sim, "/health") == 200
 
 
+def test_log_level_warning_hides_batch_lines_and_tp_adds_the_rank_prefix(
+    start_sim: Callable[..., Sim],
+) -> None:
+    quiet = start_sim("--log-level", "warning")
+    loud = start_sim("--tp-size", "2")
+    for sim in (quiet, loud):
+        assert sim.json("POST", "/v1/chat/completions", {"messages": USER})[0] == 200
+    assert "Prefill batch" not in quiet.logs() and "Decode batch" not in quiet.logs()
+    logs = loud.logs()
+    assert re.search(r"^\[[\d\- :]{19} TP0\] Prefill batch, ", logs, re.M)
+    assert re.search(r"^\[[\d\- :]{19} TP0\] max_total_num_tokens=200000, ", logs, re.M)
+    assert re.search(r"^\[[\d\- :]{19}\] The server is fired up and ready to roll!$", logs, re.M)
+
+
 # --- process behaviour -----------------------------------------------------------------------
 
 
@@ -522,18 +560,22 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(start_sim: Callable[..., 
     async def run() -> list[Any]:
         async with aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{sim.port}"
-            body = {"messages": USER, "stream": True, "max_tokens": 60}
+            body = {"messages": USER, "stream": True, "max_tokens": 100}
             async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
                 head = await resp.content.readuntil(b"\n\n")
                 sim.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.05)
-                async with s.get(f"{url}/health") as h:
-                    assert h.status == 503
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:  # until the signal is handled
+                    async with s.get(f"{url}/health") as h:
+                        if h.status == 503:
+                            break
+                else:
+                    raise AssertionError("/health never turned 503 after SIGTERM")
                 return parse_sse(head + await resp.read())
 
     events = asyncio.run(run())
     assert events[-1] == "[DONE]"
-    assert streamed_text(events)[1] == expected(USER, max_tokens=60).content
+    assert streamed_text(events)[1] == expected(USER, max_tokens=100).content
     assert sim.wait_exit() == 0
     logs = sim.logs()
     assert "SIGTERM received. signum=15 frame=None. Draining requests and shutting down..." in logs

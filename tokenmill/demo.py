@@ -56,7 +56,7 @@ def _wait_http_200(url: str, proc: subprocess.Popen[bytes], timeout_s: float, lo
         if proc.poll() is not None:
             raise click.ClickException(f"the sim exited early; see {log}")
         with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status == 200:
                     return
         time.sleep(0.1)
@@ -68,8 +68,14 @@ def _tm(*args: str) -> list[str]:
 
 
 @click.command()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="demo-output", show_default=True,
-              help="Where the export is written.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="demo-output",
+    show_default=True,
+    help="Where the export is written.",
+)
 @click.option("--keep", is_flag=True, help="Keep the working directory (logs, Redis AOF) after the demo.")
 def demo(out_dir: str, keep: bool) -> None:
     """Run the whole pipeline on this machine with the sim engine, then export."""
@@ -84,29 +90,68 @@ def demo(out_dir: str, keep: bool) -> None:
         port = free_port()
         sim_url = f"http://127.0.0.1:{port}"
         sim_log = work / "sim.log"
-        sim = stack.spawn(_tm("server", "sim", "--port", str(port), "--reasoning-parser", "qwen3",
-                              "--sim-mean-output-tokens", "120", "--sim-health-latency-s", "0.05",
-                              "--sim-step-ms", "8"), sim_log, {})
+        sim = stack.spawn(
+            _tm(
+                "server",
+                "sim",
+                "--port",
+                str(port),
+                "--reasoning-parser",
+                "qwen3",
+                "--sim-mean-output-tokens",
+                "120",
+                "--sim-health-latency-s",
+                "0.05",
+                "--sim-step-ms",
+                "8",
+            ),
+            sim_log,
+            {},
+        )
         _wait_http_200(f"{sim_url}/health", sim, 60, sim_log)
         console.print(f"[bold]sim[/]     {sim_url} (SGLang-compatible, reasoning on; log {sim_log})")
         env = {"TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": sim_url}
         for queue, threads in (("short", "32"), ("long", "8")):
-            stack.spawn(_tm("worker", "--queue", queue, "--concurrency", threads), work / f"worker-{queue}.log", env)
-        console.print(f"[bold]workers[/] short ×32, long ×8 (logs in {work})")
+            stack.spawn(
+                _tm("worker", "--queue", queue, "--concurrency", threads), work / f"worker-{queue}.log", env
+            )
+        console.print(f"[bold]workers[/] short x32, long x8 (logs in {work})")
         files = [str(data.joinpath(f"{p}.jsonl")) for p in ("B1", "B2")]
-        enq = subprocess.run(_tm("enqueue", *files, "--run", RUN, "--short-max-tokens", "256",
-                                 "--long-max-tokens", "512", "--long-prompt-tokens", "12"),
-                             env={**os.environ, **env}, capture_output=True, text=True, check=False)
+        enq = subprocess.run(
+            _tm(
+                "enqueue",
+                *files,
+                "--run",
+                RUN,
+                "--short-max-tokens",
+                "256",
+                "--long-max-tokens",
+                "512",
+                "--long-prompt-tokens",
+                "12",
+            ),
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if enq.returncode:
             raise click.ClickException(f"enqueue failed: {enq.stderr.strip()}")
         console.print(f"[bold]enqueue[/] {enq.stdout.strip()}")
         _watch(console, redis.Redis.from_url(rds.url), timeout_s=600)
-        exp = subprocess.run(_tm("export", "--run", RUN, "--out", str(out), "--include-truncated"),
-                             env={**os.environ, **env}, capture_output=True, text=True, check=False)
+        exp = subprocess.run(
+            _tm("export", "--run", RUN, "--out", str(out), "--include-truncated"),
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if exp.returncode:
             raise click.ClickException(f"export failed: {exp.stderr.strip()}")
         console.print(f"[bold]export[/]  {exp.stdout.strip()}")
-        console.print(f"\nDone. Completions are in [bold]{out}[/] (one JSON object per line, one file per partition).")
+        console.print(
+            f"\nDone. Completions are in [bold]{out}[/] (one JSON object per line, one file per partition)."
+        )
         console.print("Shutting down the workers, the sim and Redis…")
     if not keep:
         import shutil
@@ -118,8 +163,14 @@ def demo(out_dir: str, keep: bool) -> None:
 
 def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
     ledger = Ledger(client, RUN)
-    progress = Progress(TextColumn("{task.description:>4}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description:>4}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
     tasks = {}
     deadline = time.monotonic() + timeout_s
     with Live(progress, console=console, refresh_per_second=8):

@@ -85,8 +85,13 @@ def server_stop(name: str) -> str:
 
 
 def admission(server_name: str) -> str:
-    """Sorted set of admission slots held on a server: member ``job|tokens|queue``, score = expiry ms."""
+    """Sorted set: admission slots held on a server, member = slot id, score = expiry (ms)."""
     return f"{PREFIX}:_:admit:{server_name}"
+
+
+def admission_used(server_name: str) -> str:
+    """Hash: tokens admitted on a server in total and per queue, and the last decision's figures."""
+    return f"{PREFIX}:_:admit:{server_name}:used"
 
 
 def pump_lock() -> str:

@@ -32,8 +32,15 @@ SCRIPT_NAMES = (
     "reap",
     "promote",
     "feed",
+    "admit",
+    "unadmit",
 )
 _SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
+
+
+def register(client: redis.Redis | aioredis.Redis, name: str) -> Any:
+    """The named Lua script of ``tokenmill/lua/`` registered on ``client``."""
+    return client.register_script(_SOURCES[name])
 
 
 def _s(value: Any) -> str:
@@ -65,6 +72,7 @@ class Claim:
     partition: str
     queue: str
     retries: int
+    slot: tuple[str, str] | None = None  # (admission slots key, member) renewed with the lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +306,13 @@ class Ledger:
             yield from zip(ids, pipe.execute(), strict=True)
             start += batch
 
+    def peek(self, job_id: str) -> tuple[str, dict[str, Any]] | None:
+        """``(state, spec)`` of a job without claiming it, or None when it does not exist."""
+        state, spec = self.r.hmget(self.k.job(job_id), "state", "spec")
+        if state is None or spec is None:
+            return None
+        return _s(state), orjson.loads(spec)
+
     def job(self, job_id: str) -> dict[str, str]:
         return {_s(a): _s(b) for a, b in self.r.hgetall(self.k.job(job_id)).items()}
 
@@ -318,19 +333,21 @@ def heartbeat_args(
     k: keys.RunKeys, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None, new_tokens: int
 ) -> tuple[list[str], list[Any]]:
     ck = checkpoint
-    return (
-        [k.job(claim.job_id), k.leases(), k.throughput()],
-        [
-            claim.job_id,
-            claim.token,
-            int(lease_ttl_s * 1000),
-            1 if ck is not None else 0,
-            ck.content if ck else "",
-            ck.reasoning if ck else "",
-            ck.tokens if ck else 0,
-            new_tokens,
-        ],
-    )
+    script_keys = [k.job(claim.job_id), k.leases(), k.throughput()]
+    args: list[Any] = [
+        claim.job_id,
+        claim.token,
+        int(lease_ttl_s * 1000),
+        1 if ck is not None else 0,
+        ck.content if ck else "",
+        ck.reasoning if ck else "",
+        ck.tokens if ck else 0,
+        new_tokens,
+    ]
+    if claim.slot is not None:
+        script_keys.append(claim.slot[0])
+        args.append(claim.slot[1])
+    return script_keys, args
 
 
 class AsyncHeartbeat:

@@ -50,8 +50,21 @@ class LocalRedis:
 
     def argv(self) -> list[str]:
         args = [
-            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--maxmemory-policy", "noeviction",
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
         ]
         return args + (["--requirepass", self.password] if self.password else [])
 
@@ -62,7 +75,9 @@ class LocalRedis:
         deadline = time.monotonic() + timeout_s
         while not self.ping():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise ConfigError(f"redis-server did not start on port {self.port}: see {self.workdir / 'redis.log'}")
+                raise ConfigError(
+                    f"redis-server did not start on port {self.port}: see {self.workdir / 'redis.log'}"
+                )
             time.sleep(0.05)
         return self
 

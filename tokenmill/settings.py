@@ -58,8 +58,12 @@ class Settings:
     continue_partial: bool = True
 
     # admission and broker depth
+    admission: bool = True
     admission_fraction: float = 0.9
-    admission_wait_s: float = 0.5
+    admission_queue_share: float = 0.75
+    admission_default_output_tokens: int = 2048
+    admission_output_factor: float = 1.25
+    admission_wait_s: float = 0.2
     max_queued: int = 20000
     server_wait_s: float = 1.0
 
@@ -108,6 +112,8 @@ class Settings:
         for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.admission_queue_share <= 1:
+            raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
         if not 0 < self.admission_fraction <= 1:
             raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
 

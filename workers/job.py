@@ -11,8 +11,10 @@ import logging
 import random
 
 from tokenmill import errors
+from tokenmill.admission import Slot
 from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
 from workers.attempt import AttemptState, Outcome, run_attempt
+from workers.pool import ServerView
 from workers.runtime import Runtime
 from workers.stream import Progress
 
@@ -21,27 +23,67 @@ log = logging.getLogger("tokenmill.worker")
 
 def run_job(rt: Runtime, run: str, job_id: str) -> str:
     """Run one delivery of ``job_id``; returns what happened (for logs and tests)."""
-    s = rt.settings
-    ledger = rt.ledger(run)
     if rt.auth_error is not None or rt.stopping.is_set():
         return "skipped"
-    server = rt.pool.wait_ready(rt.stopping)
-    if server is None:
+    ledger = rt.ledger(run)
+    peeked = ledger.peek(job_id)
+    if peeked is None:
+        return "missing"
+    state, spec = peeked
+    if state in ("done", "failed"):
+        return state
+    admitted = _admit(rt, run, spec["request"], spec_queue(spec, ledger, job_id))
+    if admitted is None:
         return "stopping"
+    server, slot = admitted
+    try:
+        return _claim_and_run(rt, ledger, run, job_id, server.url, slot)
+    finally:
+        rt.admission.release(slot)
+
+
+def spec_queue(spec: dict, ledger: Ledger, job_id: str) -> str:
+    queue = ledger.r.hget(ledger.k.job(job_id), "queue")
+    return queue.decode() if queue else "short"
+
+
+def _admit(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | None:
+    """Wait for a ready server with room for this request in its budget (least loaded first)."""
+    adm = rt.admission
+    tokens = adm.estimate(run, request)
+    said = False
+    while not rt.stopping.is_set():
+        views = rt.pool.ready_views()
+        views.sort(key=lambda v: adm.load(v.name) / (adm.budget(v.capacity) or float("inf")))
+        for view in views:
+            slot = adm.try_admit(view.name, view.capacity, tokens, queue)
+            if slot is not None:
+                return view, slot
+        if not said and not views:
+            log.warning("no server is ready (%s); waiting", ", ".join(rt.settings.server_urls))
+            said = True
+        rt.stopping.wait(rt.settings.admission_wait_s * (0.5 + random.random()))
+    return None
+
+
+def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str, slot: Slot) -> str:
+    s = rt.settings
     claim = ledger.claim(job_id, rt.worker_id, s.lease_ttl_s)
     if isinstance(claim, str):
         log.info("job %s/%s not claimed: %s", run, job_id, claim)
         return claim
+    if slot.tokens:
+        claim.slot = (slot.key, slot.member)
     base = claim.checkpoint if s.continue_partial else Checkpoint()
     state = AttemptState(base=base, progress=Progress())
     try:
-        outcome = _attempt(rt, claim, server.url, state)
+        outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:
-        return _settle(rt, ledger, claim, server.url, exc, state)
+        return _settle(rt, ledger, claim, url, exc, state)
     except errors.StaleClaimError as exc:
         log.warning("%s", exc)
         return "stale"
-    outcome.result["server"] = server.url
+    outcome.result["server"] = url
     verdict = ledger.commit(claim, outcome.result, outcome.new_tokens)
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", run, job_id, verdict)

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+import orjson
 import redis
 
 from tokenmill import servers as server_records
@@ -24,6 +25,7 @@ log = logging.getLogger("tokenmill.pool")
 
 HEALTH_TIMEOUT_S = 25.0  # a wedged SGLang /health answers 503 after 20 s
 RECORDS_TTL_S = 1.0
+CAPACITY_RETRY_S = 10.0
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class ServerPool:
         self._records: dict[str, server_records.ServerRecord] = {}
         self._records_at = 0.0
         self._rr = 0
+        self._capacities: dict[str, tuple[float, int | None]] = {}
 
     def _load_records(self) -> dict[str, server_records.ServerRecord]:
         now = time.monotonic()
@@ -74,8 +77,26 @@ class ServerPool:
                     )
                 )
             else:
-                out.append(ServerView(url, url, url not in self._suspect))
+                ready = url not in self._suspect
+                out.append(ServerView(url, url, ready, self._capacity(url) if ready else None))
         return out
+
+    def _capacity(self, url: str) -> int | None:
+        """``max_total_num_tokens`` of an unmanaged server, from ``/server_info`` (cached)."""
+        now = time.monotonic()
+        cached = self._capacities.get(url)
+        if cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S):
+            cached = (now, fetch_capacity(url))
+            self._capacities[url] = cached
+        return cached[1]
+
+    def ready_views(self) -> list[ServerView]:
+        """Every ready server (probing suspects when none is)."""
+        ready = [v for v in self.views() if v.ready]
+        if not ready:
+            self._probe_suspects()
+            ready = [v for v in self.views() if v.ready]
+        return ready
 
     def pick(self) -> ServerView | None:
         """A ready server (round robin among the ready ones), or None."""
@@ -126,6 +147,18 @@ class ServerPool:
         for url in suspects:
             if probe_health(url):
                 self._suspect.pop(url, None)
+
+
+def fetch_capacity(url: str, timeout_s: float = 10.0) -> int | None:
+    """``max_total_num_tokens`` from ``/server_info`` (``/get_server_info`` on older servers)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
+                value = orjson.loads(resp.read()).get("max_total_num_tokens")
+                return int(value) if value else None
+        except (urllib.error.URLError, OSError, TimeoutError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:

@@ -12,6 +12,7 @@ import httpx2
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
 from tokenmill import redis_conn
+from tokenmill.admission import Admission
 from tokenmill.ledger import AsyncHeartbeat, Ledger
 from tokenmill.settings import Settings
 from workers.loop import LoopThread
@@ -29,6 +30,7 @@ class Runtime:
         self.redis = redis_conn.connect(settings)
         self.loop = LoopThread()
         self.pool = ServerPool(settings, self.redis)
+        self.admission = Admission(self.redis, settings)
         self.stopping = threading.Event()  # stop taking work
         self.abort_streams = threading.Event()  # grace period over: checkpoint and release
         self.auth_error: str | None = None

@@ -206,7 +206,11 @@ class Scheduler:
         self._log_prefill(len(batch), new_tokens)
         await asyncio.sleep((cfg.step_ms + new_tokens / cfg.prefill_tokens_per_ms) / 1000)
         for r in batch:
-            if r.state == "running":
+            if r.state != "running":
+                continue  # aborted during the prefill
+            if r.output_tokens <= 0:
+                self.finish(r, r.finish_reason)
+            else:
                 self._advance(r)
 
     async def _decode_step(self) -> None:

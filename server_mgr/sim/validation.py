@@ -150,25 +150,21 @@ def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog
     return max_new
 
 
-def _truncated_input(completion: textgen.Completion, cfg: SimConfig) -> textgen.Completion:
-    """With --allow-auto-truncate, an over-long input is cut to the scheduler's input limit."""
+def _truncated_input(
+    messages: list[dict[str, Any]], params: dict[str, Any], continued: bool, cfg: SimConfig
+) -> textgen.Completion:
+    """With --allow-auto-truncate, an over-long input is cut to the scheduler's input limit.
+
+    The output is the same token sequence, now with the budget of the truncated input.
+    """
     prompt = cfg.max_req_input_len
     budget = textgen.generation_budget(
         prompt, context_length=cfg.context_length, max_total_tokens=cfg.max_total_tokens
     )
-    tokens = completion.tokens[:budget]
-    n_reason = min(completion.reasoning_tokens, len(tokens))
-    cut = len(tokens) < len(completion.tokens)
-    return replace(
-        completion,
-        tokens=tokens,
-        reasoning_content="".join(tokens[:n_reason]) or None,
-        content="".join(tokens[n_reason:]),
-        completion_tokens=len(tokens),
-        reasoning_tokens=n_reason,
-        finish_reason="length" if cut else completion.finish_reason,
-        prompt_tokens=prompt,
-    )
+    limit = min(budget, params["max_tokens"] or budget)
+    unbounded = {**params, "max_tokens": limit, "context_length": 2**40, "max_total_tokens": None}
+    completion = textgen.resolve(messages, continue_final_message=continued, **unbounded)
+    return replace(completion, prompt_tokens=prompt)
 
 
 def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
@@ -177,7 +173,7 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
     # 0.5.23: max_completion_tokens wins; 0 is falsy, i.e. unlimited
     max_new = _int(body, "max_completion_tokens") or _int(body, "max_tokens") or None
     seed = _int(body, "seed")
-    params = dict(
+    params: dict[str, Any] = dict(
         seed=seed,
         temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"),
@@ -189,15 +185,14 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
         context_length=cfg.context_length,
         max_total_tokens=cfg.max_total_tokens,
     )
+    continued = bool(body.get("continue_final_message"))
     try:
-        completion = textgen.resolve(
-            messages, continue_final_message=bool(body.get("continue_final_message")), **params
-        )
+        completion = textgen.resolve(messages, continue_final_message=continued, **params)
     except textgen.ContinuationError as exc:
         raise RequestError(str(exc)) from None
     limit = _check_context(completion.prompt_tokens, max_new, cfg, log)
     if completion.prompt_tokens >= cfg.context_length:
-        completion = _truncated_input(completion, cfg)
+        completion = _truncated_input(messages, params, continued, cfg)
     elif completion.prompt_tokens > cfg.max_req_input_len:
         raise RequestError(
             f"Input length ({completion.prompt_tokens} tokens) exceeds the maximum allowed "

@@ -1,0 +1,238 @@
+"""Shared parts of the benchmarks: child processes, a private Redis, the sim, workers, CPU, tables.
+
+Every process a benchmark starts is registered on a :class:`Children` stack and stopped (SIGTERM
+to its own PID, then SIGKILL) when the stack closes, also on Ctrl-C or SIGTERM. Only loopback
+addresses are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+from tokenmill.local_redis import LocalRedis, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
+
+
+def _raise_exit(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that ``finally`` blocks stop what was started."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
+@contextlib.contextmanager
+def workdir(keep: bool = False, prefix: str = "tokenmill-bench-") -> Iterator[Path]:
+    """A temporary directory for logs, data and Redis files; removed afterwards unless ``keep``."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"(kept {path})")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.05) -> T:
+    """Poll ``cond`` until it returns something truthy; raise naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+@dataclass
+class Child:
+    """A child process with its output in a log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    name: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to this process, then SIGKILL after ``grace_s``."""
+        if not self.alive():
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Children(contextlib.ExitStack):
+    """Processes a benchmark started; each is stopped when the stack closes (last first)."""
+
+    def spawn(self, name: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Child:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen(
+                list(args), stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
+            )
+        child = Child(proc, log, name)
+        self.callback(child.stop)
+        return child
+
+    def redis(self, where: Path) -> LocalRedis:
+        """A private redis-server (AOF on, noeviction, loopback, a free port)."""
+        server = LocalRedis(where).start()
+        self.callback(server.stop)
+        return server
+
+
+def http_status(url: str, timeout_s: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0
+
+
+def start_sim(children: Children, where: Path, knobs: Sequence[str], name: str = "sim") -> tuple[Child, str]:
+    """The sim engine on a free loopback port, ready (``/health`` 200); returns (child, base URL)."""
+    port = free_port()
+    args = [
+        sys.executable, "-m", "server_mgr.sim", "--host", "127.0.0.1", "--port", str(port),
+        "--sim-startup-delay-s", "0", "--sim-warmup-s", "0", "--sim-health-latency-s", "0.01",
+        "--log-level", "warning", *knobs,
+    ]  # fmt: skip
+    child = children.spawn(name, args, where / f"{name}-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: http_status(f"{url}/health") == 200 or not child.alive(), 60, f"the sim on {url}")
+    if not child.alive():
+        raise RuntimeError(f"the sim exited early:\n{child.output()[-2000:]}")
+    return child, url
+
+
+def start_worker(children: Children, where: Path, queue: str, concurrency: int, env: dict[str, str]) -> Child:
+    """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume."""
+    name = f"worker-{queue}-{free_port()}"
+    args = [
+        sys.executable, "-m", "tokenmill.cli", "worker", "--queue", queue,
+        "--concurrency", str(concurrency), "--hostname", f"{name}@%h",
+    ]  # fmt: skip
+    child = children.spawn(name, args, where / f"{name}.log", env)
+    wait_for(lambda: " ready." in child.output() or not child.alive(), 90, f"{name} ready", 0.1)
+    if not child.alive():
+        raise RuntimeError(f"{name} exited early:\n{child.output()[-2000:]}")
+    return child
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_peak_mb(pid: int) -> float:
+    """Peak resident set size of ``pid`` in MB (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_measured(
+    args: Sequence[str], log: Path, env: dict[str, str] | None = None, timeout_s: float = 900
+) -> Measured:
+    """Run a command to completion (output to ``log``); its wall time, CPU and max RSS (``wait4``)."""
+    start = time.perf_counter()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            list(args), stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
+        )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(10)
+            raise TimeoutError(f"{' '.join(args)} ran past {timeout_s}s")
+        time.sleep(0.005)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Measured(
+        wall_s=wall,
+        cpu_s=usage.ru_utime + usage.ru_stime,
+        max_rss_mb=usage.ru_maxrss / 1024,
+        returncode=proc.returncode,
+        output=log.read_text(errors="replace"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    wall_s: float
+    cpu_s: float
+    max_rss_mb: float
+    returncode: int
+    output: str
+
+
+def machine() -> str:
+    """One line about this machine: cores, Python, OS."""
+    return (
+        f"{os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}, {time.strftime('%Y-%m-%d')}"
+    )
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (printable as is, and pastable into docs/benchmarks.md)."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "meets target" if ok else "MISSES target"

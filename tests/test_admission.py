@@ -1,0 +1,63 @@
+"""Capacity-aware admission: a Redis-wide token budget per server, with per-queue caps."""
+
+from __future__ import annotations
+
+import redis
+
+from tokenmill.admission import Admission, admission_view
+from tokenmill.settings import Settings
+from tests.procs import wait_for
+
+
+def adm(rclient: redis.Redis, **kw: object) -> Admission:
+    return Admission(rclient, Settings.load(env={}, admission_fraction=1.0, admission_queue_share=0.75, **kw))
+
+
+def test_budget_bounds_tokens_in_flight_and_release_frees_room(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    s1 = a.try_admit("srv", 1000, 400, "short")
+    s2 = a.try_admit("srv", 1000, 300, "long")
+    assert s1 and s2
+    assert a.try_admit("srv", 1000, 400, "long") is None  # 700 + 400 > 1000
+    assert a.load("srv") == 700
+    a.release(s1)
+    assert a.try_admit("srv", 1000, 400, "long") is not None
+    view = admission_view(rclient, "srv")
+    assert view["total"] == 700 and view["budget"] == 1000 and view["slots"] == 2 and view["refused"] == 1
+
+
+def test_a_queue_cannot_take_the_whole_budget(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    assert a.try_admit("srv", 1000, 700, "long")
+    assert a.try_admit("srv", 1000, 100, "long") is None  # long's cap is 750
+    assert a.try_admit("srv", 1000, 200, "short")  # short still has room
+
+
+def test_one_request_is_always_admitted_on_an_idle_server(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    assert a.try_admit("srv", 1000, 5000, "short") is not None
+    assert a.try_admit("srv", 1000, 1, "short") is None
+
+
+def test_a_dead_workers_slots_expire(rclient: redis.Redis) -> None:
+    a = adm(rclient, lease_ttl_s=0.2)
+    assert a.try_admit("srv", 1000, 900, "short")
+    assert a.try_admit("srv", 1000, 500, "short") is None
+    wait_for(lambda: a.try_admit("srv", 1000, 500, "short"), 5, "the expired slot to free its tokens")
+    assert a.load("srv") == 500
+
+
+def test_unknown_capacity_is_not_limited(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    slot = a.try_admit("srv", None, 10**9, "short")
+    assert slot is not None and slot.tokens == 0
+
+
+def test_estimate_uses_the_runs_mean_output_once_known(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_default_output_tokens=1000, admission_output_factor=1.0)
+    request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 5000}
+    assert a.estimate("r", request) == 104 + 1000
+    rclient.hset("tm:r2:stats", "completion_tokens", 2000)
+    rclient.hset("tm:r2:counts", "done|P", 10)
+    assert a.estimate("r2", request) == 104 + 200
+    assert a.estimate("r2", {**request, "max_tokens": 50}) == 104 + 50

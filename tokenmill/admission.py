@@ -1,0 +1,120 @@
+"""Capacity-aware admission: a global limiter in Redis, shared by every worker on every host.
+
+Each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
+by the server manager, or read from ``/server_info``). A request holds ``prompt + expected
+output`` tokens of it while it runs, where the expected output is the run's mean completion
+length so far (times a safety factor, capped by ``max_tokens``). Each queue may use at most
+``admission_queue_share`` of the budget, so long prompts cannot starve short ones or the
+reverse. Slots are leases renewed with the job's lease: a dead worker's slots expire.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tokenmill import keys
+from tokenmill.ledger import register
+from tokenmill.settings import Settings
+
+STATS_TTL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    server: str
+    member: str
+    tokens: int
+
+    @property
+    def key(self) -> str:
+        return keys.admission(self.server)
+
+
+def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """≈ UTF-8 bytes / 4 + 4 per message (the producer's routing estimate)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content.encode())
+        elif isinstance(content, list):
+            total += sum(len(str(p.get("text", "")).encode()) for p in content if isinstance(p, dict))
+    return -(-total // 4) + 4 * len(messages)
+
+
+class Admission:
+    """Take and give back admission slots; estimate what a request will hold."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.r = client
+        self.s = settings
+        self._admit = register(client, "admit")
+        self._unadmit = register(client, "unadmit")
+        self._means: dict[str, tuple[float, float | None]] = {}
+
+    def budget(self, capacity: int | None) -> int | None:
+        return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
+
+    def estimate(self, run: str, request: dict[str, Any]) -> int:
+        """Tokens a request is expected to hold on the server: prompt + expected output."""
+        prompt = estimate_prompt_tokens(request["messages"])
+        max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
+        mean = self._mean_output(run)
+        expected = (
+            self.s.admission_default_output_tokens if mean is None else mean * self.s.admission_output_factor
+        )
+        return prompt + int(min(max_tokens, max(expected, 16)))
+
+    def _mean_output(self, run: str) -> float | None:
+        now = time.monotonic()
+        cached = self._means.get(run)
+        if cached and now - cached[0] < STATS_TTL_S:
+            return cached[1]
+        k = keys.RunKeys(run)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(k.stats(), "completion_tokens")
+        pipe.hgetall(k.counts())
+        tokens, counts = pipe.execute()
+        done = sum(int(v) for f, v in counts.items() if f.startswith(b"done|"))
+        mean = int(tokens) / done if tokens and done >= 5 else None
+        self._means[run] = (now, mean)
+        return mean
+
+    def load(self, server: str) -> int:
+        """Tokens currently admitted on ``server``."""
+        return int(self.r.hget(keys.admission_used(server), "total") or 0)
+
+    def try_admit(self, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
+        """A slot on ``server``, or None when its budget (or the queue's cap) has no room."""
+        budget = self.budget(capacity)
+        member = uuid.uuid4().hex
+        if budget is None:
+            return Slot(server, member, 0)  # no known capacity: not limited
+        cap = int(budget * self.s.admission_queue_share)
+        ttl_ms = int(self.s.lease_ttl_s * 1000)
+        ok = self._admit(
+            [keys.admission(server), keys.admission_used(server)],
+            [member, tokens, queue, budget, cap, ttl_ms],
+        )
+        return Slot(server, member, tokens) if ok else None
+
+    def release(self, slot: Slot) -> None:
+        if slot.tokens:
+            self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
+
+
+def admission_view(client: redis.Redis, server: str) -> dict[str, int]:
+    """The figures behind the last decisions on ``server`` (for status)."""
+    raw = client.hgetall(keys.admission_used(server))
+    out = {}
+    for f, v in raw.items():
+        name = f.decode()
+        if not name.startswith("slot"):
+            out[name] = int(v)
+    out["slots"] = int(client.zcard(keys.admission(server)))
+    return out

@@ -1,0 +1,121 @@
+"""``tokenmill flower``: Flower on the tokenmill Celery app, on loopback unless told otherwise.
+
+Flower runs in this process (``app.start(["flower", ...])``), so the basic-auth credentials are
+never on a command line another user can read. Binding beyond loopback without basic auth is
+refused: Flower's API can revoke tasks and shut workers down.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import click
+
+from tokenmill.errors import ConfigError
+
+DEFAULT_PORT = 5555
+DEFAULT_MAX_TASKS = 10_000
+# Flower's tasks page columns: the args column shows ``['run', 'partition', 'job-id']``.
+TASK_COLUMNS = "name,args,state,received,started,runtime,worker,retries"
+AUTH_ENVVARS = ("TOKENMILL_FLOWER_BASIC_AUTH", "FLOWER_BASIC_AUTH")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` only accepts connections from this host (``""`` means every interface)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
+
+
+def parse_basic_auth(value: str | None) -> list[str]:
+    """``user:password[,user2:password2]`` as Flower's list; raises naming the entry, not the secret."""
+    if not value:
+        return []
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    for i, entry in enumerate(entries, 1):
+        user, sep, password = entry.partition(":")
+        if not (user and sep and password):
+            raise ConfigError(
+                f"basic auth entry {i} (user {user or '?'!r}) must be user:password with both non-empty "
+                f"(--basic-auth or {AUTH_ENVVARS[0]})"
+            )
+    return entries
+
+
+def check_exposure(address: str, credentials: list[str]) -> None:
+    """Refuse to serve Flower beyond loopback without authentication."""
+    if not credentials and not is_loopback(address):
+        shown = address or "every interface"
+        raise ConfigError(
+            f"refusing to bind Flower to {shown} without authentication: set "
+            f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth), or bind to 127.0.0.1"
+        )
+
+
+def flower_argv(
+    address: str, port: int, credentials: list[str], max_tasks: int, url_prefix: str | None
+) -> list[str]:
+    """The ``celery flower`` arguments: in-memory state only, bounded, readable task columns."""
+    argv = [
+        "flower",
+        f"--address={address}",
+        f"--port={port}",
+        "--persistent=False",
+        f"--max_tasks={max_tasks}",
+        f"--tasks_columns={TASK_COLUMNS}",
+    ]
+    if url_prefix:
+        argv.append(f"--url_prefix={url_prefix}")
+    if credentials:
+        argv.append(f"--basic_auth={','.join(credentials)}")
+    return argv
+
+
+@click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True)
+@click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; anything beyond loopback requires basic auth.",
+)
+@click.option(
+    "--basic-auth",
+    envvar=list(AUTH_ENVVARS),
+    show_envvar=True,
+    default=None,
+    metavar="USER:PASSWORD[,...]",
+    help="HTTP basic auth for the UI and API (prefer the environment variable to the flag).",
+)
+@click.option(
+    "--max-tasks",
+    type=click.IntRange(100),
+    default=DEFAULT_MAX_TASKS,
+    show_default=True,
+    help="Tasks Flower keeps in memory (oldest are dropped).",
+)
+@click.option("--url-prefix", default=None, help="Serve under this path (behind a reverse proxy).")
+@click.option(
+    "--redis-url", envvar="TOKENMILL_REDIS_URL", default=None, help="Redis URL (the Celery broker)."
+)
+def flower(
+    port: int,
+    address: str,
+    basic_auth: str | None,
+    max_tasks: int,
+    url_prefix: str | None,
+    redis_url: str | None,
+) -> None:
+    """Start Flower on the tokenmill app (task events on, state in memory only)."""
+    from tokenmill.app import configure
+    from tokenmill.settings import Settings
+
+    credentials = parse_basic_auth(basic_auth)
+    check_exposure(address, credentials)
+    app = configure(Settings.load(redis_url=redis_url))
+    code = app.start(flower_argv(address, port, credentials, max_tasks, url_prefix))
+    if code:
+        raise SystemExit(code)
