@@ -555,7 +555,7 @@ def test_log_level_warning_hides_batch_lines_and_tp_adds_the_rank_prefix(
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(start_sim: Callable[..., Sim]) -> None:
-    sim = start_sim("--sim-step-ms", "10")
+    sim = start_sim("--sim-step-ms", "10", "--sim-mean-output-tokens", "400")
 
     async def run() -> list[Any]:
         async with aiohttp.ClientSession() as s:
@@ -575,7 +575,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(start_sim: Callable[..., 
 
     events = asyncio.run(run())
     assert events[-1] == "[DONE]"
-    assert streamed_text(events)[1] == expected(USER, max_tokens=100).content
+    assert streamed_text(events)[1] == expected(USER, max_tokens=100, mean_output_tokens=400).content
     assert sim.wait_exit() == 0
     logs = sim.logs()
     assert "SIGTERM received. signum=15 frame=None. Draining requests and shutting down..." in logs

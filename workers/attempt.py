@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from openai import AsyncOpenAI
 
 from tokenmill import errors
@@ -21,6 +23,7 @@ from tokenmill.settings import Settings
 from workers.stream import Progress, stream_chat
 
 WATCH_PERIOD_S = 1.0
+log = logging.getLogger("tokenmill.worker")
 
 
 @dataclass(slots=True)
@@ -135,7 +138,13 @@ async def _watchdog(
             ck = state.checkpoint() if due_ckpt else None
             total = state.base.tokens + tokens
             new = max(0, total - state.base.tokens - state.reported_tokens)
-            if not await heartbeat(claim, s.lease_ttl_s, ck, new):
+            try:
+                alive = await heartbeat(claim, s.lease_ttl_s, ck, new)
+            except redis.RedisError as exc:
+                # Redis is restarting or paused: keep streaming; the next tick tries again.
+                log.warning("job %s: heartbeat failed (%s); will retry", claim.job_id, exc)
+                continue
+            if not alive:
                 stream.cancel()
                 raise errors.StaleClaimError(f"job {claim.job_id}: the lease was taken over")
             state.reported_tokens += new

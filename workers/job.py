@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import logging
 import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
 
 from tokenmill import errors
 from tokenmill.admission import Slot
@@ -19,6 +24,7 @@ from workers.runtime import Runtime
 from workers.stream import Progress
 
 log = logging.getLogger("tokenmill.worker")
+T = TypeVar("T")
 
 
 def run_job(rt: Runtime, run: str, job_id: str) -> str:
@@ -26,7 +32,7 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     if rt.auth_error is not None or rt.stopping.is_set():
         return "skipped"
     ledger = rt.ledger(run)
-    peeked = ledger.peek(job_id)
+    peeked = durable(lambda: ledger.peek(job_id))
     if peeked is None:
         return "missing"
     state, spec = peeked
@@ -40,6 +46,25 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
         return _claim_and_run(rt, ledger, run, job_id, server.url, slot)
     finally:
         rt.admission.release(slot)
+
+
+REDIS_RETRY_S = 120.0
+
+
+def durable(fn: Callable[[], T]) -> T:
+    """Call a ledger transition, riding through a Redis restart or blip (transitions are fenced
+    and idempotent, so repeating one after a lost reply is safe)."""
+    deadline = time.monotonic() + REDIS_RETRY_S
+    delay = 0.1
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("Redis unavailable (%s); retrying", exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def spec_queue(spec: dict, ledger: Ledger, job_id: str) -> str:
@@ -68,7 +93,7 @@ def _admit(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView
 
 def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str, slot: Slot) -> str:
     s = rt.settings
-    claim = ledger.claim(job_id, rt.worker_id, s.lease_ttl_s)
+    claim = durable(lambda: ledger.claim(job_id, rt.worker_id, s.lease_ttl_s))
     if isinstance(claim, str):
         log.info("job %s/%s not claimed: %s", run, job_id, claim)
         return claim
@@ -79,12 +104,13 @@ def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str,
     try:
         outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:
-        return _settle(rt, ledger, claim, url, exc, state)
+        failure = exc
+        return durable(lambda: _settle(rt, ledger, claim, url, failure, state))
     except errors.StaleClaimError as exc:
         log.warning("%s", exc)
         return "stale"
     outcome.result["server"] = url
-    verdict = ledger.commit(claim, outcome.result, outcome.new_tokens)
+    verdict = durable(lambda: ledger.commit(claim, outcome.result, outcome.new_tokens))
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", run, job_id, verdict)
     return "done" if verdict == "ok" else verdict

@@ -2,7 +2,8 @@
 
 It requeues jobs whose lease expired (a killed worker's jobs run again within about one lease
 TTL plus one period, whatever the broker's visibility timeout), publishes delayed retries
-whose time has come, and tops the broker lists up from the backlog.
+whose time has come, tops the broker lists up from the backlog, and republishes queued jobs
+that no message carries (see :class:`Reconciler`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,50 @@ from tokenmill.settings import Settings
 log = logging.getLogger("tokenmill.pump")
 
 
-def pump_once(client: redis.Redis, settings: Settings) -> dict[str, int]:
+class Reconciler:
+    """Finds ``queued`` jobs that no message carries (after a Redis crash or a flushed queue).
+
+    When every broker list is empty, every message that still exists is in a worker's hands,
+    and such a job is running or about to be claimed. A job found ``queued`` (not delayed, not
+    on the backlog) in two passes in a row with the brokers empty both times has no message:
+    it is republished. Duplicates this might create are no-ops by construction.
+    """
+
+    def __init__(self) -> None:
+        self.suspects: dict[str, set[str]] = {}
+
+    def pass_(self, client: redis.Redis, ledger: Ledger) -> int:
+        if any(client.llen(keys.broker_queue(q)) for q in keys.QUEUES):
+            self.suspects.pop(ledger.run, None)
+            return 0
+        counts = ledger.counts()
+        if not any(c["queued"] for c in counts.values()):
+            self.suspects.pop(ledger.run, None)
+            return 0
+        k = ledger.k
+        parked = {x.decode() for x in client.zrange(k.delayed(), 0, -1)}
+        for q in keys.QUEUES:
+            parked.update(x.decode() for x in client.lrange(k.backlog(q), 0, -1))
+        queued = {
+            job_id
+            for partition, c in counts.items()
+            if c["queued"]
+            for job_id, (state,) in ledger.iter_jobs(partition, ("state",))
+            if state == b"queued" and job_id not in parked
+        }
+        orphans = queued & self.suspects.get(ledger.run, set())
+        self.suspects[ledger.run] = queued - orphans
+        if orphans:
+            log.warning("run %s: %d queued job(s) had no message; republished", ledger.run, len(orphans))
+            return ledger.republish(sorted(orphans))
+        return 0
+
+
+def pump_once(
+    client: redis.Redis, settings: Settings, reconciler: Reconciler | None = None
+) -> dict[str, int]:
     """One pass over every run with unfinished jobs; returns what it did."""
-    did = {"reaped": 0, "promoted": 0, "fed": 0}
+    did = {"reaped": 0, "promoted": 0, "fed": 0, "republished": 0}
     for raw in client.smembers(keys.runs()):
         run = raw.decode()
         ledger = Ledger(client, run)
@@ -32,6 +74,8 @@ def pump_once(client: redis.Redis, settings: Settings) -> dict[str, int]:
         did["promoted"] += ledger.promote_due()
         for queue in keys.QUEUES:
             did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
+        if reconciler is not None:
+            did["republished"] += reconciler.pass_(client, ledger)
     return did
 
 
@@ -43,6 +87,7 @@ class Pump(threading.Thread):
         self.r = client
         self.settings = settings
         self.stop_event = threading.Event()
+        self.reconciler = Reconciler()
 
     def run(self) -> None:
         period = self.settings.reaper_period_s
@@ -51,7 +96,7 @@ class Pump(threading.Thread):
             try:
                 if lock.acquire(blocking=False):
                     try:
-                        pump_once(self.r, self.settings)
+                        pump_once(self.r, self.settings, self.reconciler)
                     finally:
                         lock.release()
             except redis.RedisError as exc:

@@ -1,0 +1,254 @@
+"""Enqueue throughput: tokenmill's bulk path vs. Celery ``send_task`` vs. raw pipelined LPUSH.
+
+Side by side in one run, on one private redis-server (AOF on, as in production), flushed between
+variants; every variant leaves one broker message per row (checked):
+
+- tokenmill, in process: ``producer.enqueue.Enqueuer`` over the JSONL file (read, validate,
+  route, content-hash ids, ledger create-if-absent with dedup, Celery messages pushed inside
+  the enqueue script, 1,000 rows per script call);
+- tokenmill, CLI: ``tokenmill enqueue FILE`` as a subprocess, end to end (interpreter start,
+  imports, the durability check), with its max RSS from ``wait4``;
+- tokenmill, re-enqueue: the same file again, every row a dedup hit (nothing written);
+- Celery: ``app.send_task("tokenmill.generate", args=[row], queue=...)`` per row on one reused
+  producer (the hand-written way), on the first ``--apply-rows`` rows;
+- raw: each row's JSON line LPUSHed, pipelined in batches of 1,000 (a floor: no parsing,
+  no ids, no dedup, no envelope).
+
+``--rss-rows N`` also runs the CLI over an N-row file (written streaming) and reports its max RSS.
+
+    .venv/bin/python bench/enqueue.py                      # 100k rows, 5k send_task, 1M-row RSS
+    .venv/bin/python bench/enqueue.py --rows 20000 --rss-rows 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+from _common import Children, exit_on_sigterm, machine, run_measured, table, verdict, workdir
+
+from producer.enqueue import Enqueuer, Routing
+from tokenmill import keys
+from tokenmill.ledger import Ledger
+from tokenmill.settings import Settings
+
+RUN = "bench"
+BATCH = 1000
+WORDS = (
+    "the of and to in is that for it as was with be by on not this are or from at which have an "
+    "model token cache queue server stream batch prompt ledger worker lease retry GPU kernel tensor "
+    "café naïve résumé über 日本 東京 中文 한국어 русский 🙂 🚀 explain prove derive compare summarize"
+).split()
+LONG_EVERY = 100  # one row in 100 has a prompt over --long-prompt-tokens (the long queue)
+LONG_PROMPT_TOKENS = 4096
+
+
+# --- the dataset ---------------------------------------------------------------------------------
+
+
+def _text(rng: random.Random, n_words: int, i: int) -> str:
+    return f"#{i}: " + " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def dataset_rows(n: int, seed: int = 7) -> Iterator[dict[str, Any]]:
+    """``n`` distinct rows, as the workload has them: chat ``messages`` or a ``prompt``, metadata."""
+    rng = random.Random(seed)
+    for i in range(n):
+        long = i % LONG_EVERY == LONG_EVERY - 1
+        text = _text(rng, 3500 if long else rng.randint(20, 110), i)
+        if i % 2:
+            yield {"prompt": text, "source": "synthetic", "difficulty": i % 5}
+        else:
+            yield {
+                "messages": [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": text}],
+                "metadata": {"i": i, "topic": rng.choice(WORDS)},
+            }
+
+
+def write_dataset(path: Path, n: int) -> Path:
+    """Write ``n`` rows as JSONL, streaming (never the whole file in memory)."""
+    with open(path, "wb") as f:
+        chunk: list[bytes] = []
+        for row in dataset_rows(n):
+            chunk.append(orjson.dumps(row))
+            if len(chunk) >= 10_000:
+                f.write(b"\n".join(chunk) + b"\n")
+                chunk = []
+        if chunk:
+            f.write(b"\n".join(chunk) + b"\n")
+    return path
+
+
+# --- the variants --------------------------------------------------------------------------------
+
+
+def broker_depth(client: redis.Redis) -> int:
+    return sum(int(client.llen(keys.broker_queue(q))) for q in keys.QUEUES)
+
+
+def tokenmill_in_process(client: redis.Redis, path: Path, rows: int) -> tuple[float, str]:
+    """Seconds to enqueue ``path`` with the producer's Enqueuer; and its summary line."""
+    enq = Enqueuer(Ledger(client, RUN), Routing(model="default", long_prompt_tokens=LONG_PROMPT_TOKENS), rows)
+    start = time.perf_counter()
+    enq.enqueue_file(path)
+    elapsed = time.perf_counter() - start
+    return elapsed, enq.summary.line(RUN)
+
+
+def cli_args(path: Path, redis_url: str, rows: int) -> list[str]:
+    return [
+        sys.executable, "-m", "tokenmill.cli", "enqueue", str(path), "--run", RUN,
+        "--long-prompt-tokens", str(LONG_PROMPT_TOKENS), "--max-queued", str(rows), "--redis-url", redis_url,
+    ]  # fmt: skip
+
+
+def celery_send_task(redis_url: str, path: Path, rows: int) -> float:
+    """Seconds to publish the first ``rows`` rows with ``send_task`` on one reused producer."""
+    from tokenmill.app import configure
+
+    app = configure(Settings.load(redis_url=redis_url))
+    routing = Routing(model="default", long_prompt_tokens=LONG_PROMPT_TOKENS)
+    with open(path, "rb") as f, app.producer_or_acquire() as producer:
+        app.send_task("tokenmill.generate", args=[{}], queue="short", producer=producer)  # connect, warm up
+        start = time.perf_counter()
+        for _, line in zip(range(rows), f, strict=False):
+            row = orjson.loads(line)
+            messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+            queue = "long" if len(line) > routing.long_prompt_tokens * 4 else "short"
+            request = {"model": "default", "messages": messages, "max_tokens": 10240}
+            app.send_task("tokenmill.generate", args=[request], queue=queue, producer=producer)
+        elapsed = time.perf_counter() - start
+    return elapsed
+
+
+def raw_lpush(client: redis.Redis, path: Path) -> float:
+    """Seconds to LPUSH every line of ``path``, pipelined, 1,000 per round trip."""
+    key = keys.broker_queue("short")
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        pipe = client.pipeline(transaction=False)
+        n = 0
+        for line in f:
+            pipe.lpush(key, line.rstrip(b"\n"))
+            n += 1
+            if n % BATCH == 0:
+                pipe.execute()
+        pipe.execute()
+    return time.perf_counter() - start
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=100_000, help="rows in the dataset (default 100,000)")
+    ap.add_argument("--apply-rows", type=int, default=5_000, help="rows published with send_task (default 5,000)")
+    ap.add_argument("--rss-rows", type=int, default=1_000_000, help="rows for the CLI's RSS check (0: skip)")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory")
+    a = ap.parse_args()
+    exit_on_sigterm()
+    print(f"machine: {machine()}")
+    with workdir(a.keep) as work, Children() as children:
+        server = children.redis(work / "redis")
+        client = redis.Redis.from_url(server.url)
+        print(f"redis-server {client.info('server')['redis_version']} on {server.url} (AOF everysec)")
+        data = write_dataset(work / "bench.jsonl", a.rows)
+        print(f"dataset: {a.rows:,} rows, {data.stat().st_size / 1e6:.1f} MB ({a.rows // LONG_EVERY:,} long)")
+        results = measure(client, server.url, data, a.rows, min(a.apply_rows, a.rows), work)
+        rss_line = measure_rss(client, server.url, work, a.rss_rows) if a.rss_rows else None
+    report(results, a.rows, min(a.apply_rows, a.rows), rss_line)
+
+
+def measure(client: redis.Redis, url: str, data: Path, rows: int, apply_rows: int, work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    client.flushall()
+    out["raw_s"] = raw_lpush(client, data)
+    assert broker_depth(client) == rows, "raw LPUSH: one message per row"
+
+    client.flushall()
+    out["tm_s"], out["tm_line"] = tokenmill_in_process(client, data, rows)
+    assert broker_depth(client) == rows, "tokenmill: one message per row"
+    out["tm_again_s"], out["tm_again_line"] = tokenmill_in_process(client, data, rows)
+    assert broker_depth(client) == rows, "re-enqueue publishes nothing"
+
+    client.flushall()
+    out["celery_s"] = celery_send_task(url, data, apply_rows)
+    assert broker_depth(client) == apply_rows + 1, "send_task: one message per row"
+
+    client.flushall()
+    cli = run_measured(cli_args(data, url, rows), work / "cli.log")
+    if cli.returncode != 0:
+        raise RuntimeError(f"tokenmill enqueue exited {cli.returncode}:\n{cli.output[-2000:]}")
+    assert broker_depth(client) == rows, "CLI: one message per row"
+    out["cli"] = cli
+    client.flushall()
+    return out
+
+
+def measure_rss(client: redis.Redis, url: str, work: Path, rows: int) -> list[Any]:
+    t0 = time.perf_counter()
+    big = write_dataset(work / "rss.jsonl", rows)
+    written = time.perf_counter() - t0
+    client.flushall()
+    res = run_measured(cli_args(big, url, rows), work / "cli-rss.log")
+    if res.returncode != 0:
+        raise RuntimeError(f"tokenmill enqueue exited {res.returncode}:\n{res.output[-2000:]}")
+    assert broker_depth(client) == rows
+    size_mb = big.stat().st_size / 1e6
+    big.unlink()
+    client.flushall()
+    print(f"(wrote the {rows:,}-row file, {size_mb:.0f} MB, in {written:.1f} s, streaming)")
+    return [f"`tokenmill enqueue` CLI, {rows:,} rows", f"{res.wall_s:.1f}", f"{rows / res.wall_s:,.0f}",
+            f"{res.max_rss_mb:.0f}", verdict(res.max_rss_mb < 500)]  # fmt: skip
+
+
+def report(r: dict[str, Any], rows: int, apply_rows: int, rss_line: list[Any] | None) -> None:
+    tm = rows / r["tm_s"]
+    cli = r["cli"]
+    cli_rate = rows / cli.wall_s
+    celery = apply_rows / r["celery_s"]
+    raw = rows / r["raw_s"]
+    print()
+    print(r["tm_line"])
+    print(r["tm_again_line"])
+    print()
+    print(table(
+        ["variant", "rows", "seconds", "rows/s", "vs send_task", "vs raw LPUSH"],
+        [
+            ["tokenmill Enqueuer (in process)", f"{rows:,}", f"{r['tm_s']:.2f}", f"{tm:,.0f}",
+             f"{tm / celery:.1f}x", f"{tm / raw:.2f}"],
+            ["`tokenmill enqueue` CLI (subprocess, end to end)", f"{rows:,}", f"{cli.wall_s:.2f}",
+             f"{cli_rate:,.0f}", f"{cli_rate / celery:.1f}x", f"{cli_rate / raw:.2f}"],
+            ["tokenmill re-enqueue (all dedup hits)", f"{rows:,}", f"{r['tm_again_s']:.2f}",
+             f"{rows / r['tm_again_s']:,.0f}", "", ""],
+            ["Celery send_task, reused producer", f"{apply_rows:,}", f"{r['celery_s']:.2f}", f"{celery:,.0f}",
+             "1.0x", f"{celery / raw:.3f}"],
+            ["raw pipelined LPUSH of the JSON lines", f"{rows:,}", f"{r['raw_s']:.2f}", f"{raw:,.0f}", "",
+             "1.00"],
+        ],
+    ))  # fmt: skip
+    if apply_rows < rows:
+        print(f"(send_task ran on the first {apply_rows:,} rows only: {rows:,} would take "
+              f"~{rows / celery:.0f} s at this rate; --apply-rows {rows} to run them all)")  # fmt: skip
+    print()
+    print(f"tokenmill vs send_task: {tm / celery:.1f}x (target >= 25x: {verdict(tm / celery >= 25)}); "
+          f"vs raw LPUSH: {tm / raw:.2f} (target >= 0.2: {verdict(tm / raw >= 0.2)})")  # fmt: skip
+    print()
+    rss_rows = [[f"`tokenmill enqueue` CLI, {rows:,} rows", f"{cli.wall_s:.1f}", f"{cli_rate:,.0f}",
+                 f"{cli.max_rss_mb:.0f}", verdict(cli.max_rss_mb < 500)]]  # fmt: skip
+    if rss_line:
+        rss_rows.append(rss_line)
+    print(table(["producer process", "seconds", "rows/s", "max RSS MB", "target < 500 MB"], rss_rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""``tokenmill metrics``: a Prometheus endpoint that reads the ledger at scrape time.
+
+Nothing is counted in this process: every scrape reads the runs' counters, stats and failure
+hashes, the broker lists, the admission keys and the published server records from Redis, so
+any number of exporters (or none) can run, and a restart loses nothing. Metric names start with
+``tokenmill_``; counters mirror the ledger's monotonic hash fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import click
+import redis
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from tokenmill import keys
+from tokenmill import servers as server_records
+from tokenmill.errors import ConfigError
+from tokenmill.ledger import Ledger
+from tokenmill.settings import redact_url
+
+log = logging.getLogger("tokenmill.metrics")
+
+DEFAULT_PORT = 9640
+
+# run stats hash field -> (counter name without _total, help)
+RUN_STATS = {
+    "completion_tokens": ("tokenmill_completion_tokens", "Completion tokens of committed jobs."),
+    "prompt_tokens": ("tokenmill_prompt_tokens", "Prompt tokens of committed jobs."),
+    "continued_jobs": ("tokenmill_continued_jobs", "Jobs that finished by continuing a checkpoint."),
+    "continued_tokens": ("tokenmill_continued_tokens", "Tokens reused from checkpoints."),
+    "truncated": ("tokenmill_truncated_jobs", "Jobs done with finish_reason length."),
+}
+# admission used hash field -> (metric name, help, is a counter)
+ADMISSION_FIELDS = {
+    "total": ("tokenmill_admission_used_tokens", "Tokens held by admission slots on the server.", False),
+    "budget": ("tokenmill_admission_budget_tokens", "The server's admission token budget.", False),
+    "admitted": ("tokenmill_admission_admitted", "Requests admitted on the server.", True),
+    "refused": ("tokenmill_admission_refused", "Admission attempts refused for lack of room.", True),
+}
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _num(value: Any) -> float | None:
+    try:
+        return float(_s(value))
+    except (TypeError, ValueError):
+        return None
+
+
+class LedgerCollector(Collector):
+    """Reads runs, queues, admission and servers from Redis on every ``collect``."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("tokenmill_redis_up", "Whether this scrape could read Redis.")
+        try:
+            families = [*self._runs(), *self._queues(), *self._servers()]
+        except redis.RedisError as exc:
+            log.warning("scrape failed: cannot read Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def _run_names(self) -> list[str]:
+        names = []
+        for raw in sorted(_s(x) for x in self.r.smembers(keys.runs())):
+            try:
+                names.append(keys.check_run(raw))
+            except ConfigError:
+                log.warning("skipping run %r: not a valid run name", raw)
+        return names
+
+    def _runs(self) -> list[Metric]:
+        families = _RunFamilies()
+        for run in self._run_names():
+            k = keys.RunKeys(run)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hgetall(k.stats())
+            pipe.hgetall(k.failures())
+            pipe.zcard(k.delayed())
+            for queue in keys.QUEUES:
+                pipe.llen(k.backlog(queue))
+            run_stats, run_failures, n_delayed, *backlogs = pipe.execute()
+            families.add(run, Ledger(self.r, run).counts(), run_stats, run_failures, n_delayed, backlogs)
+        return families.all()
+
+    def _queues(self) -> list[Metric]:
+        family = GaugeMetricFamily(
+            "tokenmill_queue_messages", "Messages waiting in the broker queue.", labels=["queue"]
+        )
+        pipe = self.r.pipeline(transaction=False)
+        for queue in keys.QUEUES:
+            pipe.llen(keys.broker_queue(queue))
+        for queue, n in zip(keys.QUEUES, pipe.execute(), strict=True):
+            family.add_metric([queue], n)
+        return [family]
+
+    # -- servers and admission --------------------------------------------------------------
+
+    def _servers(self) -> list[Metric]:
+        records = server_records.load_all(self.r)
+        return [*_server_families(records), *self._admission([rec.name for rec in records])]
+
+    def _admission(self, names: list[str]) -> list[Metric]:
+        slots = GaugeMetricFamily(
+            "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
+        )
+        by_queue = GaugeMetricFamily(
+            "tokenmill_admission_queue_tokens",
+            "Tokens held by admission slots, by queue.",
+            labels=["server", "queue"],
+        )
+        fields = {
+            f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
+            for f, (name, doc, counter) in ADMISSION_FIELDS.items()
+        }
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.zcard(keys.admission(name))
+            pipe.hmget(keys.admission_used(name), [*ADMISSION_FIELDS, *keys.QUEUES])
+        replies = pipe.execute()
+        for i, name in enumerate(names):
+            n_slots, used = replies[2 * i], replies[2 * i + 1]
+            slots.add_metric([name], n_slots)
+            values = dict(zip([*ADMISSION_FIELDS, *keys.QUEUES], used, strict=True))
+            for field, family in fields.items():
+                if (v := _num(values[field])) is not None:  # absent until admission first runs
+                    family.add_metric([name], v)
+            for queue in keys.QUEUES:
+                if (v := _num(values[queue])) is not None:
+                    by_queue.add_metric([name, queue], v)
+        return [slots, *fields.values(), by_queue]
+
+
+class _RunFamilies:
+    """The per-run metric families of one scrape."""
+
+    def __init__(self) -> None:
+        self.jobs = GaugeMetricFamily(
+            "tokenmill_jobs", "Jobs by run, partition and state.", labels=["run", "partition", "state"]
+        )
+        self.failures = CounterMetricFamily(
+            "tokenmill_job_failures", "Jobs that ended failed, by class.", labels=["run", "class"]
+        )
+        self.stats = {
+            f: CounterMetricFamily(name, doc, labels=["run"]) for f, (name, doc) in RUN_STATS.items()
+        }
+        self.delayed = GaugeMetricFamily(
+            "tokenmill_delayed_retries", "Queued jobs waiting out a retry backoff.", labels=["run"]
+        )
+        self.backlog = GaugeMetricFamily(
+            "tokenmill_backlog", "Queued jobs not yet published to the broker.", labels=["run", "queue"]
+        )
+
+    def add(
+        self,
+        run: str,
+        counts: dict[str, dict[str, int]],
+        stats: dict[Any, Any],
+        failures: dict[Any, Any],
+        delayed: int,
+        backlogs: list[int],
+    ) -> None:
+        """Add one run's figures (``stats`` and ``failures`` as read from their hashes)."""
+        for partition, by_state in sorted(counts.items()):
+            for state, n in by_state.items():
+                self.jobs.add_metric([run, partition, state], n)
+        stats = {_s(a): b for a, b in stats.items()}
+        for field, family in self.stats.items():
+            family.add_metric([run], _num(stats.get(field)) or 0)
+        for cls, n in sorted(failures.items()):
+            self.failures.add_metric([run, _s(cls)], _num(n) or 0)
+        self.delayed.add_metric([run], delayed)
+        for queue, n in zip(keys.QUEUES, backlogs, strict=True):
+            self.backlog.add_metric([run, queue], n)
+
+    def all(self) -> list[Metric]:
+        return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog]
+
+
+def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]:
+    state = GaugeMetricFamily(
+        "tokenmill_server_state", "1 for the server's current state, else 0.", labels=["server", "state"]
+    )
+    info = GaugeMetricFamily(
+        "tokenmill_server_info", "The server's engine and URL (always 1).", labels=["server", "engine", "url"]
+    )
+    capacity = GaugeMetricFamily(
+        "tokenmill_server_max_total_num_tokens",
+        "KV cache capacity in tokens (from /server_info).",
+        labels=["server"],
+    )
+    context = GaugeMetricFamily(
+        "tokenmill_server_context_length_tokens", "The server's context length.", labels=["server"]
+    )
+    restarts = CounterMetricFamily(
+        "tokenmill_server_restarts", "Restarts by the server manager.", labels=["server"]
+    )
+    updated = GaugeMetricFamily(
+        "tokenmill_server_updated_timestamp_seconds",
+        "When the server manager last refreshed the record.",
+        labels=["server"],
+    )
+    live = GaugeMetricFamily(
+        "tokenmill_server_live", "Live figures the server manager publishes.", labels=["server", "figure"]
+    )
+    for rec in records:
+        for s in dict.fromkeys([*server_records.STATES, rec.state]):
+            state.add_metric([rec.name, s], 1 if s == rec.state else 0)
+        info.add_metric([rec.name, rec.engine, redact_url(rec.url)], 1)
+        if rec.max_total_num_tokens is not None:
+            capacity.add_metric([rec.name], rec.max_total_num_tokens)
+        if rec.context_length is not None:
+            context.add_metric([rec.name], rec.context_length)
+        restarts.add_metric([rec.name], rec.restarts)
+        updated.add_metric([rec.name], rec.updated_at)
+        for figure, value in sorted(rec.live.items()):
+            live.add_metric([rec.name, figure], value)
+    return [state, info, capacity, context, restarts, updated, live]
+
+
+def registry_for(client: redis.Redis) -> CollectorRegistry:
+    """A registry holding only the ledger collector (no process metrics of the exporter)."""
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector(client))
+    return registry
+
+
+@click.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--redis-url", envvar="TOKENMILL_REDIS_URL", default=None, help="Redis URL (the ledger).")
+def metrics(port: int, address: str, redis_url: str | None) -> None:
+    """Serve Prometheus metrics for runs, queues, admission and servers at /metrics."""
+    from tokenmill import redis_conn
+    from tokenmill.settings import Settings
+
+    settings = Settings.load(redis_url=redis_url)
+    client = redis_conn.connect(settings, check=False)  # a down Redis shows as tokenmill_redis_up 0
+    httpd, _ = start_http_server(port, addr=address, registry=registry_for(client))
+    click.echo(
+        f"tokenmill metrics on http://{address}:{port}/metrics (redis {redact_url(settings.redis_url)})",
+        err=True,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
