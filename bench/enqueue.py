@@ -32,7 +32,17 @@ from typing import Any
 
 import orjson
 import redis
-from _common import Children, exit_on_sigterm, machine, run_measured, table, verdict, workdir
+from _common import (
+    Children,
+    exit_on_sigterm,
+    machine,
+    median,
+    run_measured,
+    table,
+    verdict,
+    wait_for,
+    workdir,
+)
 
 from producer.enqueue import Enqueuer, Routing
 from tokenmill import keys
@@ -67,7 +77,10 @@ def dataset_rows(n: int, seed: int = 7) -> Iterator[dict[str, Any]]:
             yield {"prompt": text, "source": "synthetic", "difficulty": i % 5}
         else:
             yield {
-                "messages": [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": text}],
+                "messages": [
+                    {"role": "system", "content": "Think step by step."},
+                    {"role": "user", "content": text},
+                ],
                 "metadata": {"i": i, "topic": rng.choice(WORDS)},
             }
 
@@ -150,101 +163,132 @@ def raw_lpush(client: redis.Redis, path: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=100_000, help="rows in the dataset (default 100,000)")
-    ap.add_argument("--apply-rows", type=int, default=5_000, help="rows published with send_task (default 5,000)")
+    ap.add_argument("--apply-rows", type=int, default=5_000, help="rows sent with send_task (default 5,000)")
     ap.add_argument("--rss-rows", type=int, default=1_000_000, help="rows for the CLI's RSS check (0: skip)")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of all variants; medians are reported")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
     a = ap.parse_args()
     exit_on_sigterm()
+    apply_rows = min(a.apply_rows, a.rows)
     print(f"machine: {machine()}")
     with workdir(a.keep) as work, Children() as children:
         server = children.redis(work / "redis")
         client = redis.Redis.from_url(server.url)
+        # A background AOF rewrite (a fork) landing inside one variant would skew it: rewrite
+        # after each flush instead, between variants.
+        client.config_set("auto-aof-rewrite-percentage", 0)
         print(f"redis-server {client.info('server')['redis_version']} on {server.url} (AOF everysec)")
         data = write_dataset(work / "bench.jsonl", a.rows)
         print(f"dataset: {a.rows:,} rows, {data.stat().st_size / 1e6:.1f} MB ({a.rows // LONG_EVERY:,} long)")
-        results = measure(client, server.url, data, a.rows, min(a.apply_rows, a.rows), work)
+        rounds = []
+        for i in range(a.repeat):
+            rounds.append(measure(client, server.url, data, a.rows, apply_rows, work))
+            done = ", ".join(f"{k} {v:,.0f} rows/s" for k, v in rates(rounds[-1]).items())
+            print(f"round {i + 1}: {done}")
         rss_line = measure_rss(client, server.url, work, a.rss_rows) if a.rss_rows else None
-    report(results, a.rows, min(a.apply_rows, a.rows), rss_line)
+    report(rounds, a.rows, apply_rows, rss_line)
 
 
-def measure(client: redis.Redis, url: str, data: Path, rows: int, apply_rows: int, work: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-
+def flush(client: redis.Redis) -> None:
+    """An empty database and a rewritten (empty) AOF, so that every variant starts alike."""
     client.flushall()
+    client.bgrewriteaof()
+    wait_for(lambda: not int(client.info("persistence")["aof_rewrite_in_progress"]), 120, "the AOF rewrite")
+    wait_for(lambda: not int(client.info("persistence")["aof_rewrite_scheduled"]), 120, "the AOF rewrite")
+
+
+def measure(
+    client: redis.Redis, url: str, data: Path, rows: int, apply_rows: int, work: Path
+) -> dict[str, Any]:
+    """One round of every variant; seconds (and the CLI's measurements)."""
+    out: dict[str, Any] = {"rows": rows, "apply_rows": apply_rows}
+
+    flush(client)
     out["raw_s"] = raw_lpush(client, data)
     assert broker_depth(client) == rows, "raw LPUSH: one message per row"
 
-    client.flushall()
+    flush(client)
     out["tm_s"], out["tm_line"] = tokenmill_in_process(client, data, rows)
     assert broker_depth(client) == rows, "tokenmill: one message per row"
     out["tm_again_s"], out["tm_again_line"] = tokenmill_in_process(client, data, rows)
     assert broker_depth(client) == rows, "re-enqueue publishes nothing"
 
-    client.flushall()
+    flush(client)
     out["celery_s"] = celery_send_task(url, data, apply_rows)
-    assert broker_depth(client) == apply_rows + 1, "send_task: one message per row"
+    assert broker_depth(client) == apply_rows + 1, "send_task: one message per row (and the warm-up)"
 
-    client.flushall()
+    flush(client)
     cli = run_measured(cli_args(data, url, rows), work / "cli.log")
     if cli.returncode != 0:
         raise RuntimeError(f"tokenmill enqueue exited {cli.returncode}:\n{cli.output[-2000:]}")
     assert broker_depth(client) == rows, "CLI: one message per row"
     out["cli"] = cli
-    client.flushall()
     return out
+
+
+def rates(r: dict[str, Any]) -> dict[str, float]:
+    rows = r["rows"]
+    return {
+        "tokenmill": rows / r["tm_s"],
+        "cli": rows / r["cli"].wall_s,
+        "re-enqueue": rows / r["tm_again_s"],
+        "send_task": r["apply_rows"] / r["celery_s"],
+        "raw": rows / r["raw_s"],
+    }
 
 
 def measure_rss(client: redis.Redis, url: str, work: Path, rows: int) -> list[Any]:
     t0 = time.perf_counter()
     big = write_dataset(work / "rss.jsonl", rows)
     written = time.perf_counter() - t0
-    client.flushall()
+    flush(client)
     res = run_measured(cli_args(big, url, rows), work / "cli-rss.log")
     if res.returncode != 0:
         raise RuntimeError(f"tokenmill enqueue exited {res.returncode}:\n{res.output[-2000:]}")
     assert broker_depth(client) == rows
     size_mb = big.stat().st_size / 1e6
     big.unlink()
-    client.flushall()
+    flush(client)
     print(f"(wrote the {rows:,}-row file, {size_mb:.0f} MB, in {written:.1f} s, streaming)")
     return [f"`tokenmill enqueue` CLI, {rows:,} rows", f"{res.wall_s:.1f}", f"{rows / res.wall_s:,.0f}",
             f"{res.max_rss_mb:.0f}", verdict(res.max_rss_mb < 500)]  # fmt: skip
 
 
-def report(r: dict[str, Any], rows: int, apply_rows: int, rss_line: list[Any] | None) -> None:
-    tm = rows / r["tm_s"]
-    cli = r["cli"]
-    cli_rate = rows / cli.wall_s
-    celery = apply_rows / r["celery_s"]
-    raw = rows / r["raw_s"]
+def report(rounds: list[dict[str, Any]], rows: int, apply_rows: int, rss_line: list[Any] | None) -> None:
+    per = [rates(r) for r in rounds]
+    m = {k: median([p[k] for p in per]) for k in per[0]}
+    tm, cli, celery, raw = m["tokenmill"], m["cli"], m["send_task"], m["raw"]
+    n = len(rounds)
     print()
-    print(r["tm_line"])
-    print(r["tm_again_line"])
+    print(rounds[0]["tm_line"])
+    print(rounds[0]["tm_again_line"])
     print()
+    print(f"median of {n} round(s), each variant on a flushed Redis:")
     print(table(
-        ["variant", "rows", "seconds", "rows/s", "vs send_task", "vs raw LPUSH"],
+        ["variant", "rows", "rows/s", "vs send_task", "vs raw LPUSH"],
         [
-            ["tokenmill Enqueuer (in process)", f"{rows:,}", f"{r['tm_s']:.2f}", f"{tm:,.0f}",
-             f"{tm / celery:.1f}x", f"{tm / raw:.2f}"],
-            ["`tokenmill enqueue` CLI (subprocess, end to end)", f"{rows:,}", f"{cli.wall_s:.2f}",
-             f"{cli_rate:,.0f}", f"{cli_rate / celery:.1f}x", f"{cli_rate / raw:.2f}"],
-            ["tokenmill re-enqueue (all dedup hits)", f"{rows:,}", f"{r['tm_again_s']:.2f}",
-             f"{rows / r['tm_again_s']:,.0f}", "", ""],
-            ["Celery send_task, reused producer", f"{apply_rows:,}", f"{r['celery_s']:.2f}", f"{celery:,.0f}",
-             "1.0x", f"{celery / raw:.3f}"],
-            ["raw pipelined LPUSH of the JSON lines", f"{rows:,}", f"{r['raw_s']:.2f}", f"{raw:,.0f}", "",
+            ["tokenmill Enqueuer (in process)", f"{rows:,}", f"{tm:,.0f}", f"{tm / celery:.1f}x",
+             f"{tm / raw:.2f}"],
+            ["`tokenmill enqueue` CLI (subprocess, end to end)", f"{rows:,}", f"{cli:,.0f}",
+             f"{cli / celery:.1f}x", f"{cli / raw:.2f}"],
+            ["tokenmill re-enqueue (every row a dedup hit)", f"{rows:,}", f"{m['re-enqueue']:,.0f}",
+             f"{m['re-enqueue'] / celery:.1f}x", f"{m['re-enqueue'] / raw:.2f}"],
+            ["Celery send_task, one reused producer", f"{apply_rows:,}", f"{celery:,.0f}", "1.0x",
+             f"{celery / raw:.3f}"],
+            ["raw pipelined LPUSH of the JSON lines", f"{rows:,}", f"{raw:,.0f}", f"{raw / celery:.1f}x",
              "1.00"],
         ],
     ))  # fmt: skip
     if apply_rows < rows:
         print(f"(send_task ran on the first {apply_rows:,} rows only: {rows:,} would take "
-              f"~{rows / celery:.0f} s at this rate; --apply-rows {rows} to run them all)")  # fmt: skip
+              f"~{rows / celery:.0f} s at this rate; --apply-rows {rows} runs them all)")  # fmt: skip
     print()
     print(f"tokenmill vs send_task: {tm / celery:.1f}x (target >= 25x: {verdict(tm / celery >= 25)}); "
           f"vs raw LPUSH: {tm / raw:.2f} (target >= 0.2: {verdict(tm / raw >= 0.2)})")  # fmt: skip
     print()
-    rss_rows = [[f"`tokenmill enqueue` CLI, {rows:,} rows", f"{cli.wall_s:.1f}", f"{cli_rate:,.0f}",
-                 f"{cli.max_rss_mb:.0f}", verdict(cli.max_rss_mb < 500)]]  # fmt: skip
+    rss = max(r["cli"].max_rss_mb for r in rounds)
+    rss_rows = [[f"`tokenmill enqueue` CLI, {rows:,} rows", f"{min(r['cli'].wall_s for r in rounds):.1f}",
+                 f"{cli:,.0f}", f"{rss:.0f}", verdict(rss < 500)]]  # fmt: skip
     if rss_line:
         rss_rows.append(rss_line)
     print(table(["producer process", "seconds", "rows/s", "max RSS MB", "target < 500 MB"], rss_rows))

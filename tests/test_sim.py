@@ -138,8 +138,7 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., Sim]]:
         argv = [sys.executable, "-m", "server_mgr.sim", "--port", str(port)]
         argv += [*(FAST if fast else []), *args]
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         sim = Sim(proc, port, log_path)
         started.append(sim)
         if ready:
@@ -158,8 +157,19 @@ def shared_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """One sim with a reasoning parser and metrics, for tests that do not need special knobs."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("shared") / "sim.log"
-    argv = [sys.executable, "-m", "server_mgr.sim", "--port", str(port), *FAST,
-            "--reasoning-parser", "qwen3", "--enable-metrics", "--served-model-name", "m1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "server_mgr.sim",
+        "--port",
+        str(port),
+        *FAST,
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-metrics",
+        "--served-model-name",
+        "m1",
+    ]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sim = Sim(proc, port, log_path)
@@ -210,8 +220,9 @@ def test_output_stops_at_the_context_edge_without_max_tokens() -> None:
 def test_port_refused_then_models_before_health_then_fired_up(
     start_sim: Callable[..., Sim],
 ) -> None:
-    sim = start_sim("--sim-startup-delay-s", "0.5", "--sim-warmup-s", "1.2", "--max-total-tokens",
-                    "12345", ready=False)  # fmt: skip
+    sim = start_sim(
+        "--sim-startup-delay-s", "0.5", "--sim-warmup-s", "1.2", "--max-total-tokens", "12345", ready=False
+    )
     assert status_of(sim, "/v1/models") is None  # still loading: connection refused
     wait_until(lambda: status_of(sim, "/v1/models") == 200, what="/v1/models 200")
     assert status_of(sim, "/health") == 503
@@ -226,8 +237,7 @@ def test_port_refused_then_models_before_health_then_fired_up(
     assert status_of(sim, "/ready") == 200
     logs = sim.logs()
     assert "The server is fired up and ready to roll!" in logs
-    assert re.search(r"^\[[\d\- :]{19}\] max_total_num_tokens=12345, chunked_prefill_size=", logs,
-                     re.M)  # fmt: skip
+    assert re.search(r"^\[[\d\- :]{19}\] max_total_num_tokens=12345, chunked_prefill_size=", logs, re.M)
     assert "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 12345," in logs
 
 
@@ -252,14 +262,18 @@ def test_info_endpoints_have_the_0_5_23_shapes(shared_sim: Sim) -> None:
 
 
 def test_stream_has_role_deltas_finish_usage_done_and_the_expected_text(shared_sim: Sim) -> None:
-    body = {"model": "anything", "messages": USER, "seed": 3, "temperature": 0.7,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "anything",
+        "messages": USER,
+        "seed": 3,
+        "temperature": 0.7,
+        "stream_options": {"include_usage": True},
+    }
     events = shared_sim.chat_stream(body)
     want = expected(USER, seed=3, temperature=0.7, reasoning=True)
     role, *deltas, finish, usage, done = events
     assert done == "[DONE]"
-    assert role["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant",
-                                           "content": ""}  # fmt: skip
+    assert role["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
     assert role["object"] == "chat.completion.chunk" and role["model"] == "anything"
     assert re.fullmatch(r"[0-9a-f]{32}", role["id"])
     assert {e["id"] for e in events[:-1]} == {role["id"]}
@@ -290,24 +304,32 @@ def test_non_stream_response_matches_and_rid_becomes_the_id(shared_sim: Sim) -> 
 def test_continuation_of_a_partial_equals_the_uninterrupted_output(shared_sim: Sim) -> None:
     full = expected(USER, seed=11, reasoning=True)
     k = full.reasoning_tokens + 2  # cut inside the content
-    partial = {"role": "assistant", "reasoning_content": full.reasoning_content,
-               "content": "".join(full.tokens[full.reasoning_tokens : k])}  # fmt: skip
-    body = {"messages": [*USER, partial], "seed": 11, "continue_final_message": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    partial: dict[str, Any] = {
+        "role": "assistant",
+        "reasoning_content": full.reasoning_content,
+        "content": "".join(full.tokens[full.reasoning_tokens : k]),
+    }
+    body = {
+        "messages": [*USER, partial],
+        "seed": 11,
+        "continue_final_message": True,
+        "stream_options": {"include_usage": True},
+    }
     events = shared_sim.chat_stream(body)
     reasoning, content = streamed_text(events)
     assert reasoning == ""
     assert partial["content"] + content == full.content
     assert events[-2]["usage"]["completion_tokens"] == len(full.tokens) - k
-    assert textgen.full_output([*USER, partial], seed=11, reasoning=True,
-                               mean_output_tokens=40) == (full.reasoning_content, full.content)  # fmt: skip
+    assert textgen.full_output([*USER, partial], seed=11, reasoning=True, mean_output_tokens=40) == (
+        full.reasoning_content,
+        full.content,
+    )
     # max_tokens counts new tokens only
     status, resp = shared_sim.json("POST", "/v1/chat/completions", {**body, "max_tokens": 3})
     assert resp["choices"][0]["message"]["content"] == "".join(full.tokens[k : k + 3])
     # a partial the model would not have produced cannot be continued
     bad = {**partial, "content": partial["content"] + " nonsense"}
-    status, err = shared_sim.json("POST", "/v1/chat/completions",
-                                  {**body, "messages": [*USER, bad]})  # fmt: skip
+    status, err = shared_sim.json("POST", "/v1/chat/completions", {**body, "messages": [*USER, bad]})
     assert status == 400 and "not a prefix" in err["message"]
 
 
@@ -336,8 +358,14 @@ def test_stream_interval_groups_tokens_and_keeps_the_text(start_sim: Callable[..
     deltas = events[1:-2]
     # the first token alone, then 4 per chunk, the rest at the finish
     assert [len(d["choices"][0]["delta"]["content"].split(" ")) - 1 for d in deltas] == [
-        1, 3, 4, 4, 4, 4, 1,
-    ]  # fmt: skip
+        1,
+        3,
+        4,
+        4,
+        4,
+        4,
+        1,
+    ]
     assert streamed_text(events)[1] == expected(USER, max_tokens=21).content
 
 
@@ -350,9 +378,13 @@ def test_context_length_errors_have_sglangs_exact_text(start_sim: Callable[..., 
     n = textgen.count_prompt_tokens(long_msgs)
     status, err = sim.json("POST", "/v1/chat/completions", {"messages": long_msgs, "stream": True})
     assert status == 400
-    assert err == {"object": "error", "param": None, "code": 400, "type": "BadRequestError",
-                   "message": f"The input ({n} tokens) is longer than the model's context "
-                   "length (64 tokens)."}  # fmt: skip
+    assert err == {
+        "object": "error",
+        "param": None,
+        "code": 400,
+        "type": "BadRequestError",
+        "message": f"The input ({n} tokens) is longer than the model's context length (64 tokens).",
+    }
     p = textgen.count_prompt_tokens(USER)
     status, err = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 60})
     assert status == 400 and err["message"] == (
@@ -374,39 +406,45 @@ def test_auto_truncate_clamps_instead_of_refusing(start_sim: Callable[..., Sim])
     assert resp["choices"][0]["finish_reason"] == "length"
     long_msgs = [{"role": "user", "content": "x" * 400}]
     status, resp = sim.json("POST", "/v1/chat/completions", {"messages": long_msgs})
-    assert status == 200 and resp["usage"] == {**resp["usage"], "prompt_tokens": 58,
-                                               "completion_tokens": 4}  # fmt: skip
+    assert status == 200 and resp["usage"] == {**resp["usage"], "prompt_tokens": 58, "completion_tokens": 4}
     assert "Truncating max_new_tokens." in sim.logs() and "Truncating the input." in sim.logs()
 
 
 def test_invalid_requests_get_sglangs_messages(shared_sim: Sim) -> None:
     cases = [
         ({"messages": []}, "Messages cannot be empty."),
-        ({"messages": USER, "temperature": -1}, "temperature must be a non-negative finite "
-         "number, got -1.0."),
+        (
+            {"messages": USER, "temperature": -1},
+            "temperature must be a non-negative finite number, got -1.0.",
+        ),
         ({"messages": USER, "top_p": 0}, "top_p must be in (0, 1], got 0.0."),
         ({"messages": USER, "top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),
-    ]  # fmt: skip
+    ]
     for body, message in cases:
         status, err = shared_sim.json("POST", "/v1/chat/completions", body)
         assert (status, err["message"]) == (400, message)
-    status, err = shared_sim.json("POST", "/v1/chat/completions",
-                                  {"messages": [{"role": "robot", "content": "x"}]})  # fmt: skip
+    status, err = shared_sim.json(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}
+    )
     assert status == 400 and "role" in err["message"]
-    status, raw = shared_sim.request("POST", "/v1/chat/completions", None,
-                                     headers={"Content-Type": "text/plain"})  # fmt: skip
+    status, raw = shared_sim.request(
+        "POST", "/v1/chat/completions", None, headers={"Content-Type": "text/plain"}
+    )
     assert status == 400 and b"Only 'application/json' is allowed" in raw
 
 
 def test_api_key_is_required_except_on_health_and_metrics(start_sim: Callable[..., Sim]) -> None:
     sim = start_sim("--api-key", "s3cret", "--enable-metrics")
     assert sim.json("GET", "/v1/models") == (401, {"error": "Unauthorized"})
-    status, _ = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2},
-                         headers={"Authorization": "Bearer wrong"})  # fmt: skip
+    status, _ = sim.json(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": USER, "max_tokens": 2},
+        headers={"Authorization": "Bearer wrong"},
+    )
     assert status == 401
     auth = {"Authorization": "Bearer s3cret"}
-    status, _ = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2},
-                         headers=auth)  # fmt: skip
+    status, _ = sim.json("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2}, headers=auth)
     assert status == 200
     assert status_of(sim, "/health") == 200 and status_of(sim, "/ready") == 200
     status, raw = sim.request("GET", "/metrics")
@@ -417,9 +455,18 @@ def test_metrics_exist_only_with_enable_metrics(start_sim: Callable[..., Sim], s
     status, raw = shared_sim.request("GET", "/metrics")
     assert status == 200
     text = raw.decode()
-    for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage",
-                 "gen_throughput", "num_retracted_reqs", "max_total_num_tokens",
-                 "prompt_tokens_total", "generation_tokens_total", "num_requests_total"):  # fmt: skip
+    for name in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "num_used_tokens",
+        "token_usage",
+        "gen_throughput",
+        "num_retracted_reqs",
+        "max_total_num_tokens",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_requests_total",
+    ):
         assert f"sglang:{name}{{" in text, name
     assert 'model_name="m1"' in text and 'engine_type="unified"' in text and 'tp_rank="0"' in text
     sim = start_sim()
@@ -435,16 +482,23 @@ def test_error_every_nth_request_gets_a_503_error_chunk_then_done(
     assert first[-2]["choices"][0]["finish_reason"] == "length"
     second = sim.chat_stream(body)
     assert second[-1] == "[DONE]"
-    assert second[-2] == {"error": {"object": "error", "message": "The request queue is full.",
-                                    "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}}  # fmt: skip
+    assert second[-2] == {
+        "error": {
+            "object": "error",
+            "message": "The request queue is full.",
+            "type": "SERVICE_UNAVAILABLE",
+            "param": None,
+            "code": 503,
+        }
+    }
     assert 1 <= len(second) - 3 <= 3  # role chunk, a few tokens, error, [DONE]
-    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
-                   for e in second)  # fmt: skip
+    assert not any(
+        isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in second
+    )
 
 
 def test_queue_full_gives_503(start_sim: Callable[..., Sim]) -> None:
-    sim = start_sim("--max-running-requests", "1", "--max-queued-requests", "1",
-                    "--sim-step-ms", "20")  # fmt: skip
+    sim = start_sim("--max-running-requests", "1", "--max-queued-requests", "1", "--sim-step-ms", "20")
 
     async def run() -> list[tuple[int, Any]]:
         async with aiohttp.ClientSession() as s:
@@ -456,7 +510,7 @@ def test_queue_full_gives_503(start_sim: Callable[..., Sim]) -> None:
                 async with s.post(url, json=body) as r:
                     return r.status, await r.json()
 
-            return await asyncio.gather(one(0), one(0.15), one(0.3))
+            return list(await asyncio.gather(one(0), one(0.15), one(0.3)))
 
     results = asyncio.run(run())
     assert [s for s, _ in results] == [200, 200, 503]
@@ -470,8 +524,9 @@ def test_kv_pool_is_never_exceeded_and_retracted_requests_still_finish_right(
     start_sim: Callable[..., Sim],
 ) -> None:
     # every request runs to max_tokens, more than the decaying new_token_ratio reserves for it
-    sim = start_sim("--max-total-tokens", "900", "--sim-mean-output-tokens", "400",
-                    "--decode-log-interval", "5")  # fmt: skip
+    sim = start_sim(
+        "--max-total-tokens", "900", "--sim-mean-output-tokens", "400", "--decode-log-interval", "5"
+    )
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(24)]
     seen_used: list[int] = []
 
@@ -504,11 +559,16 @@ def test_kv_pool_is_never_exceeded_and_retracted_requests_still_finish_right(
     assert stats["retracted_total"] > 0 and stats["used_tokens"] == 0
     logs = sim.logs()
     assert "KV cache pool is full. Retract requests. #retracted_reqs: " in logs
-    assert re.search(r"Decode batch, #running-req: \d+, #token: \d+, token usage: [01]\.\d\d, "
-                     r"cuda graph: True, gen throughput \(token/s\): [\d.]+, #queue-req: \d+",
-                     logs)  # fmt: skip
-    assert re.search(r"Prefill batch, #new-seq: \d+, #new-token: \d+, #cached-token: 0, "
-                     r"token usage: [\d.]+, #running-req: \d+, #queue-req: [1-9]\d*, ", logs)  # fmt: skip
+    assert re.search(
+        r"Decode batch, #running-req: \d+, #token: \d+, token usage: [01]\.\d\d, "
+        r"cuda graph: True, gen throughput \(token/s\): [\d.]+, #queue-req: \d+",
+        logs,
+    )
+    assert re.search(
+        r"Prefill batch, #new-seq: \d+, #new-token: \d+, #cached-token: 0, "
+        r"token usage: [\d.]+, #running-req: \d+, #queue-req: [1-9]\d*, ",
+        logs,
+    )
 
 
 def test_client_disconnect_aborts_a_stalled_request(start_sim: Callable[..., Sim]) -> None:
@@ -585,13 +645,16 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(start_sim: Callable[..., 
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--mem-fraction-static", "0.95", "--sim-oom-above", "0.9"],
-         "Capture cuda graph failed: CUDA out of memory. Tried to allocate "),
-        (["--mem-fraction-static", "0.5", "--sim-oom-below", "0.6"],
-         "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. "
-         "Current value: "),
+        (
+            ["--mem-fraction-static", "0.95", "--sim-oom-above", "0.9"],
+            "Capture cuda graph failed: CUDA out of memory. Tried to allocate ",
+        ),
+        (
+            ["--mem-fraction-static", "0.5", "--sim-oom-below", "0.6"],
+            "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. Current value: ",
+        ),
     ],
-)  # fmt: skip
+)
 def test_startup_oom_knobs_log_sglangs_line_and_die(
     start_sim: Callable[..., Sim], args: list[str], line: str
 ) -> None:

@@ -135,9 +135,12 @@ class ServerPool:
             self._records_at = 0.0
             rec = self._load_records().get(url)
             return rec is None or rec.state != server_records.READY
-        if probe_health(url):
+        ok, reason = probe_health(url)
+        if ok:
             self._suspect.pop(url, None)
             return False
+        if url not in self._suspect:
+            log.warning("server %s is down or not SGLang: GET /health %s; its jobs wait for it", url, reason)
         self._suspect[url] = time.monotonic()
         return True
 
@@ -145,7 +148,8 @@ class ServerPool:
         with self._lock:
             suspects = list(self._suspect)
         for url in suspects:
-            if probe_health(url):
+            if probe_health(url)[0]:
+                log.warning("server %s answers /health again", url)
                 self._suspect.pop(url, None)
 
 
@@ -161,10 +165,13 @@ def fetch_capacity(url: str, timeout_s: float = 10.0) -> int | None:
     return None
 
 
-def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    """True when ``GET {url}/health`` answers 200."""
+def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, str]:
+    """Whether ``GET {url}/health`` answers 200, and what it answered otherwise."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, TimeoutError):
-        return False
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:  # noqa: S310
+            return resp.status == 200, f"answered {resp.status}"
+    except urllib.error.HTTPError as exc:
+        hint = " (is this an SGLang server? it has no /health)" if exc.code == 404 else ""
+        return False, f"answered {exc.code}{hint}"
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        return False, f"failed: {getattr(exc, 'reason', exc)}"

@@ -1,0 +1,211 @@
+"""compose.yaml read as a specification: every command exists in the real CLI, Redis is durable
+and password-protected, the server gets a GPU, and nothing is published beyond the host's loopback.
+
+Docker is not needed: the file is parsed with PyYAML, ``${VAR:-default}`` is interpolated the way
+compose does, and each ``tokenmill ...`` command is resolved and parsed through click.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from server_mgr.config import load_config
+from tokenmill.cli import cli
+from tokenmill.flower import is_loopback
+from tokenmill.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+SERVER_TOML = ROOT / "docker" / "server.toml"
+ENV = {"REDIS_PASSWORD": "s3cret", "FLOWER_BASIC_AUTH": "admin:pw", "HF_TOKEN": "hf_x"}
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable interpolation: ``${V}``, ``${V:-d}``, ``${V-d}``, ``${V:?e}``, ``$$``."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        current = env.get(name)
+        unset = current is None or (op is not None and op.startswith(":") and current == "")
+        if op and op.endswith("?") and unset:
+            raise AssertionError(f"compose would refuse to start: {name}: {arg}")
+        if op and op.endswith("-") and unset:
+            return arg
+        return current or ""
+
+    return _VAR.sub(sub, value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return interpolate(compose["services"], ENV)
+
+
+def tokenmill_commands(services: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    return {
+        name: svc["command"][1:]
+        for name, svc in services.items()
+        if isinstance(svc.get("command"), list) and svc["command"][:1] == ["tokenmill"]
+    }
+
+
+def parse(argv: list[str], stand_in: Path | None = None) -> click.Context:
+    """Resolve ``argv`` through the CLI's groups and parse the leaf's arguments strictly (no run).
+
+    With ``stand_in``, options that must name an existing file get that file instead (the
+    container's paths do not exist here).
+    """
+    ctx = click.Context(cli, info_name="tokenmill")
+    cmd: click.Command = cli
+    name, rest, parent = "tokenmill", list(argv), ctx
+    while isinstance(cmd, click.Group):
+        assert rest, f"`tokenmill {' '.join(argv)}` stops at a group"
+        name, *rest = rest
+        sub = cmd.get_command(ctx, name)
+        assert sub is not None, f"`tokenmill {' '.join(argv)}`: no such command {name!r}"
+        parent, ctx, cmd = ctx, click.Context(sub, info_name=name, parent=ctx), sub
+    if stand_in is not None:
+        rest = with_existing_paths(cmd, rest, stand_in)
+    return cmd.make_context(name, rest, parent=parent)
+
+
+def with_existing_paths(cmd: click.Command, args: list[str], stand_in: Path) -> list[str]:
+    """``args`` with the values of options that must name an existing file replaced by one that does."""
+    must_exist = {
+        opt
+        for p in cmd.params
+        if isinstance(p, click.Option) and isinstance(p.type, click.Path) and p.type.exists
+        for opt in p.opts
+    }
+    out = list(args)
+    for i, token in enumerate(out[:-1]):
+        if token in must_exist:
+            out[i + 1] = str(stand_in)
+    return out
+
+
+def test_every_service_runs_a_real_tokenmill_command_with_valid_options(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    commands = tokenmill_commands(services)
+    assert set(commands) >= {"server", "worker-short", "worker-long", "flower", "metrics", "producer"}
+    stand_in = tmp_path / "stand-in.toml"
+    stand_in.write_text("")
+    runner = CliRunner()
+    for service, argv in commands.items():
+        # unknown subcommands and options fail here, as they would at `docker compose up`
+        res = runner.invoke(cli, [*argv, "--help"])
+        assert res.exit_code == 0, f"{service}: `tokenmill {' '.join(argv)}`:\n{res.output}"
+        # and every value parses (choices, ranges) without running anything
+        try:
+            parse(argv, stand_in)
+        except click.ClickException as exc:
+            pytest.fail(f"{service}: `tokenmill {' '.join(argv)}`: {exc.format_message()}")
+
+
+def test_a_misspelt_command_or_option_would_be_caught(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(cli, ["worker", "--queue", "short", "--concurency", "4", "--help"]).exit_code != 0
+    assert runner.invoke(cli, ["server", "upp", "--help"]).exit_code != 0
+    with pytest.raises(click.BadParameter):
+        parse(["worker", "--queue", "medium"])
+    with pytest.raises(click.BadParameter):
+        parse(["worker", "--queue", "short", "--concurrency", "lots"])
+
+
+def test_redis_is_durable_never_evicts_and_requires_a_password(services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:7")
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and "--appendfsync everysec" in command
+    assert "--maxmemory-policy noeviction" in command
+    assert "requirepass" in command and "$REDIS_PASSWORD" in command
+    assert redis["environment"]["REDIS_PASSWORD"] == ENV["REDIS_PASSWORD"]
+    assert any(v.endswith(":/data") for v in redis["volumes"]), "the AOF must live on a volume"
+    # without a password, compose refuses to start rather than run an open Redis
+    with pytest.raises(AssertionError, match="REDIS_PASSWORD"):
+        interpolate(yaml.safe_load(COMPOSE.read_text())["services"]["redis"], {})
+
+
+def test_every_tokenmill_service_is_wired_to_redis_and_the_server_by_environment(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name in tokenmill_commands(services):
+        env = services[name]["environment"]
+        assert env["TOKENMILL_REDIS_URL"] == f"redis://:{ENV['REDIS_PASSWORD']}@redis:6379/0", name
+        assert env["TOKENMILL_SERVER_URL"] == "http://server:30000", name
+        settings = Settings.load(env=env)  # the URLs are valid settings
+        assert settings.server_urls == ("http://server:30000",)
+
+
+def test_the_server_reserves_gpus_and_runs_the_server_manager_on_a_valid_config(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    server = services["server"]
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert server["command"][:3] == ["tokenmill", "server", "up"]
+    assert (
+        server["build"]["target"] == "server" and "lmsysorg/sglang" in server["build"]["args"]["SGLANG_IMAGE"]
+    )
+    mount = next(v for v in server["volumes"] if v.split(":")[1] == "/etc/tokenmill/server.toml")
+    assert (ROOT / mount.split(":")[0]).resolve() == SERVER_TOML
+    (config,) = load_config(SERVER_TOML, env={})
+    assert config.engine == "sglang" and config.port == 30000 and config.host == "0.0.0.0"
+    assert config.public_url == server["environment"]["TOKENMILL_SERVER_URL"]
+    assert config.model_name == server["environment"]["TOKENMILL_MODEL"]
+
+
+def test_images_are_built_from_targets_the_dockerfile_defines(services: dict[str, dict[str, Any]]) -> None:
+    targets = set(
+        re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE)
+    )
+    for name, svc in services.items():
+        if "build" in svc:
+            assert svc["build"]["dockerfile"] == "docker/Dockerfile", name
+            assert svc["build"]["target"] in targets, name
+
+
+def test_ports_are_published_on_loopback_only_and_flower_beyond_it_needs_auth(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            spec = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port.get('published')}"
+            assert spec.startswith("127.0.0.1:"), f"{name} publishes {spec!r} beyond the host's loopback"
+    flower = services["flower"]
+    address = flower["command"][flower["command"].index("--address") + 1]
+    assert not is_loopback(address)  # it must listen on the container's network...
+    assert flower["environment"]["TOKENMILL_FLOWER_BASIC_AUTH"] == ENV["FLOWER_BASIC_AUTH"]  # ...with auth
+
+
+def test_workers_scale_and_the_producer_is_a_one_shot_profile(services: dict[str, dict[str, Any]]) -> None:
+    for name in ("worker-short", "worker-long"):
+        svc = services[name]
+        assert "container_name" not in svc and not svc.get("ports"), f"{name} could not be --scale'd"
+    assert services["worker-short"]["command"][1:5] == ["worker", "--queue", "short", "--concurrency"]
+    assert services["worker-long"]["command"][1:4] == ["worker", "--queue", "long"]
+    producer = services["producer"]
+    assert producer["profiles"] == ["producer"] and producer["restart"] == "no"
