@@ -76,7 +76,10 @@ def test_queued_jobs_failures_admission_and_servers_are_read_from_redis_at_scrap
         ),
     )
     rclient.zadd(keys.admission("gpu0"), {"slot-a": 2**50, "slot-b": 2**50})
-    rclient.hset(keys.admission_used("gpu0"), mapping={"total": 5000, "budget": 143_000, "short": 5000})
+    rclient.hset(
+        keys.admission_used("gpu0"),
+        mapping={"total": 5000, "budget": 143_000, "short": 5000, "cap:short": 107_250},
+    )
     proc, url = start_metrics(tmp_path, redis_url)
     procs.append(proc)
 
@@ -101,6 +104,8 @@ def test_queued_jobs_failures_admission_and_servers_are_read_from_redis_at_scrap
     assert value(samples, "tokenmill_admission_used_tokens", server="gpu0") == 5000
     assert value(samples, "tokenmill_admission_budget_tokens", server="gpu0") == 143_000
     assert value(samples, "tokenmill_admission_queue_tokens", server="gpu0", queue="short") == 5000
+    assert value(samples, "tokenmill_admission_queue_cap_tokens", server="gpu0", queue="short") == 107_250
+    assert value(samples, "tokenmill_admission_queue_tokens", server="gpu0", queue="long") is None
     assert all(name.startswith("tokenmill_") for name, _ in samples)
 
     # And the next scrape follows a change without restarting anything

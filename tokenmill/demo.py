@@ -128,7 +128,7 @@ def demo(out_dir: str, keep: bool) -> None:
                 "--long-max-tokens",
                 "512",
                 "--long-prompt-tokens",
-                "12",
+                "18",
             ),
             env={**os.environ, **env},
             capture_output=True,
@@ -183,7 +183,10 @@ def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
                     tasks[part] = progress.add_task(part, total=total, note=note)
                 progress.update(tasks[part], completed=c["done"] + c["failed"], total=total, note=note)
             if counts and all(c["queued"] == 0 and c["running"] == 0 for c in counts.values()):
-                return
+                break
             if time.monotonic() > deadline:
                 raise click.ClickException(f"the demo run did not finish within {timeout_s}s")
             time.sleep(0.25)
+    console.line()
+    stats = {k.decode(): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
+    console.print(f"[bold]done[/]    {stats.get('completion_tokens', 0)} completion tokens generated")

@@ -120,34 +120,16 @@ class LedgerCollector(Collector):
         return [*_server_families(records), *self._admission([rec.name for rec in records])]
 
     def _admission(self, names: list[str]) -> list[Metric]:
-        slots = GaugeMetricFamily(
-            "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
-        )
-        by_queue = GaugeMetricFamily(
-            "tokenmill_admission_queue_tokens",
-            "Tokens held by admission slots, by queue.",
-            labels=["server", "queue"],
-        )
-        fields = {
-            f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
-            for f, (name, doc, counter) in ADMISSION_FIELDS.items()
-        }
+        """Slots (zset cardinality) and the used-tokens hash; fields are absent until admission runs."""
+        families = _AdmissionFamilies()
         pipe = self.r.pipeline(transaction=False)
         for name in names:
             pipe.zcard(keys.admission(name))
-            pipe.hmget(keys.admission_used(name), [*ADMISSION_FIELDS, *keys.QUEUES])
+            pipe.hmget(keys.admission_used(name), _AdmissionFamilies.FIELDS)
         replies = pipe.execute()
         for i, name in enumerate(names):
-            n_slots, used = replies[2 * i], replies[2 * i + 1]
-            slots.add_metric([name], n_slots)
-            values = dict(zip([*ADMISSION_FIELDS, *keys.QUEUES], used, strict=True))
-            for field, family in fields.items():
-                if (v := _num(values[field])) is not None:  # absent until admission first runs
-                    family.add_metric([name], v)
-            for queue in keys.QUEUES:
-                if (v := _num(values[queue])) is not None:
-                    by_queue.add_metric([name, queue], v)
-        return [slots, *fields.values(), by_queue]
+            families.add(name, replies[2 * i], replies[2 * i + 1])
+        return families.all()
 
 
 class _RunFamilies:
@@ -194,6 +176,47 @@ class _RunFamilies:
 
     def all(self) -> list[Metric]:
         return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog]
+
+
+class _AdmissionFamilies:
+    """The admission metric families of one scrape."""
+
+    FIELDS = [*ADMISSION_FIELDS, *keys.QUEUES, *(f"cap:{q}" for q in keys.QUEUES)]
+
+    def __init__(self) -> None:
+        self.slots = GaugeMetricFamily(
+            "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
+        )
+        self.fields = {
+            f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
+            for f, (name, doc, counter) in ADMISSION_FIELDS.items()
+        }
+        self.by_queue = GaugeMetricFamily(
+            "tokenmill_admission_queue_tokens",
+            "Tokens held by admission slots, by queue.",
+            labels=["server", "queue"],
+        )
+        self.caps = GaugeMetricFamily(
+            "tokenmill_admission_queue_cap_tokens",
+            "The most tokens one queue may hold on the server.",
+            labels=["server", "queue"],
+        )
+
+    def add(self, server: str, slots: int, used: list[Any]) -> None:
+        """Add one server's slot count and its used-hash values (in :attr:`FIELDS` order)."""
+        self.slots.add_metric([server], slots)
+        values = {f: _num(v) for f, v in zip(self.FIELDS, used, strict=True)}
+        for field, family in self.fields.items():
+            if (v := values[field]) is not None:
+                family.add_metric([server], v)
+        for queue in keys.QUEUES:
+            if (v := values[queue]) is not None:
+                self.by_queue.add_metric([server, queue], v)
+            if (v := values[f"cap:{queue}"]) is not None:
+                self.caps.add_metric([server, queue], v)
+
+    def all(self) -> list[Metric]:
+        return [self.slots, *self.fields.values(), self.by_queue, self.caps]
 
 
 def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]:

@@ -1,0 +1,425 @@
+"""End to end: tokenmill (enqueue + Celery workers + ledger) vs. a direct asyncio streaming client.
+
+The same prompts, against a fresh sim with the same knobs each time, alternating A B A B:
+
+- tokenmill: a private redis-server, a ``short`` worker (``--concurrency 150``) and a ``long``
+  worker (32), both real ``tokenmill worker`` processes with default settings; timed from the
+  first enqueue (``producer.enqueue.Enqueuer`` in this process) to the last commit (the
+  ledger's ``done_ms``). CPU: the two worker processes, from /proc/<pid>/stat.
+- direct: the hand-written way, in a child process: aiohttp (no connection cap), one
+  ``asyncio.Semaphore`` per queue (150 short, 32 long), streaming ``/v1/chat/completions`` and
+  parsing each SSE line with orjson. Same requests (built by tokenmill's own routing), timed
+  from the first request to the last response. CPU: the child's own, around the run.
+
+Both must produce the same completions (per prompt: text, reasoning and completion tokens);
+the benchmark checks it. The sim is the bottleneck the way a GPU is (``--sim-step-ms``).
+
+    .venv/bin/python bench/e2e.py                     # 1,000 prompts, two rounds, ~3 minutes
+    .venv/bin/python bench/e2e.py --prompts 300 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+from _common import (
+    Child,
+    Children,
+    exit_on_sigterm,
+    machine,
+    median,
+    proc_cpu_s,
+    start_sim,
+    start_worker,
+    table,
+    verdict,
+    wait_for,
+    workdir,
+)
+
+RUN = "e2e"
+PARTITION = "P"
+WORDS = (
+    "explain prove derive compare summarize the of and to in is that for it as with model token "
+    "cache queue server stream batch prompt GPU kernel tensor café naïve 日本 中文 🙂"
+).split()
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The workload and the sim: everything both variants share."""
+
+    prompts: int
+    long_every: int
+    short_max_tokens: int
+    long_max_tokens: int
+    long_prompt_tokens: int
+    short_concurrency: int
+    long_concurrency: int
+    sim: tuple[str, ...]
+
+
+# --- the dataset ---------------------------------------------------------------------------------
+
+
+def write_dataset(path: Path, k: Knobs) -> Path:
+    """``k.prompts`` distinct rows with ids; every ``long_every``-th has a long prompt."""
+    lines = []
+    for i in range(k.prompts):
+        n_words = 1400 if k.long_every and i % k.long_every == k.long_every - 1 else 20 + i % 60
+        text = f"#{i} " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n_words))
+        lines.append(orjson.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": text}]}))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def routing(k: Knobs) -> Any:
+    from producer.enqueue import Routing
+
+    return Routing(
+        model="default",
+        short_max_tokens=k.short_max_tokens,
+        long_max_tokens=k.long_max_tokens,
+        long_prompt_tokens=k.long_prompt_tokens,
+    )
+
+
+def direct_requests(data: Path, k: Knobs) -> list[dict[str, Any]]:
+    """The requests tokenmill sends for ``data`` (same routing, same bodies), with their job ids."""
+    from producer.readers import iter_records
+    from producer.rows import normalize_row
+
+    out = []
+    for rec in iter_records(data):
+        assert rec.data is not None
+        spec = routing(k).spec(normalize_row(rec.source, rec.data), PARTITION, rec.source)
+        out.append({"id": spec.job_id, "queue": spec.queue, "request": spec.request})
+    return out
+
+
+def digest(content: str, reasoning: str | None) -> str:
+    return hashlib.blake2b(f"{content}\0{reasoning or ''}".encode(), digest_size=12).hexdigest()
+
+
+# --- measurements common to both variants --------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    variant: str
+    wall_s: float
+    client_cpu_s: float
+    tokens: int
+    outputs: dict[str, tuple[int, str, str]]  # job id -> (completion tokens, finish, digest)
+    in_flight: list[int] = field(default_factory=list)
+    sim_cpu_s: float = 0.0
+    redis_cpu_s: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def cpu_ms_per_1k(self) -> float:
+        return self.client_cpu_s / self.tokens * 1e6
+
+
+class SimSampler(threading.Thread):
+    """Samples the sim's requests in flight (running + queued) twice a second."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.samples: list[int] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.5):
+            try:
+                with urllib.request.urlopen(f"{self.url}/_sim/stats", timeout=2) as resp:
+                    s = orjson.loads(resp.read())
+                self.samples.append(int(s["running"]) + int(s["queued"]))
+            except OSError:
+                pass
+
+    def stop(self) -> list[int]:
+        self.stop_event.set()
+        self.join(5)
+        return self.samples
+
+
+# --- variant A: tokenmill ------------------------------------------------------------------------
+
+
+def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_url: str, rnd: int) -> Result:
+    from producer.enqueue import Enqueuer
+    from tokenmill.ledger import Ledger
+
+    client.flushall()
+    where = work / f"tokenmill-{rnd}"
+    with Children() as ch:
+        sim, url = start_sim(ch, where, k.sim)
+        env = {"TOKENMILL_REDIS_URL": redis_url, "TOKENMILL_SERVER_URL": url}
+        workers = [
+            start_worker(ch, where, "short", k.short_concurrency, env),
+            start_worker(ch, where, "long", k.long_concurrency, env),
+        ]
+        redis_pid = int(client.info("server")["process_id"])
+        ledger = Ledger(client, RUN)
+        enq = Enqueuer(ledger, routing(k), max_queued=100_000)
+        sampler = SimSampler(url)
+        cpu0 = [proc_cpu_s(w.pid) for w in workers]
+        sim0, redis0 = proc_cpu_s(sim.pid), proc_cpu_s(redis_pid)
+        sampler.start()
+        start = time.time()
+        enq.enqueue_file(data, PARTITION)
+        assert enq.summary.total_new == k.prompts, enq.summary.line(RUN)
+        wait_for(lambda: _finished(ledger, workers), 900, "the tokenmill run to finish", 0.1)
+        cpu = sum(proc_cpu_s(w.pid) - c for w, c in zip(workers, cpu0, strict=True))
+        sim_cpu, redis_cpu = proc_cpu_s(sim.pid) - sim0, proc_cpu_s(redis_pid) - redis0
+        in_flight = sampler.stop()
+        counts = ledger.counts()[PARTITION]
+        if counts["failed"]:
+            raise RuntimeError(f"{counts['failed']} jobs failed: see the worker logs in {where}")
+        outputs, last_ms = _ledger_outputs(ledger)
+    tokens = sum(t for t, _, _ in outputs.values())
+    return Result("tokenmill", last_ms / 1000 - start, cpu, tokens, outputs, in_flight, sim_cpu, redis_cpu)
+
+
+def _finished(ledger: Any, workers: list[Child]) -> bool:
+    for w in workers:
+        if not w.alive():
+            raise RuntimeError(f"{w.name} died:\n{w.output()[-2000:]}")
+    c = ledger.counts().get(PARTITION)
+    return bool(c) and c["queued"] == 0 and c["running"] == 0
+
+
+def _ledger_outputs(ledger: Any) -> tuple[dict[str, tuple[int, str, str]], int]:
+    outputs: dict[str, tuple[int, str, str]] = {}
+    last_ms = 0
+    for job_id, (raw, done_ms) in ledger.iter_jobs(PARTITION, ["result", "done_ms"]):
+        res = orjson.loads(raw)
+        outputs[job_id] = (
+            int(res["usage"]["completion_tokens"]),
+            res["finish_reason"],
+            digest(res["content"], res.get("reasoning_content")),
+        )
+        last_ms = max(last_ms, int(done_ms))
+    return outputs, last_ms
+
+
+# --- variant B: the direct asyncio client --------------------------------------------------------
+
+
+def run_direct(work: Path, k: Knobs, reqs_path: Path, rnd: int) -> Result:
+    where = work / f"direct-{rnd}"
+    out = where / "direct.json"
+    with Children() as ch:
+        sim, url = start_sim(ch, where, k.sim)
+        sampler = SimSampler(url)
+        sim0 = proc_cpu_s(sim.pid)
+        sampler.start()
+        args = [
+            sys.executable, __file__, "--direct-client", url, str(reqs_path), str(out),
+            "--short-concurrency", str(k.short_concurrency), "--long-concurrency", str(k.long_concurrency),
+        ]  # fmt: skip
+        child = ch.spawn("direct", args, where / "direct.log")
+        wait_for(lambda: not child.alive(), 900, "the direct client to finish", 0.1)
+        sim_cpu = proc_cpu_s(sim.pid) - sim0
+        in_flight = sampler.stop()
+    if child.proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the direct client failed:\n{child.output()[-3000:]}")
+    doc = orjson.loads(out.read_bytes())
+    outputs = {j: (int(t), f, d) for j, (t, f, d) in doc["outputs"].items()}
+    tokens = sum(t for t, _, _ in outputs.values())
+    return Result("direct", doc["wall_s"], doc["cpu_s"], tokens, outputs, in_flight, sim_cpu)
+
+
+async def _stream_one(
+    session: Any, url: str, item: dict[str, Any], sem: asyncio.Semaphore
+) -> tuple[Any, ...]:
+    body = {**item["request"], "stream": True, "stream_options": {"include_usage": True}}
+    async with (
+        sem,
+        session.post(
+            f"{url}/v1/chat/completions",
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", "Authorization": "Bearer EMPTY"},
+        ) as resp,
+    ):
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        content: list[str] = []
+        reasoning: list[str] = []
+        finish = usage = None
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].rstrip()
+            if payload == b"[DONE]":
+                break
+            obj = orjson.loads(payload)
+            choices = obj.get("choices")
+            if choices:
+                delta = choices[0].get("delta") or {}
+                text = delta.get("content")
+                if text:
+                    content.append(text)
+                text = delta.get("reasoning_content")
+                if text:
+                    reasoning.append(text)
+                finish = choices[0].get("finish_reason") or finish
+            elif obj.get("usage"):
+                usage = obj["usage"]
+            elif "error" in obj:
+                raise RuntimeError(f"error chunk: {obj['error']}")
+    if usage is None or finish is None:
+        raise RuntimeError(f"{item['id']}: the stream ended without usage or finish_reason")
+    return item["id"], int(usage["completion_tokens"]), finish, "".join(content), "".join(reasoning)
+
+
+async def _direct(url: str, reqs: list[dict[str, Any]], short_c: int, long_c: int) -> dict[str, Any]:
+    import aiohttp
+
+    sems = {"short": asyncio.Semaphore(short_c), "long": asyncio.Semaphore(long_c)}
+    connector = aiohttp.TCPConnector(limit=0)  # the semaphores bound concurrency, not the pool
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        done = await asyncio.gather(*(_stream_one(session, url, r, sems[r["queue"]]) for r in reqs))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    outputs = {j: (t, f, digest(c, r or None)) for j, t, f, c, r in done}
+    return {"wall_s": wall, "cpu_s": cpu, "outputs": outputs}
+
+
+def direct_client_main(url: str, reqs_path: str, out_path: str, short_c: int, long_c: int) -> None:
+    reqs = orjson.loads(Path(reqs_path).read_bytes())
+    doc = asyncio.run(_direct(url, reqs, short_c, long_c))
+    Path(out_path).write_bytes(orjson.dumps(doc))
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=1000, help="prompts in the dataset (default 1,000)")
+    ap.add_argument("--long-every", type=int, default=10, help="one prompt in N is long (default 10)")
+    ap.add_argument("--short-max-tokens", type=int, default=300)
+    ap.add_argument("--long-max-tokens", type=int, default=1000)
+    ap.add_argument("--long-prompt-tokens", type=int, default=1000, help="long-queue threshold (tokens)")
+    ap.add_argument("--short-concurrency", type=int, default=150)
+    ap.add_argument("--long-concurrency", type=int, default=32)
+    ap.add_argument("--mean-output-tokens", type=int, default=300, help="the sim's mean output length")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="the sim's decode step time")
+    ap.add_argument("--step-ms-per-req", type=float, default=0.02, help="the sim's step time per request")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds; medians are reported (default 2)")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
+    ap.add_argument("--direct-client", nargs=3, metavar=("URL", "REQUESTS", "OUT"), help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
+    if a.direct_client:
+        direct_client_main(*a.direct_client, a.short_concurrency, a.long_concurrency)
+        return
+    exit_on_sigterm()
+    sim = (
+        "--reasoning-parser", "qwen3", "--sim-mean-output-tokens", str(a.mean_output_tokens),
+        "--sim-step-ms", str(a.step_ms), "--sim-step-ms-per-req", str(a.step_ms_per_req),
+    )  # fmt: skip
+    k = Knobs(
+        a.prompts, a.long_every, a.short_max_tokens, a.long_max_tokens, a.long_prompt_tokens,
+        a.short_concurrency, a.long_concurrency, sim,
+    )  # fmt: skip
+    print(f"machine: {machine()}")
+    print(f"sim: {' '.join(sim)}")
+    results: list[Result] = []
+    with workdir(a.keep) as work, Children() as children:
+        data = write_dataset(work / f"{PARTITION}.jsonl", k)
+        reqs = direct_requests(data, k)
+        reqs_path = work / "requests.json"
+        reqs_path.write_bytes(orjson.dumps(reqs))
+        n_long = sum(r["queue"] == "long" for r in reqs)
+        print(f"dataset: {len(reqs)} prompts, {n_long} on the long queue")
+        server = children.redis(work / "redis")
+        client = redis.Redis.from_url(server.url)
+        for rnd in range(1, a.rounds + 1):
+            for variant in ("tokenmill", "direct"):
+                if variant == "tokenmill":
+                    r = run_tokenmill(work, k, data, client, server.url, rnd)
+                else:
+                    r = run_direct(work, k, reqs_path, rnd)
+                results.append(r)
+                print(f"round {rnd} {r.variant:9}: {r.wall_s:6.2f} s, {r.tokens:,} tokens, "
+                      f"{r.tok_s:,.0f} tok/s, client CPU {r.client_cpu_s:.2f} s "
+                      f"({r.cpu_ms_per_1k:.1f} ms per 1k tokens), "
+                      f"mean in flight {_mean(r.in_flight):.0f}")  # fmt: skip
+    check_same_outputs(results)
+    report(results)
+
+
+def _mean(xs: list[int]) -> float:
+    busy = [x for x in xs if x > 0]
+    return sum(busy) / len(busy) if busy else 0.0
+
+
+def check_same_outputs(results: list[Result]) -> None:
+    """Every run produced the same completions: per prompt, tokens, finish reason and text."""
+    ref = results[0].outputs
+    for r in results[1:]:
+        if r.outputs != ref:
+            diff = [j for j in ref if r.outputs.get(j) != ref[j]]
+            raise AssertionError(
+                f"{r.variant} produced different outputs for {len(diff)} prompts: {diff[:5]}"
+            )
+    print(f"\nidentical outputs in all {len(results)} runs: {len(ref)} prompts, "
+          f"{results[0].tokens:,} completion tokens each")  # fmt: skip
+
+
+def report(results: list[Result]) -> None:
+    rows = []
+    med: dict[str, dict[str, float]] = {}
+    for variant in ("tokenmill", "direct"):
+        rs = [r for r in results if r.variant == variant]
+        m = {
+            "wall": median([r.wall_s for r in rs]),
+            "tok_s": median([r.tok_s for r in rs]),
+            "cpu": median([r.client_cpu_s for r in rs]),
+            "per_1k": median([r.cpu_ms_per_1k for r in rs]),
+            "flight": median([_mean(r.in_flight) for r in rs]),
+            "sim": median([r.sim_cpu_s / r.tokens * 1e6 for r in rs]),
+        }
+        med[variant] = m
+        who = "2 worker processes" if variant == "tokenmill" else "client process"
+        rows.append([
+            variant, len(rs), f"{m['wall']:.2f}", f"{m['tok_s']:,.0f}", f"{m['cpu']:.2f} ({who})",
+            f"{m['per_1k']:.1f}", f"{m['flight']:.0f}", f"{m['sim']:.1f}",
+        ])  # fmt: skip
+    print(table(
+        ["variant", "runs", "wall s", "tokens/s", "client CPU s", "CPU ms / 1k tokens",
+         "mean requests in flight at the sim", "sim CPU ms / 1k tokens"],
+        rows,
+    ))  # fmt: skip
+    ratio = med["tokenmill"]["wall"] / med["direct"]["wall"]
+    cpu_ratio = med["tokenmill"]["per_1k"] / med["direct"]["per_1k"]
+    redis_cpu = median([r.redis_cpu_s for r in results if r.variant == "tokenmill"])
+    print(f"\ntokenmill wall / direct wall: {ratio:.3f} (target <= 1.05: {verdict(ratio <= 1.05)})")
+    print(f"tokenmill worker CPU per token / direct client CPU per token: {cpu_ratio:.2f}x")
+    print(f"(tokenmill's redis-server used {redis_cpu:.2f} CPU s per run on top, median)")
+
+
+if __name__ == "__main__":
+    main()
