@@ -140,12 +140,16 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     from producer.status import run_status
 
     keys.check_run(run)
-    _, client = _connect(redis_url)
+    settings, client = _connect(redis_url)
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
-    if as_json and not watch:
-        click.echo(orjson.dumps(run_status(client, run)).decode())
-        return
+    urls = settings.server_urls
+    if as_json:
+        while True:
+            click.echo(orjson.dumps(run_status(client, run, urls)).decode())
+            if not watch:
+                return
+            time.sleep(interval)
     from rich.console import Console
     from rich.live import Live
 
@@ -153,15 +157,12 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
 
     console = Console()
     if not watch:
-        console.print(render(run_status(client, run)))
+        console.print(render(run_status(client, run, urls)))
         return
-    with Live(render(run_status(client, run)), console=console, refresh_per_second=4) as live:
+    with Live(render(run_status(client, run, urls)), console=console, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            doc = run_status(client, run)
-            if as_json:
-                console.print_json(orjson.dumps(doc).decode())
-            live.update(render(doc))
+            live.update(render(run_status(client, run, urls)))
 
 
 @click.command()

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from producer.readers import dataset_stem, iter_records
-from producer.rows import Row, estimate_prompt_tokens, normalize_row
+from producer.rows import Row, normalize_row
 from tokenmill import keys
 from tokenmill.errors import IdConflictError, InputError
 from tokenmill.jobspec import JobSpec
 from tokenmill.ledger import Ledger
+from tokenmill.tokens import estimate_prompt_tokens
 
 BATCH = 1000
 

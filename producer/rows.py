@@ -24,8 +24,6 @@ ROLES = ("system", "user", "assistant", "tool")
 KNOWN_FIELDS = frozenset(
     {"messages", "prompt", "id", "max_tokens", "metadata", "temperature", "top_p", "seed"}
 )
-BYTES_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
 _SHOW_CHARS = 60
 
 
@@ -54,23 +52,6 @@ def normalize_row(source: str, data: dict[str, Any]) -> Row:
         top_p=_top_p(source, row.get("top_p")),
         seed=_seed(source, row.get("seed")),
     )
-
-
-def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """A fast, deterministic token estimate: UTF-8 bytes / 4 rounded up, plus 4 per message.
-
-    Only for short/long routing; the server's tokenizer has the final word.
-    """
-    total = sum(_content_bytes(m.get("content")) for m in messages)
-    return math.ceil(total / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
-
-
-def _content_bytes(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content) if content.isascii() else len(content.encode("utf-8"))
-    if isinstance(content, list):
-        return sum(_content_bytes(p.get("text")) for p in content if isinstance(p, dict))
-    return 0
 
 
 # --- messages ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import redis
 
 from tokenmill import keys
 from tokenmill import servers as server_records
+from tokenmill.admission import admission_view
 from tokenmill.ledger import Ledger
 
 WINDOW_S = 60
@@ -18,8 +19,8 @@ def _i(v: Any) -> int:
     return int(v) if v is not None else 0
 
 
-def run_status(client: redis.Redis, run: str) -> dict[str, Any]:
-    """The ``status --json`` document of design.md."""
+def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``status --json`` document of design.md, plus admission figures per server."""
     ledger = Ledger(client, run)
     k = keys.RunKeys(run)
     partitions = ledger.counts()
@@ -46,6 +47,9 @@ def run_status(client: redis.Redis, run: str) -> dict[str, Any]:
     elif tokens_per_s > 0 and done > 0:
         per_job = stats.get("completion_tokens", 0) / done
         eta_s = round(remaining * per_job / tokens_per_s, 1)
+    records = server_records.load_all(client)
+    servers = [_server_view(r) for r in records]
+    names = [r.name for r in records] + [u for u in server_urls if u not in {r.url for r in records}]
     return {
         "run": run,
         "partitions": partitions,
@@ -55,7 +59,8 @@ def run_status(client: redis.Redis, run: str) -> dict[str, Any]:
         "failures": {a.decode(): _i(b) for a, b in failures.items()},
         "failure_messages": {a.decode(): b.decode() for a, b in last.items()},
         "stats": stats,
-        "servers": [_server_view(r) for r in server_records.load_all(client)],
+        "servers": servers,
+        "admission": {name: admission_view(client, name) for name in names},
         "at": time.time(),
     }
 

@@ -62,4 +62,20 @@ def render(doc: dict[str, Any]) -> Group:
                 str(s["restarts"]),
             )
         items.append(srv)
+    admission = {n: a for n, a in (doc.get("admission") or {}).items() if a.get("budget")}
+    if admission:
+        adm = Table(
+            "admission", "in flight (tokens)", "budget", "short", "long", "slots", "refused", box=None
+        )
+        for name, a in sorted(admission.items()):
+            adm.add_row(
+                name,
+                str(a.get("total", 0)),
+                str(a["budget"]),
+                f"{a.get('short', 0)}/{a.get('cap:short', '-')}",
+                f"{a.get('long', 0)}/{a.get('cap:long', '-')}",
+                str(a.get("slots", 0)),
+                str(a.get("refused", 0)),
+            )
+        items.append(adm)
     return Group(*items)

@@ -109,22 +109,44 @@ def start_stack(stack: Stack, password: str) -> tuple[str, redis.Redis, dict[str
     env = {"TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": sim_url}
     # slow enough that the shot catches jobs running beside jobs done
     stack.tokenmill(
-        "sim", "server", "sim", "--port", str(sim_port), "--reasoning-parser", "qwen3",
-        "--sim-mean-output-tokens", "160", "--sim-step-ms", "20", "--sim-health-latency-s", "0.05", env=env,
-    )  # fmt: skip
+        "sim",
+        "server",
+        "sim",
+        "--port",
+        str(sim_port),
+        "--reasoning-parser",
+        "qwen3",
+        "--sim-mean-output-tokens",
+        "160",
+        "--sim-step-ms",
+        "20",
+        "--sim-health-latency-s",
+        "0.05",
+        env=env,
+    )
     stack.tokenmill(
-        "flower", "flower", "--port", str(flower_port),
+        "flower",
+        "flower",
+        "--port",
+        str(flower_port),
         env={**env, "TOKENMILL_FLOWER_BASIC_AUTH": f"{USER}:{password}"},
-    )  # fmt: skip
+    )
     wait_until(lambda: urllib.request.urlopen(f"{sim_url}/health", timeout=5).status == 200, 60, "the sim")
     wait_until(
         lambda: urllib.request.urlopen(f"{flower_url}/healthcheck", timeout=5).status == 200, 60, "Flower"
     )
     for queue, threads in (("short", "8"), ("long", "4")):
         stack.tokenmill(
-            f"worker-{queue}", "worker", "--queue", queue, "--concurrency", threads,
-            "--hostname", f"{queue}@tokenmill-demo", env=env,
-        )  # fmt: skip
+            f"worker-{queue}",
+            "worker",
+            "--queue",
+            queue,
+            "--concurrency",
+            threads,
+            "--hostname",
+            f"{queue}@tokenmill-demo",
+            env=env,
+        )
     # tasks only show up in Flower if it receives the workers' events: wait for their heartbeats
     wait_until(
         lambda: sum(get_json(f"{flower_url}/api/workers?status=true", password).values()) == 2,
@@ -138,10 +160,28 @@ def enqueue_demo(env: dict[str, str]) -> None:
     data = resources.files("tokenmill").joinpath("data/demo")
     files = [str(data.joinpath(f"{p}.jsonl")) for p in ("B1", "B2")]
     subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "enqueue", *files, "--run", RUN, "--limit", "40",
-         "--short-max-tokens", "512", "--long-max-tokens", "512", "--long-prompt-tokens", "16"],
-        env={**os.environ, **env}, cwd=ROOT, check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "enqueue",
+            *files,
+            "--run",
+            RUN,
+            "--limit",
+            "40",
+            "--short-max-tokens",
+            "512",
+            "--long-max-tokens",
+            "512",
+            "--long-prompt-tokens",
+            "16",
+        ],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
 
 
 def screenshot(url: str, out: Path, size: str) -> None:
@@ -152,10 +192,18 @@ def screenshot(url: str, out: Path, size: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flower-shot-") as profile:
         subprocess.run(
-            [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-             f"--screenshot={out}", url],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+            [
+                browser,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={size}",
+                f"--screenshot={out}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     if not out.exists() or out.stat().st_size == 0:
         raise SystemExit(f"chromium wrote no screenshot to {out}")
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import sys
@@ -19,6 +18,7 @@ import click
 from server_mgr.command import display_command
 from server_mgr.config import ServerConfig, load_config
 from tokenmill import redis_conn, servers
+from tokenmill.cli import LazyGroup
 from tokenmill.settings import Settings
 
 LAZY = {"sim": ("server_mgr.sim.cli:sim", "Run the SGLang-compatible simulator (no GPU).")}
@@ -31,17 +31,8 @@ _redis_option = click.option("--redis-url", default=None,
                              help="Redis URL [env TOKENMILL_REDIS_URL].")
 
 
-class ServerGroup(click.Group):
-    """A click group whose ``sim`` subcommand is imported only when it is run."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *LAZY})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in LAZY:
-            module_name, attr = LAZY[cmd_name][0].split(":")
-            return getattr(importlib.import_module(module_name), attr)
-        return super().get_command(ctx, cmd_name)
+class ServerGroup(LazyGroup):
+    """The root's lazy group, with each subcommand's own short help (the lazy ones from LAZY)."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, LAZY[name][1] if name in LAZY else
@@ -51,7 +42,8 @@ class ServerGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=ServerGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ServerGroup, lazy={name: target for name, (target, _) in LAZY.items()},
+             context_settings={"help_option_names": ["-h", "--help"]})
 def server() -> None:
     """Launch, supervise and inspect SGLang (or sim) servers."""
 

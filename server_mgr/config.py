@@ -96,10 +96,14 @@ class ServerConfig:
     source: str = field(default="", compare=False)
 
     @property
+    def probe_host(self) -> str:
+        """The host the manager itself connects to (loopback when the server listens on all)."""
+        return "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+
+    @property
     def probe_url(self) -> str:
-        """The URL the manager itself probes (loopback when the server listens on all interfaces)."""
-        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
-        return f"http://{_bracket(host)}:{self.port}"
+        """The base URL the manager probes."""
+        return f"http://{_bracket(self.probe_host)}:{self.port}"
 
     @property
     def public_url(self) -> str:
@@ -182,27 +186,26 @@ def _typed(cls: type, table: dict[str, Any], where: str, *, nested: tuple[str, .
     return values
 
 
+# scalar type -> (what the error says it must be, the check)
+_SCALARS: dict[type, tuple[str, typing.Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+            and math.isfinite(v)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
 def _coerce(value: Any, hint: Any, where: str, key: str) -> Any:
     """``value`` checked against (and converted to) the type ``hint``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return _coerce(value, next(a for a in args if a is not type(None)), where, key)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise _bad(where, key, f"must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _bad(where, key, f"must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise _bad(where, key, f"must be a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _bad(where, key, f"must be a string, got {value!r}")
+    if hint in _SCALARS:
+        what, ok = _SCALARS[hint]
+        if not ok(value):
+            raise _bad(where, key, f"must be {what}, got {value!r}")
+        return float(value) if hint is float else value
     if origin is tuple:
         return _coerce_tuple(value, args, where, key)
     if origin is dict:
@@ -260,8 +263,12 @@ def _validate(c: ServerConfig, table: dict[str, Any], where: str) -> None:
     _validate_sim(c.sim, where)
 
 
+def _positive(value: float | None) -> bool:
+    return value is None or value > 0
+
+
 def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
-    positive = lambda v: v is None or v > 0  # noqa: E731
+    """(key, whether its value is valid, what it must be) for every single-key rule."""
     return [
         ("name", bool(_NAME_RE.match(c.name)), "must be 1-64 letters, digits, '.', '_' or '-'"),
         ("engine", c.engine in ENGINES, f"must be one of {', '.join(ENGINES)}"),
@@ -278,8 +285,8 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
         ("hicache_size", c.hicache_size is None or c.hicache_size >= 0, "must be >= 0 (GB)"),
         ("hicache_size", c.hicache_size is None or c.enable_hierarchical_cache,
          "needs enable_hierarchical_cache = true"),
-        ("context_length", positive(c.context_length), "must be positive"),
-        ("max_running_requests", positive(c.max_running_requests), "must be positive"),
+        ("context_length", _positive(c.context_length), "must be positive"),
+        ("max_running_requests", _positive(c.max_running_requests), "must be positive"),
         ("reasoning_parser", c.reasoning_parser is None
          or c.reasoning_parser in sglang_flags.REASONING_PARSERS,
          f"must be one of {', '.join(sglang_flags.REASONING_PARSERS)}"),

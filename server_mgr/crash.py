@@ -48,7 +48,7 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
      GIVE_UP, "SGLang refused its arguments"),
     ("port_in_use", re.compile(r"address already in use|Errno 98", re.I),
      RESTART, "the HTTP port is taken"),
-    ("watchdog_timeout", re.compile(r"Watchdog timeout"), RESTART, "a forward step hung"),
+    ("watchdog_timeout", re.compile(r"watchdog timeout", re.I), RESTART, "a forward step hung"),
     ("gpu_memory_unbalanced", re.compile(r"memory capacity is unbalanced"),
      RESTART, "another process holds GPU memory"),
     ("warmup_failed", re.compile(r"warmup error"), RESTART, "the warmup request failed"),
@@ -83,15 +83,16 @@ def classify(log_text: str, returncode: int | None, *, first_prefill: bool) -> C
 
 
 def _by_exit_code(lines: list[str], returncode: int | None) -> Crash:
-    last = _last_words(lines)
+    error = _last_error(lines)
+    said = f"; last error line: {error}" if error else ""
     if returncode in (-9, 137):
         return Crash("killed", "SIGKILLed with no crash reason in the log (an operator, a parent, "
                      "or the kernel OOM killer: check dmesg; exit 137 alone does not say which)"
-                     + (f"; last line: {last}" if last else ""), RESTART, returncode)
+                     + said, RESTART, returncode)
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else "?"
-        return Crash("signaled", f"killed by {name}" + (f"; last line: {last}" if last else ""),
-                     RESTART, returncode)
+        return Crash("signaled", f"killed by {name}{said}", RESTART, returncode)
+    last = error or next((s for s in reversed(lines) if s), "")[:300]
     if returncode == 2:
         return Crash("invalid_arguments", f"argument error: {last}", GIVE_UP, returncode)
     return Crash("exited", last or "exited without a message", RESTART, returncode)
@@ -110,8 +111,7 @@ def _detail(lines: list[str], hit: int) -> str:
     return line[:300]
 
 
-def _last_words(lines: list[str]) -> str:
-    """The most telling of the last lines: an exception line if any, else the last non-empty one."""
-    tail = [s for s in lines[-60:] if s]
-    errors = [s for s in tail if _EXCEPTION_RE.match(s)]
-    return (errors[-1] if errors else tail[-1] if tail else "")[:300]
+def _last_error(lines: list[str]) -> str:
+    """The last exception line among the last lines of the log ("" if none)."""
+    errors = [s for s in lines[-60:] if _EXCEPTION_RE.match(s)]
+    return errors[-1][:300] if errors else ""

@@ -25,12 +25,13 @@ METRIC_NAMES = {
     "sglang:num_used_tokens": "num_used_tokens",
     "sglang:cache_hit_rate": "cache_hit_rate",
     "sglang:num_retracted_reqs": "retracted_reqs",
+    "sglang:kv_available_tokens": "kv_available_tokens",
     "sglang:num_retracted_requests_total": "retractions",
     "sglang:num_retractions": "retractions",
 }
 # Figures that add up across data-parallel ranks (the others are averaged).
 _SUMMED = {"running_req", "queue_req", "num_used_tokens", "gen_throughput", "retracted_reqs",
-           "retractions"}
+           "retractions", "kv_available_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +112,26 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {name: sum(v) if name in _SUMMED else sum(v) / len(v) for name, v in values.items()}
 
 
-def in_flight(base_url: str, api_key: str | None, timeout_s: float) -> int | None:
-    """Running plus waiting requests from ``/v1/loads`` (0.5.10+), or None when unavailable."""
+def in_flight(base_url: str, api_key: str | None, timeout_s: float, *,
+              metrics_enabled: bool = False) -> int | None:
+    """Running plus waiting requests: ``/v1/loads`` (0.5.10+), else ``/metrics`` when enabled.
+
+    None when neither answers (0.5.5 without metrics): the caller falls back to the log.
+    """
     try:
-        data = get_json(base_url + "/v1/loads", api_key, timeout_s)
+        loads = get_json(base_url + "/v1/loads", api_key, timeout_s).get("loads")
+    except (OSError, ValueError):
+        loads = None
+    if isinstance(loads, list):
+        return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
+                   for item in loads if isinstance(item, dict))
+    if not metrics_enabled:
+        return None
+    try:
+        figures = metrics(base_url, timeout_s)
     except (OSError, ValueError):
         return None
-    loads = data.get("loads")
-    if not isinstance(loads, list):
-        return None
-    return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
-               for item in loads if isinstance(item, dict))
+    return int(figures.get("running_req", 0) + figures.get("queue_req", 0))
 
 
 def _int(value: Any) -> int | None:

@@ -43,9 +43,9 @@ def setup_logging(log_dir: Path) -> Path:
 def serve(configs: list[ServerConfig], client: redis.Redis, gate: ConsumerGate | None) -> int:
     """Supervise ``configs`` until they are all stopped or failed."""
     stop = threading.Event()
-    sink = RedisSink(client)
-    sync = gate.sync if gate else (lambda: None)
-    supervisors = [Supervisor(c, sink, stop_event=stop, on_change=sync) for c in configs]
+    changed = threading.Event()  # a state changed: the main thread syncs the gate (off the
+    sink = RedisSink(client)     # supervisors' threads, since a pause asks the workers first)
+    supervisors = [Supervisor(c, sink, stop_event=stop, on_change=changed.set) for c in configs]
     for c in configs:
         clear_stop_request(client, c.name)
     _install_signals(stop, supervisors)
@@ -54,16 +54,16 @@ def serve(configs: list[ServerConfig], client: redis.Redis, gate: ConsumerGate |
         thread.start()
     next_sync = time.monotonic() + GATE_SYNC_S
     while any(t.is_alive() for t in threads):
-        for thread in threads:
-            thread.join(timeout=0.2)
-        if time.monotonic() >= next_sync:
-            sync()
+        time.sleep(0.1)
+        if gate is not None and (changed.is_set() or time.monotonic() >= next_sync):
+            changed.clear()
+            gate.sync()
             next_sync = time.monotonic() + GATE_SYNC_S
-    sync()
-    failed = [s.config.name for s in supervisors if s.record.state == servers.FAILED]
-    for name in failed:
-        log.error("[%s] failed: %s", name, next(s.record.last_error for s in supervisors
-                                                  if s.config.name == name))
+    if gate is not None:
+        gate.sync()
+    failed = [s for s in supervisors if s.record.state == servers.FAILED]
+    for s in failed:
+        log.error("[%s] failed: %s", s.config.name, s.record.last_error)
     return 1 if failed else 0
 
 

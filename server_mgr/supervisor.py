@@ -29,6 +29,7 @@ from tokenmill.servers import ServerRecord
 log = logging.getLogger("tokenmill.server")
 
 TICK_S = 0.1
+STARTUP_PROBE_S = 0.5
 STOP_POLL_S = 0.5
 LIVE_PUBLISH_S = 1.0
 HEARTBEAT_S = 5.0  # the record's updated_at is refreshed at least this often
@@ -59,6 +60,8 @@ class Supervisor:
         self.changed = threading.Condition()
         self.live = logparse.LiveFigures()
         self._tail: logparse.LogTail | None = None
+        self._engine: process.Engine | None = None
+        self._launched_fraction: float | None = config.mem_fraction_static
         self._stop: dict[str, Any] | None = None
         self._next_stop_poll = 0.0
         self._last_report = 0.0
@@ -70,6 +73,11 @@ class Supervisor:
         """Supervise until stopped (returns ``down``) or given up on (returns ``failed``)."""
         try:
             return self._run()
+        except Exception as exc:  # a bug here must not leave the server running unsupervised
+            log.exception("[%s] supervisor error", self.config.name)
+            if self._engine is not None:
+                process.stop(self._engine, self.config.stop_grace_s, graceful=False)
+            return self._fail(f"supervisor error: {exc!r}")
         finally:
             self._probes.shutdown(wait=False, cancel_futures=True)
 
@@ -82,7 +90,7 @@ class Supervisor:
                 self._event("stopped", "server stopped")
                 return servers.DOWN
             assert outcome.crash is not None
-            decision = self.policy.decide(outcome.crash, time.time(), self.config.mem_fraction_static)
+            decision = self.policy.decide(outcome.crash, time.time(), self._launched_fraction)
             if decision.action == FAIL:
                 return self._fail(decision.reason)
             if decision.fraction is not None:
@@ -116,7 +124,7 @@ class Supervisor:
 
     def _before_launch(self) -> Outcome | None:
         """Refuse to launch on a port something else holds (waits a little for a dying server)."""
-        host = self.config.probe_url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+        host = self.config.probe_host
         deadline = time.monotonic() + 5.0
         while process.port_in_use(host, self.config.port):
             if self._stop_wanted():
@@ -132,13 +140,14 @@ class Supervisor:
         shown = display_command(c)
         banner = f"===== tokenmill: launching {c.name} (restart {self.record.restarts}): {shown}"
         engine = process.launch(launch_argv(c), launch_env(c), c.log_path, banner)
-        self.live = logparse.LiveFigures()
+        self._engine = engine
+        # The old figures read 0 until the new process logs its own (Redis keeps every field).
+        self.live = logparse.LiveFigures(figures={k: 0.0 for k in self.record.live})
         self._tail = logparse.LogTail(c.log_path, engine.log_offset)
+        extra = {"command": shown, "log_path": str(c.log_path), "host": socket.gethostname(),
+                 "mem_fraction_static": c.mem_fraction_static}
         self._set_state(servers.STARTING, pid=engine.pid, max_total_num_tokens=None,
-                        context_length=None, live={k: 0.0 for k in self.record.live},
-                        extra={"command": shown, "log_path": str(c.log_path),
-                               "host": socket.gethostname(),
-                               "mem_fraction_static": c.mem_fraction_static})
+                        context_length=None, extra=extra)
         self._event("launch", f"pid {engine.pid}: {shown}", pid=engine.pid)
         return engine
 
@@ -147,6 +156,7 @@ class Supervisor:
         c = self.config
         deadline = time.monotonic() + c.startup_timeout_s
         probe: Future[health.Probe] | None = None
+        next_probe = 0.0
         while True:
             self._read_log()
             code = engine.returncode()
@@ -158,19 +168,21 @@ class Supervisor:
                 return Outcome("crashed", Crash(
                     "startup_timeout", f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
                     RESTART))
-            if probe is None:
-                probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
-            elif probe.done():
+            if probe is not None and probe.done():
                 if probe.result().ok:
                     return None
                 probe = None
+            if probe is None and time.monotonic() >= next_probe:
+                probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
+                next_probe = time.monotonic() + STARTUP_PROBE_S
+                engine.remember_members()
             time.sleep(TICK_S)
 
     def _on_ready(self, engine: process.Engine) -> None:
         c = self.config
         total, context = self._capacity(engine)
         self._set_state(servers.READY, max_total_num_tokens=total, context_length=context)
-        self._event("ready", f"ready after {time.time() - engine.started_at:.1f} s: "
+        self._event("ready", f"up after {time.time() - engine.started_at:.1f} s: "
                              f"max_total_num_tokens={total}, context_length={context}",
                     max_total_num_tokens=total, context_length=context,
                     mem_fraction_static=c.mem_fraction_static)
@@ -294,18 +306,13 @@ class Supervisor:
             busy = self._in_flight()
 
     def _in_flight(self) -> int:
-        """Running plus queued requests: /v1/loads, else /metrics, else the log's batch lines."""
+        """Running plus queued requests: from the server, else from the log's batch lines."""
         c = self.config
-        count = health.in_flight(c.probe_url, c.api_key, min(c.health_timeout_s, 5.0))
+        count = health.in_flight(c.probe_url, c.api_key, min(c.health_timeout_s, 5.0),
+                                 metrics_enabled=c.enable_metrics)
         if count is not None:
             return count
-        if c.enable_metrics:
-            try:
-                figures = health.metrics(c.probe_url, min(c.health_timeout_s, 5.0))
-                return int(figures.get("running_req", 0) + figures.get("queue_req", 0))
-            except (OSError, ValueError):
-                pass
-        if self.live.quiet_for() >= LOG_QUIET_S:
+        if self.live.quiet_for() >= LOG_QUIET_S:  # an idle server logs no batch lines
             return 0
         return int(self.live.figures.get("running_req", 0) + self.live.figures.get("queue_req", 0))
 
@@ -314,11 +321,13 @@ class Supervisor:
         c = self.config
         if outcome.crash is not None:
             self._set_state(servers.DOWN, last_error=outcome.crash.describe())
-            self._event("crash", outcome.crash.describe(), kind=outcome.crash.kind,
+            self._event("crash", outcome.crash.describe(), crash_class=outcome.crash.kind,
                         returncode=outcome.crash.returncode)
-        graceful = outcome.kind == "stopped" or outcome.crash.kind == "health_failed"
+        # A wedged server may still drain on SIGTERM; a dead one has nothing left to drain.
+        graceful = outcome.crash is None or outcome.crash.kind == "health_failed"
         code = process.stop(engine, c.stop_grace_s, graceful=graceful and not self.hurry.is_set())
         left = process.ensure_gone(engine.pgid, engine.seen)
+        self._engine = None
         if left:
             reason = f"processes of the old server remain after SIGKILL: {'; '.join(left)}"
             return Outcome("crashed", Crash("not_released", reason, GIVE_UP, code))
@@ -340,10 +349,8 @@ class Supervisor:
     def _classify(self, engine: process.Engine, code: int, *, first_prefill: bool) -> Crash:
         self._read_log()
         text = logparse.read_since(engine.log_path, engine.log_offset)
-        if self.config.mem_fraction_static is None:
-            fraction = logparse.launch_fraction(text)
-            if fraction is not None:
-                self.config = self.config.with_mem_fraction(fraction)
+        # Unset in the config, the fraction SGLang resolved is in its log (for an OOM step).
+        self._launched_fraction = self.config.mem_fraction_static or logparse.launch_fraction(text)
         return classify(text, code, first_prefill=first_prefill)
 
     def _fail(self, reason: str) -> str:
@@ -357,6 +364,7 @@ class Supervisor:
         for name, value in changes.items():
             setattr(self.record, name, value)
         self.record.state = state
+        self.record.live = dict(self.live.figures)
         self.record.updated_at = time.time()
         self.sink.publish(self.record, **(extra or {}))
         with self.changed:

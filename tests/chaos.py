@@ -8,11 +8,12 @@ counts that match the jobs, one export row each, and every text (continued or no
 byte to the sim's deterministic output.
 
 Times are wall-clock seconds (``time.time()``) so that they compare with the ledger's
-``claimed_ms`` (Redis ``TIME``, the same host's clock).
+``claimed_ms`` (Redis ``TIME`` on the same host).
 """
 
 from __future__ import annotations
 
+import base64
 import signal
 import socket
 import sys
@@ -27,42 +28,63 @@ import orjson
 import redis
 
 from tests.pipeline import cli, expected_for, read_export, write_jsonl
-from tests.procs import Proc, RedisServer, spawn, start_sim, start_worker, wait_for, worker_env
+from tests.procs import Proc, RedisServer, spawn, start_sim, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.local_redis import free_port
 from tokenmill.messages import task_message
 
-JOB_FIELDS = ("state", "worker", "token", "attempts", "retries", "claimed_ms", "ckpt_tokens", "last_error_class")
+JOB_FIELDS = (
+    "state",
+    "worker",
+    "token",
+    "attempts",
+    "retries",
+    "claimed_ms",
+    "ckpt_tokens",
+    "last_error_class",
+)
 WORDS = ("alpha", "beta", "gamma", "δέλτα", "日本語", "emoji🙂", "naïve", "zeta", "lease", "token")
+TASK_CRASH = "raised unexpected"  # what Celery logs when a task body raises
 
 
 # --- workloads -----------------------------------------------------------------------------------
 
 
-def prompt_rows(tag: str, n: int, pad_words: int = 0) -> list[dict[str, Any]]:
-    """``n`` distinct prompt rows (unicode included); ``pad_words`` makes each row bigger."""
+def prompt_rows(tag: str, n: int, pad_words: int = 0) -> tuple[dict[str, Any], ...]:
+    """``n`` distinct prompt rows (with unicode); ``pad_words`` makes each row bigger."""
     pad = " " + " ".join(WORDS[i % len(WORDS)] for i in range(pad_words)) if pad_words else ""
-    return [
+    return tuple(
         {"prompt": f"{tag} #{i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(i % 5 + 2)) + pad}
         for i in range(n)
-    ]
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """A run: its rows (one partition) and the knobs that decide the sim's exact output."""
+    """A run of one partition, and the knobs that decide the sim's exact output for it."""
 
     run: str
-    partition: str
     rows: tuple[dict[str, Any], ...]
     max_tokens: int
     mean_output_tokens: int
     reasoning: bool = True
+    partition: str = "P"
+    queue: str = "short"
 
     @property
     def enqueue_flags(self) -> list[str]:
         n = str(self.max_tokens)
-        return ["--run", self.run, "--partition", self.partition, "--short-max-tokens", n, "--long-max-tokens", n]
+        flags = [
+            "--run",
+            self.run,
+            "--partition",
+            self.partition,
+            "--short-max-tokens",
+            n,
+            "--long-max-tokens",
+            n,
+        ]
+        return flags + (["--long-prompt-tokens", "1"] if self.queue == "long" else [])
 
     def write(self, where: Path) -> Path:
         return write_jsonl(where / f"{self.run}-{self.partition}.jsonl", list(self.rows))
@@ -96,8 +118,8 @@ class JobView:
 
 def _view(job_id: str, values: list[bytes | None]) -> JobView:
     s = [v.decode() if v is not None else "" for v in values]
-    return JobView(job_id, s[0], s[1], int(s[2] or 0), int(s[3] or 0), int(s[4] or 0), int(s[5] or 0),
-                   int(s[6] or 0), s[7])  # fmt: skip
+    n = [int(x) if x.isdigit() else 0 for x in s]
+    return JobView(job_id, s[0], s[1], n[2], n[3], n[4], n[5], n[6], s[7])
 
 
 def job_views(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str, JobView]:
@@ -110,6 +132,7 @@ def job_views(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str
 
 
 def all_job_ids(client: redis.Redis, run: str) -> list[str]:
+    """Every job id of ``run``, partition by partition, in enqueue order."""
     k = keys.RunKeys(run)
     out: list[str] = []
     for part in sorted(p.decode() for p in client.smembers(k.partitions())):
@@ -118,7 +141,7 @@ def all_job_ids(client: redis.Redis, run: str) -> list[str]:
 
 
 def running_jobs(client: redis.Redis, run: str) -> dict[str, JobView]:
-    """Jobs that hold a lease and are ``running``."""
+    """Jobs that are ``running`` under a lease (live or expired)."""
     ids = [x.decode() for x in client.zrange(keys.RunKeys(run).leases(), 0, -1)]
     return {j: v for j, v in job_views(client, run, ids).items() if v.state == "running"}
 
@@ -129,7 +152,7 @@ def worker_id(proc: Proc) -> str:
 
 
 def mid_stream(client: redis.Redis, run: str, worker: str | None = None) -> dict[str, JobView]:
-    """Running jobs that already checkpointed some tokens (of ``worker`` only, if given)."""
+    """Running jobs that already checkpointed some tokens (held by ``worker``, if given)."""
     return {
         j: v
         for j, v in running_jobs(client, run).items()
@@ -140,9 +163,10 @@ def mid_stream(client: redis.Redis, run: str, worker: str | None = None) -> dict
 def wait_mid_stream(
     client: redis.Redis, run: str, n: int = 1, worker: str | None = None, timeout: float = 60
 ) -> dict[str, JobView]:
-    """At least ``n`` jobs mid-stream with a checkpoint (polls the ledger; fails at the deadline)."""
+    """At least ``n`` jobs mid-stream with a checkpoint; returns every running job then."""
     what = f"{n} job(s) of run {run} mid-stream with a checkpoint" + (f" on {worker}" if worker else "")
-    return wait_for(lambda: (m := mid_stream(client, run, worker)) and len(m) >= n and m, timeout, what, 0.02)
+    wait_for(lambda: len(mid_stream(client, run, worker)) >= n, timeout, what, 0.02)
+    return {j: v for j, v in running_jobs(client, run).items() if worker is None or v.worker == worker}
 
 
 def state_counts(client: redis.Redis, run: str) -> dict[str, int]:
@@ -154,15 +178,43 @@ def state_counts(client: redis.Redis, run: str) -> dict[str, int]:
     return out
 
 
+def wait_progress(client: redis.Redis, run: str, commits: int = 1, timeout: float = 60) -> None:
+    """Wait until ``commits`` more jobs are done than now (the run moves again)."""
+    start = state_counts(client, run)["done"]
+    wait_for(
+        lambda: state_counts(client, run)["done"] >= start + commits, timeout, f"{commits} commit(s)", 0.05
+    )
+
+
 def wait_finished(client: redis.Redis, run: str, total: int, timeout: float) -> None:
-    """Every one of ``total`` jobs is ``done`` or ``failed`` (by the jobs' own state, not counts)."""
+    """All ``total`` jobs are ``done`` or ``failed``, by the jobs' own states (not the counts)."""
 
     def finished() -> bool:
-        ids = all_job_ids(client, run)
-        views = job_views(client, run, ids)
-        return len(ids) >= total and all(v.state in ("done", "failed") for v in views.values())
+        views = job_views(client, run, all_job_ids(client, run))
+        return len(views) >= total and all(v.state in ("done", "failed") for v in views.values())
 
     wait_for(finished, timeout, f"all {total} jobs of run {run} to finish", 0.2)
+
+
+def redis_now_ms(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def wait_leases_expired(client: redis.Redis, run: str, timeout: float) -> None:
+    """Every lease of ``run`` is past its expiry (by the Redis clock)."""
+    leases = keys.RunKeys(run).leases()
+    last = max((int(score) for _, score in client.zrange(leases, 0, -1, withscores=True)), default=0)
+    wait_for(lambda: redis_now_ms(client) > last, timeout, f"the leases of run {run} to expire", 0.1)
+
+
+def queue_messages(client: redis.Redis, queue: str = "short") -> dict[str, int]:
+    """Job id → how many messages for it wait in the broker list of ``queue``."""
+    out: dict[str, int] = {}
+    for raw in client.lrange(keys.broker_queue(queue), 0, -1):
+        args = orjson.loads(base64.b64decode(orjson.loads(raw)["body"]))[0]
+        out[args[2]] = out.get(args[2], 0) + 1
+    return out
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -179,10 +231,11 @@ class Cluster:
     owns_redis: bool = False
     sim: Proc | None = None
     sim_port: int = 0
-    workers: list[Proc] = field(default_factory=list)
-    procs: list[Proc] = field(default_factory=list)
+    workers: list[Proc] = field(default_factory=list)  # the short queue's: the faults' targets
+    procs: list[Proc] = field(default_factory=list)  # everything started, for close()
     faults: list[Fault] = field(default_factory=list)
     generated_by_dead_sims: int = 0
+    _client: redis.Redis | None = None
 
     @classmethod
     def start(
@@ -192,7 +245,7 @@ class Cluster:
         sim_flags: Iterable[str] = (),
         **settings: Any,
     ) -> Cluster:
-        """A running cluster (a private AOF redis-server unless ``redis_server`` is given)."""
+        """A running sim on a redis-server (a private one, AOF everysec, unless given)."""
         owns = redis_server is None
         server = redis_server or RedisServer(workdir / "redis").start()
         c = cls(workdir, server, tuple(sim_flags), settings, owns_redis=owns)
@@ -210,7 +263,9 @@ class Cluster:
     @property
     def client(self) -> redis.Redis:
         """A client that fails fast while Redis is down (polls retry until their deadline)."""
-        return redis.Redis.from_url(self.redis.url, socket_timeout=5, socket_connect_timeout=1)
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.redis.url, socket_timeout=5, socket_connect_timeout=1)
+        return self._client
 
     def start_sim(self) -> None:
         """Start the sim (again on the same port after a kill)."""
@@ -218,11 +273,24 @@ class Cluster:
         self.sim_port = int(url.rsplit(":", 1)[1])
         self.procs.append(self.sim)
 
-    def start_worker(self, concurrency: int = 8, queue: str = "short") -> Proc:
-        w = start_worker(self.workdir, queue, self.env, concurrency=concurrency)
-        self.workers.append(w)
-        self.procs.append(w)
-        return w
+    def start_workers(self, n: int = 1, concurrency: int = 8, queue: str = "short") -> list[Proc]:
+        """``n`` real ``tokenmill worker`` processes, started side by side, each ready to consume."""
+        started = []
+        for _ in range(n):
+            name = f"{queue}-{free_port()}"
+            args = [sys.executable, "-m", "tokenmill.cli", "worker", "--queue", queue,
+                    "--concurrency", str(concurrency), "--hostname", f"{name}@%h"]  # fmt: skip
+            proc = spawn(args, self.workdir / f"worker-{name}.log", env=self.env)
+            self.procs.append(proc)
+            started.append(proc)
+        for proc in started:
+            wait_for(
+                lambda p=proc: " ready." in p.output() or not p.alive(), 60, f"worker {proc.log.name} ready"
+            )
+            assert proc.alive(), proc.output()[-3000:]
+        if queue == "short":
+            self.workers += started
+        return started
 
     def sim_stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.sim_url}/_sim/stats", timeout=5) as resp:
@@ -230,15 +298,25 @@ class Cluster:
         return stats
 
     def tokens_generated(self) -> int:
-        """Tokens the sims generated, summed over every sim process (killed ones included)."""
-        live = self.sim_stats()["generated_total"] if self.sim is not None and self.sim.alive() else 0
-        return self.generated_by_dead_sims + int(live)
+        """Tokens the sims generated, summed over every sim process (the killed ones included)."""
+        live = int(self.sim_stats()["generated_total"]) if self.sim is not None and self.sim.alive() else 0
+        return self.generated_by_dead_sims + live
 
     def enqueue(self, wl: Workload, path: Path | None = None) -> str:
         return cli("enqueue", str(path or wl.write(self.workdir)), *wl.enqueue_flags, env=self.env).stdout
 
+    def task_crashes(self) -> list[str]:
+        """Celery's "Task ... raised unexpected: ..." lines, from every worker's log."""
+        return [
+            line.strip()
+            for p in self.procs
+            if p.log.name.startswith("worker-")
+            for line in p.output().splitlines()
+            if TASK_CRASH in line
+        ]
+
     def close(self) -> None:
-        """Kill every process this cluster started (the test or bench is over)."""
+        """Kill every process this cluster started (the test or benchmark is over)."""
         for p in reversed(self.procs):
             p.kill()
         if self.owns_redis:
@@ -250,7 +328,7 @@ class Cluster:
 
 @dataclass(eq=False)
 class Fault:
-    """One injected fault: what, when (wall clock) and the in-flight jobs it hit."""
+    """One injected fault: what, when (wall clock) and the jobs in flight that it hit."""
 
     kind: str
     at: float
@@ -263,24 +341,38 @@ def _record(c: Cluster, fault: Fault) -> Fault:
     return fault
 
 
+def busiest_worker(c: Cluster, run: str, min_jobs: int = 1, timeout: float = 60) -> Proc:
+    """The short-queue worker streaming the most jobs, once one streams ``min_jobs`` of them."""
+
+    def pick() -> Proc | None:
+        held: dict[str, int] = {}
+        for v in mid_stream(c.client, run).values():
+            held[v.worker] = held.get(v.worker, 0) + 1
+        best = max(c.workers, key=lambda w: held.get(worker_id(w), 0), default=None)
+        return best if best is not None and held.get(worker_id(best), 0) >= min_jobs else None
+
+    found: Proc = wait_for(pick, timeout, f"a worker streaming {min_jobs} job(s) of run {run}", 0.02)
+    return found
+
+
 def kill_worker(c: Cluster, run: str, victim: Proc, min_jobs: int = 2, replace: bool = True) -> Fault:
-    """SIGKILL ``victim`` while it streams ``min_jobs`` jobs; start a replacement worker."""
+    """SIGKILL ``victim`` while it streams ``min_jobs`` jobs, then start a replacement worker."""
     wid = worker_id(victim)
     wait_mid_stream(c.client, run, min_jobs, worker=wid)
     victim.proc.send_signal(signal.SIGKILL)
     at = time.time()
     victim.proc.wait(10)
     c.workers.remove(victim)
-    # the dead worker's jobs: the ledger still says it holds them (nothing else changes them)
+    # the dead worker's jobs: the ledger still says it holds them, and nothing else changes that
     orphans = {j: v for j, v in running_jobs(c.client, run).items() if v.worker == wid}
     if replace:
-        c.start_worker()
+        c.start_workers(1)
     return _record(c, Fault("worker SIGKILL", at, orphans))
 
 
-def reclaim_delays(c: Cluster, run: str, fault: Fault, timeout: float = 60) -> dict[str, float]:
+def reclaim_delays(c: Cluster, run: str, fault: Fault, timeout: float = 90) -> dict[str, float]:
     """Seconds from the fault to each hit job's next claim (its ``claimed_ms`` in the ledger)."""
-    delays: dict[str, float] = {}
+    delays: dict[str, float] = fault.notes.setdefault("reclaim_s", {})
 
     def all_reclaimed() -> bool:
         for j, v in job_views(c.client, run, [j for j in fault.hit if j not in delays]).items():
@@ -288,14 +380,15 @@ def reclaim_delays(c: Cluster, run: str, fault: Fault, timeout: float = 60) -> d
                 delays[j] = v.claimed_ms / 1000 - fault.at
         return len(delays) == len(fault.hit)
 
-    wait_for(all_reclaimed, timeout, f"the {len(fault.hit)} job(s) of the killed worker to be claimed again", 0.02)
-    fault.notes["reclaim_s"] = delays
+    wait_for(
+        all_reclaimed, timeout, f"the {len(fault.hit)} job(s) of the dead worker to be claimed again", 0.02
+    )
     return delays
 
 
 def kill_sim(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> Fault:
-    """SIGKILL the sim mid-stream, keep it down ``down_s`` after its jobs are released, restart it
-    on the same port. While it is down no job may fail or burn a retry."""
+    """SIGKILL the sim mid-stream; once its jobs are released keep it down ``down_s`` more while
+    watching that no job fails or burns a retry; restart it on the same port."""
     assert c.sim is not None
     hit = wait_mid_stream(c.client, run, min_jobs)
     c.generated_by_dead_sims += int(c.sim_stats()["generated_total"])
@@ -306,89 +399,84 @@ def kill_sim(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> Fa
 
     def hit_released() -> dict[str, JobView] | None:
         views = job_views(c.client, run, hit)
-        return None if any(v.state == "running" for v in views.values()) else views
+        return (
+            None if any(v.state == "running" and v.token == hit[j].token for j, v in views.items()) else views
+        )
 
     released = wait_for(hit_released, 30, "the dead server's in-flight jobs to be released")
-    deadline = time.monotonic() + down_s
     burned: set[str] = set()
-    while time.monotonic() < deadline:  # the outage: watch that nothing fails or burns a retry
+    deadline = time.monotonic() + down_s
+    while time.monotonic() < deadline:  # the outage goes on: watch every job
         for j, v in job_views(c.client, run, before).items():
             if v.state == "failed" or v.retries > before[j].retries:
                 burned.add(j)
         time.sleep(0.1)
     c.start_sim()
-    return _record(
-        c,
-        Fault(
-            "sim SIGKILL",
-            at,
-            hit,
-            {"released": released, "failed_or_burned_while_down": sorted(burned), "down_s": time.time() - at},
-        ),
-    )
+    notes = {"released": released, "failed_or_burned_while_down": sorted(burned), "down_s": time.time() - at}
+    return _record(c, Fault("sim SIGKILL", at, hit, notes))
 
 
 def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> Fault:
-    """SIGKILL redis-server mid-stream; after ``down_s`` restart it (same port, AOF replayed)."""
+    """SIGKILL redis-server mid-stream; after ``down_s`` start it again (same port, AOF replayed)."""
     hit = wait_mid_stream(c.client, run, min_jobs)
     done_before = state_counts(c.client, run)["done"]
     c.redis.kill(signal.SIGKILL)
     at = time.time()
     time.sleep(down_s)  # the outage itself
     c.redis.start()
-    done_after = state_counts(c.client, run)["done"]
-    notes = {"done_before": done_before, "done_after_restart": done_after, "down_s": time.time() - at}
+    notes = {"done_before": done_before, "done_after_restart": state_counts(c.client, run)["done"]}
     return _record(c, Fault("redis SIGKILL", at, hit, notes))
 
 
 def resume(c: Cluster, run: str) -> str:
-    """``tokenmill resume --run RUN`` (the manual path after a broker loss)."""
-    return cli("resume", "--run", run, env=c.env).stdout
+    """``tokenmill resume --run RUN``: the manual path after a broker loss."""
+    return cli("resume", "--run", run, env=c.env).stdout.strip()
 
 
-def kill_producer(c: Cluster, wl: Workload, path: Path) -> Fault:
-    """SIGKILL ``tokenmill enqueue`` once some of its jobs exist, then run it again to the end."""
+def kill_producer(c: Cluster, wl: Workload, path: Path, after_jobs: int = 0) -> Fault:
+    """SIGKILL ``tokenmill enqueue`` as soon as more than ``after_jobs`` jobs of it exist."""
     log = c.workdir / f"enqueue-{free_port()}.log"
     args = [sys.executable, "-m", "tokenmill.cli", "enqueue", str(path), *wl.enqueue_flags]
     producer = spawn(args, log, env=c.env)
-    k = keys.RunKeys(wl.run)
-    wait_for(lambda: c.client.llen(k.jobs(wl.partition)) > 0 or not producer.alive(), 60, "the first jobs", 0.002)
+    jobs = keys.RunKeys(wl.run).jobs(wl.partition)
+    wait_for(lambda: c.client.llen(jobs) > after_jobs or not producer.alive(), 60, "new jobs", 0.002)
     producer.proc.send_signal(signal.SIGKILL)
     at = time.time()
     producer.proc.wait(10)
-    created = int(c.client.llen(k.jobs(wl.partition)))
-    rerun = c.enqueue(wl, path)
-    notes = {"returncode": producer.proc.returncode, "jobs_at_kill": created, "rerun": rerun.strip()}
+    notes = {"returncode": producer.proc.returncode, "jobs_at_kill": int(c.client.llen(jobs))}
     return _record(c, Fault("producer SIGKILL", at, {}, notes))
 
 
 def pause_redis(c: Cluster, run: str, ms: int = 2000, min_jobs: int = 3) -> Fault:
     """``CLIENT PAUSE ms ALL`` from a separate client while jobs stream (a connection blip)."""
     hit = wait_mid_stream(c.client, run, min_jobs)
-    redis.Redis.from_url(c.redis.url).execute_command("CLIENT", "PAUSE", ms, "ALL")
+    with redis.Redis.from_url(c.redis.url) as other:
+        other.execute_command("CLIENT", "PAUSE", ms, "ALL")
     at = time.time()
     wait_for(lambda: c.client.ping(), ms / 1000 + 10, "Redis to answer after the pause")
     return _record(c, Fault("redis CLIENT PAUSE", at, hit, {"ms": ms}))
 
 
 def duplicate_messages(c: Cluster, run: str, queue: str = "short", n: int = 10, min_jobs: int = 2) -> Fault:
-    """Deliver messages twice: copies of ``n`` queued messages (LRANGE + LPUSH), and a fresh message
-    for jobs that are mid-stream or already done (a late redelivery)."""
+    """Deliver messages twice: copies of ``n`` queued messages (LRANGE + LPUSH), and a message for
+    jobs that are mid-stream or already done (a late redelivery, built like the producer's)."""
     hit = wait_mid_stream(c.client, run, min_jobs)
-    queued = c.client.lrange(keys.broker_queue(queue), 0, n - 1)
+    cl = c.client
+    queued = cl.lrange(keys.broker_queue(queue), 0, n - 1)
+    done = [j for j, v in job_views(cl, run, all_job_ids(cl, run)).items() if v.state == "done"][:n]
     k = keys.RunKeys(run)
-    done = [j for j, v in job_views(c.client, run, all_job_ids(c.client, run)).items() if v.state == "done"][:n]
-    extra = [task_message(run, (c.client.hget(k.job(j), "partition") or b"").decode(), j, queue) for j in [*hit, *done]]
-    copies = [*queued, *extra]
+    late = [
+        task_message(run, (cl.hget(k.job(j), "partition") or b"").decode(), j, queue) for j in [*hit, *done]
+    ]
+    copies = [*queued, *late]
     if copies:
-        c.client.lpush(keys.broker_queue(queue), *copies)
+        cl.lpush(keys.broker_queue(queue), *copies)
     notes = {"copies": len(copies), "of_queued": len(queued), "of_running": len(hit), "of_done": len(done)}
     return _record(c, Fault("duplicate delivery", time.time(), hit, notes))
 
 
 def sigterm_worker(c: Cluster, run: str, victim: Proc, grace_s: float, min_jobs: int = 2) -> Fault:
-    """SIGTERM ``victim`` while it streams; watch that it claims nothing more and exits after the
-    grace period, its unfinished jobs checkpointed and released."""
+    """SIGTERM ``victim`` while it streams; watch that it claims nothing more, and how its jobs end."""
     wid = worker_id(victim)
     hit = wait_mid_stream(c.client, run, min_jobs, worker=wid)
     victim.signal(signal.SIGTERM)
@@ -397,7 +485,7 @@ def sigterm_worker(c: Cluster, run: str, victim: Proc, grace_s: float, min_jobs:
 
     def exited() -> bool:
         for j, v in running_jobs(c.client, run).items():
-            if v.worker == wid and v.claimed_ms / 1000 > at + 0.2:
+            if v.worker == wid and v.claimed_ms / 1000 > at + 0.1:
                 late.add(j)
         return not victim.alive()
 
@@ -407,11 +495,14 @@ def sigterm_worker(c: Cluster, run: str, victim: Proc, grace_s: float, min_jobs:
     after = job_views(c.client, run, hit)
     notes = {
         "exit_s": exit_s,
+        "returncode": victim.proc.returncode,
         "late_claims": sorted(late),
-        "finished_in_grace": sorted(j for j, v in after.items() if v.state == "done"),
-        "released": sorted(j for j, v in after.items() if v.state == "queued"),
         "after": after,
     }
+    finished = {j for j, v in after.items() if v.token == hit[j].token and v.state == "done"}
+    released = {j for j, v in after.items() if j not in finished and v.last_error_class == "shutdown"}
+    notes["finished_in_grace"], notes["released"] = sorted(finished), sorted(released)
+    notes["unaccounted"] = sorted(set(hit) - finished - released)
     return _record(c, Fault("worker SIGTERM", at, hit, notes))
 
 
@@ -436,63 +527,62 @@ class Audit:
     restarted: int = 0
     kept_tokens: int = 0
     retries: int = 0
+    max_attempts: int = 0
 
     def problems(self) -> list[str]:
-        """Everything that breaks exactly-once or byte-exactness, one line each (empty: all good)."""
+        """What breaks exactly-once or byte-exactness, one line each (empty: all good)."""
         out = list(self.ledger_problems)
         for name in ("lost", "duplicated", "wrong_text", "wrong_usage"):
             items: list[str] = getattr(self, name)
             if items:
-                out.append(f"{len(items)} {name.replace('_', ' ')}: {items[:5]}")
+                out.append(f"{len(items)} {name.replace('_', ' ')}: {items[:4]}")
         if self.failed:
-            out.append(f"failed jobs: {self.failed}")
+            out.append(f"failed jobs by class: {self.failed}")
         return out
 
 
 def audit(c: Cluster, wl: Workload, out: Path, timeout: float = 120) -> Audit:
     """Wait for ``wl`` to finish, then check the ledger and ``tokenmill export`` row by row."""
-    wanted = {prompt_key(row_messages(r)): r for r in wl.rows}
-    client = c.client
-    wait_finished(client, wl.run, len(wanted), timeout)
+    wanted = {prompt_key(row_messages(r)) for r in wl.rows}
+    wait_finished(c.client, wl.run, len(wanted), timeout)
     a = Audit(prompts=len(wanted))
-    _audit_ledger(client, wl, a)
+    failed_keys = _audit_ledger(c.client, wl, a)
     cli("export", "--run", wl.run, "--out", str(out), "--include-truncated", env=c.env)
-    rows = read_export(out).get(wl.partition, [])
-    a.exported = len(rows)
     seen: set[bytes] = set()
-    for row in rows:
+    for row in read_export(out).get(wl.partition, []):
+        a.exported += 1
         key = prompt_key(row["messages"][:-1])
-        if key in seen:
+        if key in seen or key not in wanted:
             a.duplicated.append(str(row["id"]))
             continue
         seen.add(key)
-        if key not in wanted:
-            a.duplicated.append(f"unexpected {row['id']}")
-            continue
-        want = expected_for(
-            row, max_tokens=wl.max_tokens, reasoning=wl.reasoning, mean_output_tokens=wl.mean_output_tokens
-        )
-        got = row["messages"][-1]
-        if (got["content"], got.get("reasoning_content"), row["finish_reason"]) != (
-            want.content,
-            want.reasoning_content,
-            want.finish_reason,
-        ):
-            a.wrong_text.append(str(row["id"]))
-        usage = row["usage"]
-        if (usage["completion_tokens"], usage["prompt_tokens"]) != (want.completion_tokens, want.prompt_tokens):
-            a.wrong_usage.append(
-                f"{row['id']}: completion {usage['completion_tokens']} (want {want.completion_tokens}), "
-                f"prompt {usage['prompt_tokens']} (want {want.prompt_tokens})"
-            )
-        a.kept_tokens += int(usage["completion_tokens"] or 0)
-    failed_keys = a.failed and _failed_prompt_keys(client, wl)
-    a.lost = [r["prompt"][:40] if "prompt" in r else "?" for k, r in wanted.items()
-              if k not in seen and k not in (failed_keys or set())]  # fmt: skip
+        _check_row(row, wl, a)
+    a.lost = [k.decode()[:60] for k in wanted - seen - failed_keys]
     return a
 
 
-def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> None:
+def _check_row(row: dict[str, Any], wl: Workload, a: Audit) -> None:
+    want = expected_for(
+        row, max_tokens=wl.max_tokens, reasoning=wl.reasoning, mean_output_tokens=wl.mean_output_tokens
+    )
+    got = row["messages"][-1]
+    text = (got["content"], got.get("reasoning_content"), row["finish_reason"])
+    if text != (want.content, want.reasoning_content, want.finish_reason):
+        a.wrong_text.append(
+            f"{row['id']}: {len(got['content'])} chars, finish {row['finish_reason']} "
+            f"(want {len(want.content)} chars, finish {want.finish_reason})"
+        )
+    usage = row["usage"]
+    if (usage["completion_tokens"], usage["prompt_tokens"]) != (want.completion_tokens, want.prompt_tokens):
+        a.wrong_usage.append(
+            f"{row['id']}: completion_tokens {usage['completion_tokens']} (want {want.completion_tokens}), "
+            f"prompt_tokens {usage['prompt_tokens']} (want {want.prompt_tokens})"
+        )
+    a.kept_tokens += int(usage["completion_tokens"] or 0)
+
+
+def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
+    """Jobs list, job states and counts; returns the prompts of jobs that ended ``failed``."""
     k = keys.RunKeys(wl.run)
     ids = [x.decode() for x in client.lrange(k.jobs(wl.partition), 0, -1)]
     if len(ids) != len(set(ids)):
@@ -501,44 +591,25 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> None:
         a.ledger_problems.append(f"{len(set(ids))} jobs in the ledger for {a.prompts} distinct prompts")
     pipe = client.pipeline(transaction=False)
     for j in ids:
-        pipe.hmget(k.job(j), ["state", "result", "error_class", "retries"])
+        pipe.hmget(k.job(j), ["state", "result", "error_class", "retries", "attempts", "spec"])
     actual = dict.fromkeys(keys.STATES, 0)
-    for state, result, error_class, retries in pipe.execute():
-        s = (state or b"").decode()
+    failed_keys: set[bytes] = set()
+    for state, result, error_class, retries, attempts, spec in pipe.execute():
+        s = (state or b"?").decode()
         actual[s] = actual.get(s, 0) + 1
         a.retries += int(retries or 0)
+        a.max_attempts = max(a.max_attempts, int(attempts or 0))
         if s == "failed":
             cls = (error_class or b"?").decode()
             a.failed[cls] = a.failed.get(cls, 0) + 1
+            failed_keys.add(prompt_key(orjson.loads(spec)["request"]["messages"]))
         elif s == "done" and result:
             res = orjson.loads(result)
             a.done += 1
-            if res.get("continued_tokens"):
-                a.continued_jobs += 1
-                a.continued_tokens += int(res["continued_tokens"])
+            a.continued_jobs += bool(res.get("continued_tokens"))
+            a.continued_tokens += int(res.get("continued_tokens") or 0)
             a.restarted += bool(res.get("restarted"))
     counts = state_counts(client, wl.run)
-    if {s: counts.get(s, 0) for s in keys.STATES} != {s: actual.get(s, 0) for s in keys.STATES}:
-        a.ledger_problems.append(f"counts hash {counts} disagrees with the jobs' states {actual}")
-
-
-def _failed_prompt_keys(client: redis.Redis, wl: Workload) -> set[bytes]:
-    k = keys.RunKeys(wl.run)
-    out = set()
-    for j in all_job_ids(client, wl.run):
-        state, spec = client.hmget(k.job(j), ["state", "spec"])
-        if state == b"failed" and spec:
-            out.add(prompt_key(orjson.loads(spec)["request"]["messages"]))
-    return out
-
-
-def queue_messages(client: redis.Redis, queue: str = "short") -> dict[str, int]:
-    """Job id → how many messages for it wait in the broker list of ``queue``."""
-    out: dict[str, int] = {}
-    for raw in client.lrange(keys.broker_queue(queue), 0, -1):
-        import base64
-
-        body = orjson.loads(base64.b64decode(orjson.loads(raw)["body"]))
-        job_id = body[0][2]
-        out[job_id] = out.get(job_id, 0) + 1
-    return out
+    if any(counts.get(s, 0) != actual.get(s, 0) for s in keys.STATES):
+        a.ledger_problems.append(f"the counts hash {counts} disagrees with the jobs' states {actual}")
+    return failed_keys

@@ -26,11 +26,20 @@ def test_budget_bounds_tokens_in_flight_and_release_frees_room(rclient: redis.Re
     assert view["total"] == 700 and view["budget"] == 1000 and view["slots"] == 2 and view["refused"] == 1
 
 
-def test_a_queue_cannot_take_the_whole_budget(rclient: redis.Redis) -> None:
+def test_a_queue_cannot_take_the_whole_budget_while_the_other_is_active(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    assert a.try_admit("srv", 1000, 100, "short")
+    assert a.try_admit("srv", 1000, 700, "long")
+    assert a.try_admit("srv", 1000, 100, "long") is None  # long's cap is 750 while short runs
+    assert a.try_admit("srv", 1000, 100, "short")  # short still has room
+
+
+def test_an_idle_queues_share_is_not_wasted(rclient: redis.Redis) -> None:
     a = adm(rclient)
     assert a.try_admit("srv", 1000, 700, "long")
-    assert a.try_admit("srv", 1000, 100, "long") is None  # long's cap is 750
-    assert a.try_admit("srv", 1000, 200, "short")  # short still has room
+    assert a.try_admit("srv", 1000, 250, "long")  # short is idle: long may use the whole budget
+    assert a.try_admit("srv", 1000, 100, "short") is None  # no room; short is now waiting...
+    assert a.try_admit("srv", 1000, 10, "long") is None  # ...so long is capped again
 
 
 def test_one_request_is_always_admitted_on_an_idle_server(rclient: redis.Redis) -> None:
@@ -54,10 +63,10 @@ def test_unknown_capacity_is_not_limited(rclient: redis.Redis) -> None:
 
 
 def test_estimate_uses_the_runs_mean_output_once_known(rclient: redis.Redis) -> None:
-    a = adm(rclient, admission_default_output_tokens=1000, admission_output_factor=1.0)
+    a = adm(rclient, admission_default_output_tokens=1000, admission_output_factor=0.5)
     request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 5000}
-    assert a.estimate("r", request) == 104 + 1000
+    assert a.estimate("r", request) == 104 + 500
     rclient.hset("tm:r2:stats", "completion_tokens", 2000)
     rclient.hset("tm:r2:counts", "done|P", 10)
-    assert a.estimate("r2", request) == 104 + 200
-    assert a.estimate("r2", {**request, "max_tokens": 50}) == 104 + 50
+    assert a.estimate("r2", request) == 104 + 100
+    assert a.estimate("r2", {**request, "max_tokens": 50}) == 104 + 25

@@ -8,6 +8,7 @@ compose does, and each ``tokenmill ...`` command is resolved and parsed through 
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,15 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
 
 
 @pytest.fixture(scope="module")
 def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return interpolate(compose["services"], ENV)
+    """Every service, interpolated with the variables a filled-in ``.env`` gives."""
+    resolved: dict[str, dict[str, Any]] = interpolate(compose["services"], ENV)
+    return resolved
 
 
 def tokenmill_commands(services: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
@@ -179,9 +183,16 @@ def test_the_server_reserves_gpus_and_runs_the_server_manager_on_a_valid_config(
 
 
 def test_images_are_built_from_targets_the_dockerfile_defines(services: dict[str, dict[str, Any]]) -> None:
-    targets = set(
-        re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE)
-    )
+    text = DOCKERFILE.read_text()
+    # every package setuptools installs is copied into both images
+    copied = {
+        src for line in re.findall(r"^COPY (?!--)(.+)$", text, re.MULTILINE) for src in line.split()[:-1]
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert copied >= {"pyproject.toml", project["project"]["readme"], *packages}
+    assert all((ROOT / src).exists() for src in copied), copied
+    targets = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.MULTILINE | re.IGNORECASE))
     for name, svc in services.items():
         if "build" in svc:
             assert svc["build"]["dockerfile"] == "docker/Dockerfile", name

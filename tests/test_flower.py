@@ -121,7 +121,7 @@ def test_exposure_rules() -> None:
 def test_basic_auth_must_be_user_colon_password_and_errors_never_show_the_password() -> None:
     assert parse_basic_auth("a:b,c:d:e") == ["a:b", "c:d:e"]
     assert parse_basic_auth(None) == [] and parse_basic_auth("") == []
-    for bad in ("justuser", "ops:", ":hunter2"):
+    for bad in ("hunter2", "ops:", ":hunter2", "ops:pw,hunter2"):
         with pytest.raises(ConfigError) as err:
             parse_basic_auth(bad)
         assert "hunter2" not in str(err.value)

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from producer.rows import Row, estimate_prompt_tokens, normalize_row
+from producer.rows import Row, normalize_row
 from tokenmill.errors import InputError
+from tokenmill.tokens import estimate_prompt_tokens
 
 SRC = "data/part.jsonl:12"
 USER = {"role": "user", "content": "hi"}

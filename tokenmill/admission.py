@@ -1,15 +1,18 @@
 """Capacity-aware admission: a global limiter in Redis, shared by every worker on every host.
 
 Each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
-by the server manager, or read from ``/server_info``). A request holds ``prompt + expected
-output`` tokens of it while it runs, where the expected output is the run's mean completion
-length so far (times a safety factor, capped by ``max_tokens``). Each queue may use at most
+by the server manager, or read from ``/server_info``). A request holds ``prompt + factor x typical
+output`` tokens of it while it runs: the typical output is the run's mean completion length so
+far (capped by ``max_tokens``; a default until five jobs are done), and the factor (0.75 by
+default) reflects that a request's KV grows from its prompt to prompt + output while it runs, so
+on average it holds about half its output, plus a margin for the mix of lengths. Each queue may use at most
 ``admission_queue_share`` of the budget, so long prompts cannot starve short ones or the
 reverse. Slots are leases renewed with the job's lease: a dead worker's slots expire.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ import redis
 from tokenmill import keys
 from tokenmill.ledger import register
 from tokenmill.settings import Settings
+from tokenmill.tokens import estimate_prompt_tokens
 
 STATS_TTL_S = 5.0
 
@@ -34,17 +38,9 @@ class Slot:
     def key(self) -> str:
         return keys.admission(self.server)
 
-
-def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """≈ UTF-8 bytes / 4 + 4 per message (the producer's routing estimate)."""
-    total = 0
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            total += len(content.encode())
-        elif isinstance(content, list):
-            total += sum(len(str(p.get("text", "")).encode()) for p in content if isinstance(p, dict))
-    return -(-total // 4) + 4 * len(messages)
+    def ref(self) -> tuple[str, str, str]:
+        """(slots key, used key, member): what a claim carries to renew and resize the slot."""
+        return keys.admission(self.server), keys.admission_used(self.server), self.member
 
 
 class Admission:
@@ -56,6 +52,7 @@ class Admission:
         self._admit = register(client, "admit")
         self._unadmit = register(client, "unadmit")
         self._means: dict[str, tuple[float, float | None]] = {}
+        self._freed = threading.Condition()
 
     def budget(self, capacity: int | None) -> int | None:
         return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
@@ -65,15 +62,17 @@ class Admission:
         prompt = estimate_prompt_tokens(request["messages"])
         max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
         mean = self._mean_output(run)
-        expected = (
-            self.s.admission_default_output_tokens if mean is None else mean * self.s.admission_output_factor
-        )
-        return prompt + int(min(max_tokens, max(expected, 16)))
+        typical = min(max_tokens, self.s.admission_default_output_tokens if mean is None else mean)
+        return prompt + int(max(typical * self.s.admission_output_factor, 16))
+
+    def held(self, run: str, request: dict[str, Any], generated: int) -> int:
+        """What a running request holds now: its estimate, or more once it outgrew it."""
+        return max(self.estimate(run, request), estimate_prompt_tokens(request["messages"]) + generated)
 
     def _mean_output(self, run: str) -> float | None:
         now = time.monotonic()
         cached = self._means.get(run)
-        if cached and now - cached[0] < STATS_TTL_S:
+        if cached and now - cached[0] < (STATS_TTL_S if cached[1] is not None else STATS_TTL_S / 10):
             return cached[1]
         k = keys.RunKeys(run)
         pipe = self.r.pipeline(transaction=False)
@@ -97,15 +96,23 @@ class Admission:
             return Slot(server, member, 0)  # no known capacity: not limited
         cap = int(budget * self.s.admission_queue_share)
         ttl_ms = int(self.s.lease_ttl_s * 1000)
+        other = "long" if queue == "short" else "short"
         ok = self._admit(
             [keys.admission(server), keys.admission_used(server)],
-            [member, tokens, queue, budget, cap, ttl_ms],
+            [member, tokens, queue, budget, cap, ttl_ms, other],
         )
         return Slot(server, member, tokens) if ok else None
 
     def release(self, slot: Slot) -> None:
         if slot.tokens:
             self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
+            with self._freed:
+                self._freed.notify_all()
+
+    def wait_for_room(self, timeout_s: float) -> None:
+        """Sleep until this process frees a slot, or ``timeout_s`` (other hosts free slots too)."""
+        with self._freed:
+            self._freed.wait(timeout_s)
 
 
 def admission_view(client: redis.Redis, server: str) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """``tokenmill flower``: Flower on the tokenmill Celery app, on loopback unless told otherwise.
 
-Flower runs in this process (``app.start(["flower", ...])``), so the basic-auth credentials are
-never on a command line another user can read. Binding beyond loopback without basic auth is
+Flower runs in this process (``app.start(["flower", ...])``), so basic-auth credentials given
+through the environment never appear on a command line. Binding beyond loopback without auth is
 refused: Flower's API can revoke tasks and shut workers down.
 """
 
@@ -38,8 +38,10 @@ def parse_basic_auth(value: str | None) -> list[str]:
     for i, entry in enumerate(entries, 1):
         user, sep, password = entry.partition(":")
         if not (user and sep and password):
+            # name the user only when there is a colon: without one the entry may be a bare password
+            who = f" (user {user!r})" if sep and user else ""
             raise ConfigError(
-                f"basic auth entry {i} (user {user or '?'!r}) must be user:password with both non-empty "
+                f"basic auth entry {i}{who} must be user:password with both non-empty "
                 f"(--basic-auth or {AUTH_ENVVARS[0]})"
             )
     return entries

@@ -72,7 +72,9 @@ class Claim:
     partition: str
     queue: str
     retries: int
-    slot: tuple[str, str] | None = None  # (admission slots key, member) renewed with the lease
+    slot: tuple[str, str, str] | None = (
+        None  # admission (slots key, used key, member), renewed with the lease
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +332,12 @@ class Ledger:
 
 
 def heartbeat_args(
-    k: keys.RunKeys, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None, new_tokens: int
+    k: keys.RunKeys,
+    claim: Claim,
+    lease_ttl_s: float,
+    checkpoint: Checkpoint | None,
+    new_tokens: int,
+    slot_tokens: int | None = None,
 ) -> tuple[list[str], list[Any]]:
     ck = checkpoint
     script_keys = [k.job(claim.job_id), k.leases(), k.throughput()]
@@ -345,8 +352,8 @@ def heartbeat_args(
         new_tokens,
     ]
     if claim.slot is not None:
-        script_keys.append(claim.slot[0])
-        args.append(claim.slot[1])
+        script_keys += [claim.slot[0], claim.slot[1]]
+        args += [claim.slot[2], slot_tokens if slot_tokens is not None else ""]
     return script_keys, args
 
 
@@ -357,10 +364,15 @@ class AsyncHeartbeat:
         self.script = client.register_script(_SOURCES["heartbeat"])
 
     async def __call__(
-        self, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None, new_tokens: int
+        self,
+        claim: Claim,
+        lease_ttl_s: float,
+        checkpoint: Checkpoint | None,
+        new_tokens: int,
+        slot_tokens: int | None = None,
     ) -> bool:
         k = keys.RunKeys(claim.run)
-        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens)
+        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot_tokens)
         return bool(await self.script(script_keys, args))
 
 

@@ -31,9 +31,6 @@ STATES = (STARTING, READY, DRAINING, DOWN, FAILED)
 LIVE_PREFIX = "live."
 EVENTS_KEPT = 200
 
-_INT_FIELDS = {"pid", "restarts", "max_total_num_tokens", "context_length"}
-_FLOAT_FIELDS = {"updated_at"}
-
 
 @dataclass(slots=True)
 class ServerRecord:
@@ -147,18 +144,15 @@ def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
 
 def _decode(name: str, raw: dict[Any, Any]) -> ServerRecord:
     data = {_s(k): _s(v) for k, v in raw.items()}
-    live = {
-        k[len(LIVE_PREFIX) :]: float(v)
-        for k, v in data.items()
-        if k.startswith(LIVE_PREFIX) and _number(v, float) is not None
-    }
-    values: dict[str, Any] = {"name": name, "url": data.get("url", ""), "state": data.get("state", DOWN)}
-    for key in ("engine", "last_error"):
-        if key in data:
-            values[key] = data[key]
-    for key in _INT_FIELDS | _FLOAT_FIELDS:
-        if key in data:
-            number = _number(data[key], float if key in _FLOAT_FIELDS else int)
-            if number is not None or key not in ("restarts", "updated_at"):
-                values[key] = number
+    live = {k[len(LIVE_PREFIX):]: float(v) for k, v in data.items()
+            if k.startswith(LIVE_PREFIX) and _number(v, float) is not None}
+    values: dict[str, Any] = {"name": name, "url": data.get("url", ""), "state": data.get("state", DOWN),
+                              "engine": data.get("engine", "sglang"),
+                              "last_error": data.get("last_error", "")}
+    for key in ("pid", "max_total_num_tokens", "context_length"):  # "" (unknown) -> None
+        values[key] = _number(data.get(key, ""), int)
+    for key, kind in (("restarts", int), ("updated_at", float)):
+        number = _number(data.get(key, ""), kind)
+        if number is not None:
+            values[key] = number
     return ServerRecord(**values, live=live)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class AttemptState:
     base: Checkpoint
     progress: Progress
     reported_tokens: int = 0
+    slot_tokens: Callable[[int], int] | None = None  # generated tokens -> admission tokens held
 
     def checkpoint(self) -> Checkpoint:
         p = self.progress
@@ -139,7 +141,8 @@ async def _watchdog(
             total = state.base.tokens + tokens
             new = max(0, total - state.base.tokens - state.reported_tokens)
             try:
-                alive = await heartbeat(claim, s.lease_ttl_s, ck, new)
+                held = state.slot_tokens(total) if state.slot_tokens else None
+                alive = await heartbeat(claim, s.lease_ttl_s, ck, new, held)
             except redis.RedisError as exc:
                 # Redis is restarting or paused: keep streaming; the next tick tries again.
                 log.warning("job %s: heartbeat failed (%s); will retry", claim.job_id, exc)

@@ -87,7 +87,10 @@ def _admit(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView
         if not said and not views:
             log.warning("no server is ready (%s); waiting", ", ".join(rt.settings.server_urls))
             said = True
-        rt.stopping.wait(rt.settings.admission_wait_s * (0.5 + random.random()))
+        if views:
+            adm.wait_for_room(rt.settings.admission_wait_s * (0.5 + random.random()))
+        else:
+            rt.stopping.wait(rt.settings.admission_wait_s)
     return None
 
 
@@ -97,10 +100,12 @@ def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str,
     if isinstance(claim, str):
         log.info("job %s/%s not claimed: %s", run, job_id, claim)
         return claim
-    if slot.tokens:
-        claim.slot = (slot.key, slot.member)
     base = claim.checkpoint if s.continue_partial else Checkpoint()
     state = AttemptState(base=base, progress=Progress())
+    if slot.tokens:
+        claim.slot = slot.ref()
+        request = claim.spec["request"]
+        state.slot_tokens = lambda generated: rt.admission.held(run, request, generated)
     try:
         outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:

@@ -168,7 +168,7 @@ def fetch_capacity(url: str, timeout_s: float = 10.0) -> int | None:
 def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, str]:
     """Whether ``GET {url}/health`` answers 200, and what it answered otherwise."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:  # noqa: S310
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
             return resp.status == 200, f"answered {resp.status}"
     except urllib.error.HTTPError as exc:
         hint = " (is this an SGLang server? it has no /health)" if exc.code == 404 else ""

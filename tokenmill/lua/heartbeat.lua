@@ -3,10 +3,11 @@
 -- Post: the lease is extended by the ttl; with a checkpoint, the partial content, reasoning and
 --       token count replace the previous checkpoint; ARGV new tokens are added to the run's
 --       throughput bucket for this second. A stale token changes nothing.
---       With an admission slot (KEYS 4, ARGV 9) the slot's lease is extended too.
--- KEYS: 1 job, 2 leases, 3 throughput, [4 admission slots].
+--       With an admission slot (KEYS 4-5, ARGV 9-10) the slot's lease is extended too, and the
+--       tokens it holds are set to ARGV 10 (the request's current estimate).
+-- KEYS: 1 job, 2 leases, 3 throughput, [4 admission slots, 5 admission used].
 -- ARGV: 1 job id, 2 token, 3 ttl ms, 4 has checkpoint (0|1), 5 content, 6 reasoning,
---       7 checkpoint tokens, 8 new tokens since the last report, [9 admission slot member].
+--       7 checkpoint tokens, 8 new tokens since the last report, [9 slot member, 10 slot tokens].
 -- Returns 1, or 0 when the claim is stale.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token')
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 0 end
@@ -15,7 +16,18 @@ local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local expiry = now_ms + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'lease', expiry)
 redis.call('ZADD', KEYS[2], expiry, ARGV[1])
-if KEYS[4] then redis.call('ZADD', KEYS[4], 'XX', expiry, ARGV[9]) end
+if KEYS[4] then
+  redis.call('ZADD', KEYS[4], 'XX', expiry, ARGV[9])
+  local held = redis.call('HMGET', KEYS[5], 'slot:' .. ARGV[9], 'slotq:' .. ARGV[9])
+  if held[1] and ARGV[10] and ARGV[10] ~= '' then
+    local delta = tonumber(ARGV[10]) - tonumber(held[1])
+    if delta ~= 0 then
+      redis.call('HSET', KEYS[5], 'slot:' .. ARGV[9], ARGV[10])
+      redis.call('HINCRBY', KEYS[5], 'total', delta)
+      redis.call('HINCRBY', KEYS[5], held[2], delta)
+    end
+  end
+end
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[5], 'ckpt_reasoning', ARGV[6],
     'ckpt_tokens', ARGV[7])

@@ -1,0 +1,145 @@
+"""Capacity-aware admission vs fixed concurrency, on a sim whose KV capacity binds.
+
+For each variant: a fresh private redis-server, a fresh sim with a small KV pool, the same
+dataset enqueued, one short worker; the wall time from enqueue to the last commit, and the sim's
+retraction count. Fixed variants turn admission off and set the worker's concurrency (too low,
+hand-tuned from the capacity, too high); the admission variant sets no concurrency by hand (the
+worker's thread pool is large) and lets the server's published capacity bound the load.
+
+    python bench/admission.py [--prompts 400] [--kv 24000] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokenmill.local_redis import LocalRedis, free_port  # noqa: E402
+
+
+def wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except Exception:  # noqa: S110 - not checkable yet
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310
+        return json.loads(resp.read())
+
+
+def make_dataset(path: Path, n: int) -> None:
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"id": str(i), "prompt": f"Write about topic {i}. " + "context " * (40 + i % 60)}) + "\n")
+
+
+def run_variant(work: Path, data: Path, args: argparse.Namespace, *, admission: bool, concurrency: int) -> dict:
+    rds = LocalRedis(work / f"redis-{time.monotonic_ns()}").start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        sim = subprocess.Popen(
+            [sys.executable, "-m", "server_mgr.sim", "--port", str(port), "--max-total-tokens", str(args.kv),
+             "--sim-startup-delay-s", "0", "--sim-warmup-s", "0", "--sim-health-latency-s", "0.01",
+             "--sim-mean-output-tokens", str(args.mean_output), "--sim-step-ms", str(args.step_ms),
+             "--sim-step-ms-per-req", str(args.step_ms_per_req)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(sim)
+        wait(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 30, "the sim")
+        env = {**os.environ, "TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": url,
+               "TOKENMILL_ADMISSION": "true" if admission else "false"}
+        subprocess.run([sys.executable, "-m", "tokenmill.cli", "enqueue", str(data), "--run", "b",
+                        "--short-max-tokens", str(args.max_tokens), "--long-prompt-tokens", "100000"],
+                       env=env, cwd=ROOT, check=True, capture_output=True)
+        log = work / f"worker-{time.monotonic_ns()}.log"
+        t0 = time.monotonic()
+        with log.open("wb") as fh:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.cli", "worker", "--queue", "short", "--concurrency",
+                 str(concurrency)], env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT))
+        client = redis.Redis.from_url(rds.url)
+        wait(lambda: int(client.hget("tm:b:counts", "done|" + data.stem) or 0) == args.prompts, args.timeout,
+             "the run to finish")
+        wall = time.monotonic() - t0
+        stats = get_json(f"{url}/_sim/stats")
+        tokens = int(client.hget("tm:b:stats", "completion_tokens") or 0)
+        return {"wall_s": wall, "retractions": stats.get("retracted_total", 0),
+                "peak_kv": stats.get("peak_used_tokens"), "tokens": tokens}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        rds.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=400)
+    ap.add_argument("--kv", type=int, default=24000, help="the sim's --max-total-tokens")
+    ap.add_argument("--mean-output", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--step-ms", type=float, default=8.0)
+    ap.add_argument("--step-ms-per-req", type=float, default=0.05)
+    ap.add_argument("--low", type=int, default=8)
+    ap.add_argument("--high", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    # Hand-tuned the way it was done by hand: capacity / (prompt + typical output).
+    tuned = max(1, args.kv // (90 + args.mean_output))
+    variants = [
+        (f"fixed {args.low} (too low)", False, args.low),
+        (f"fixed {tuned} (hand-tuned)", False, tuned),
+        (f"fixed {args.high} (too high)", False, args.high),
+        (f"admission (threads {args.high}, no tuning)", True, args.high),
+    ]
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    with tempfile.TemporaryDirectory(prefix="tm-bench-adm-") as tmp:
+        work = Path(tmp)
+        data = work / "P.jsonl"
+        make_dataset(data, args.prompts)
+        for _ in range(args.repeat):
+            for name, adm, conc in variants:
+                results[name].append(run_variant(work, data, args, admission=adm, concurrency=conc))
+                print(f"  {name}: {results[name][-1]}", flush=True)
+    print(f"\nadmission benchmark: {args.prompts} prompts, KV {args.kv} tokens, mean output {args.mean_output}, "
+          f"max_tokens {args.max_tokens}, median of {args.repeat}")
+    med = {n: statistics.median(r["wall_s"] for r in rs) for n, rs in results.items()}
+    best_fixed = min(v for n, v in med.items() if n.startswith("fixed"))
+    worst_fixed = max(v for n, v in med.items() if n.startswith("fixed"))
+    print(f"{'variant':44} {'wall s':>8} {'tok/s':>8} {'retractions':>12} {'vs best fixed':>14}")
+    for name, rs in results.items():
+        tokens = statistics.median(r["tokens"] for r in rs)
+        retr = statistics.median(r["retractions"] for r in rs)
+        print(f"{name:44} {med[name]:8.1f} {tokens / med[name]:8.0f} {retr:12.0f} {med[name] / best_fixed:14.3f}")
+    adm = med[variants[-1][0]]
+    print(f"\nadmission / best fixed = {adm / best_fixed:.3f} (target <= 1.05); "
+          f"worst fixed / admission = {worst_fixed / adm:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

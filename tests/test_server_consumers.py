@@ -1,0 +1,96 @@
+"""Pausing the workers' consumers while no server is ready, and resuming them on their queues."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from server_mgr.consumers import (
+    ConsumerGate,
+    celery_control,
+    pause_consumers,
+    paused_reason,
+    resume_consumers,
+)
+from tests.procs import Proc, start_worker, wait_for, worker_env
+from tokenmill import servers
+from tokenmill.servers import ServerRecord
+from tokenmill.settings import Settings
+
+
+class FakeControl:
+    """Records the Celery control calls; two workers consume short, one long."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def inspect(self, timeout: float) -> Any:
+        control = self
+
+        class Inspect:
+            def active_queues(self) -> dict[str, list[dict[str, str]]]:
+                control.calls.append(("inspect", "", timeout))
+                return {"w1@h": [{"name": "short"}], "w2@h": [{"name": "short"}],
+                        "w3@h": [{"name": "long"}]}
+
+        return Inspect()
+
+    def cancel_consumer(self, queue: str, destination: Any = None) -> None:
+        self.calls.append(("cancel", queue, destination))
+
+    def add_consumer(self, queue: str, destination: Any = None) -> None:
+        self.calls.append(("add", queue, destination))
+
+
+def test_pause_cancels_every_consumer_and_resume_restores_each_queue_on_its_workers(
+        rclient: redis.Redis) -> None:
+    control = FakeControl()
+    pause_consumers(rclient, control, "no server is ready: gpu0 down")
+    assert paused_reason(rclient) == "no server is ready: gpu0 down"
+    assert ("cancel", "short", None) in control.calls and ("cancel", "long", None) in control.calls
+    control.calls.clear()
+    resume_consumers(rclient, control)
+    assert paused_reason(rclient) is None
+    assert sorted(control.calls) == [("add", "long", ["w3@h"]), ("add", "short", ["w1@h", "w2@h"])]
+
+
+def test_the_gate_pauses_while_no_fresh_server_is_ready(rclient: redis.Redis) -> None:
+    control = FakeControl()
+    gate = ConsumerGate(rclient, control, stale_after_s=30, rebroadcast_s=3600)
+    servers.publish(rclient, ServerRecord(name="a", url="u", state=servers.DOWN,
+                                          updated_at=time.time(), last_error="killed"))
+    gate.sync()
+    assert paused_reason(rclient) == "no server is ready: a down (killed)"
+    stale = time.time() - 60
+    servers.publish(rclient, ServerRecord(name="b", url="u", state=servers.READY, updated_at=stale))
+    gate.sync()
+    assert paused_reason(rclient) is not None  # a stale "ready" has no live manager behind it
+    servers.update(rclient, "b", updated_at=time.time())
+    gate.sync()
+    assert paused_reason(rclient) is None
+    assert [c[0] for c in control.calls].count("cancel") == 2  # no rebroadcast within an hour
+
+
+def _queues(control: Any, worker: str) -> list[str] | None:
+    replies = control.inspect(timeout=1.0, destination=[worker]).active_queues() or {}
+    return sorted(q["name"] for q in replies[worker]) if worker in replies else None
+
+
+def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
+        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    env = worker_env(redis_url, "http://127.0.0.1:9")
+    procs.append(start_worker(tmp_path, "short", env, concurrency=2, name="wshort"))
+    procs.append(start_worker(tmp_path, "long", env, concurrency=2, name="wlong"))
+    control = celery_control(Settings.load(redis_url=redis_url))
+    short, long = (next(w for w in control.inspect(timeout=2).active_queues() or {} if w.startswith(n))
+                   for n in ("wshort@", "wlong@"))
+
+    pause_consumers(rclient, control, "no server is ready: test")
+    wait_for(lambda: _queues(control, short) == [] and _queues(control, long) == [], 10,
+             "both workers to stop consuming")
+    resume_consumers(rclient, control)
+    wait_for(lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
+             10, "each worker to consume its own queue again")

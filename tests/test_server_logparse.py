@@ -1,0 +1,193 @@
+"""Reading SGLang logs: live figures by field name, crash classes, and the restart policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server_mgr.config import ServerConfig
+from server_mgr.crash import GIVE_UP, LOWER_FRACTION, RAISE_FRACTION, RESTART, Crash, classify
+from server_mgr.health import parse_metrics
+from server_mgr.logparse import LiveFigures, LogTail, capacity_line, launch_fraction, parse_batch_line
+from server_mgr.policy import FAIL, RELAUNCH, RestartPolicy
+from server_mgr.process import gpu_holders
+
+
+def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:
+    line = ("[2026-04-05 20:02:51 TP0] Prefill batch, #new-seq: 1, #new-token: 158, #cached-token: 0, "
+            "token usage: 0.08, #running-req: 31, #queue-req: 2, #pending-token: 0, cuda graph: True, "
+            "input throughput (token/s): 559.53")
+    kind, figures = parse_batch_line(line)
+    assert kind == "prefill"
+    assert figures == {"new_seq": 1, "new_token": 158, "cached_token": 0, "token_usage": 0.08,
+                       "running_req": 31, "queue_req": 2, "pending_token": 0, "cuda_graph": 1.0,
+                       "input_throughput": 559.53}
+
+
+def test_fields_in_another_order_and_trailing_separators_are_read_too() -> None:
+    production = ("[2026-02-24 12:20:19 TP0] Prefill batch, #new-seq: 1, #new-token: 1, "
+                  "#cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0, "
+                  "input throughput (token/s): 0.29, cuda graph: False")
+    assert parse_batch_line(production)[1]["input_throughput"] == 0.29
+    old = ("[2025-11-06 10:00:00] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, "
+           "#queue-req: 0, ")
+    assert parse_batch_line(old)[1] == {"running_req": 5, "num_used_tokens": 20800,
+                                        "token_usage": 0.29, "queue_req": 0}
+
+
+def test_decode_lines_and_retractions_accumulate_into_live_figures() -> None:
+    live = LiveFigures()
+    live.feed("[t] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, cuda graph: True, "
+              "gen throughput (token/s): 144.95, #queue-req: 3")
+    live.feed("[t] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 9, "
+              "#new_token_ratio: 0.4000 -> 0.6000")
+    live.feed("[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_token_ratio: 0.4 -> 0.6")
+    live.feed('[t] INFO:     127.0.0.1:40052 - "POST /v1/chat/completions HTTP/1.1" 200 OK')
+    assert live.figures["gen_throughput"] == 144.95 and live.figures["queue_req"] == 3
+    assert live.figures["retractions"] == 5 and live.decode_lines == 1
+
+
+def test_capacity_and_fraction_come_from_the_startup_lines() -> None:
+    line = ("[t TP0] max_total_num_tokens=2243474, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+            "max_running_requests=4096, context_len=131072, available_gpu_mem=38.05 GB")
+    assert capacity_line(line) == (2243474, 131072)
+    assert launch_fraction("server_args=ServerArgs(model_path='m', mem_fraction_static=0.88, x=1)") == 0.88
+
+
+def test_log_tail_returns_only_complete_new_lines(tmp_path: Path) -> None:
+    path = tmp_path / "s.log"
+    path.write_bytes(b"old line\n")
+    tail = LogTail(path, offset=path.stat().st_size)
+    with path.open("ab") as fh:
+        fh.write(b"one\rtwo\nthr")
+    assert tail.read_lines() == ["one", "two"]
+    with path.open("ab") as fh:
+        fh.write(b"ee\n")
+    assert tail.read_lines() == ["three"]
+
+
+def test_metrics_page_gives_the_same_names_summed_over_dp_ranks() -> None:
+    page = "\n".join([
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="0"} 3.0',
+        'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="1"} 4.0',
+        'sglang:num_running_reqs{model_name="m",tp_rank="1",dp_rank="0"} 3.0',
+        "# TYPE sglang:token_usage gauge",
+        'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="0"} 0.2',
+        'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="1"} 0.4',
+        "# TYPE sglang:num_queue_reqs gauge",
+        'sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0',
+    ]) + "\n"
+    assert parse_metrics(page) == pytest.approx({"running_req": 7.0, "token_usage": 0.3, "queue_req": 1.0})
+
+
+# --- crash classes (contract §5.4, §6.4) ---------------------------------------------------------
+
+GRAPH_OOM = """[2026-11-29 10:00:00] server_args=ServerArgs(model_path='m', mem_fraction_static=0.9)
+[2026-11-29 10:00:01] Scheduler hit an exception: Traceback (most recent call last):
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.
+Exception: Capture cuda graph failed: CUDA out of memory. Tried to allocate 2.00 GiB.
+Possible solutions:
+1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)
+[2026-11-29 10:00:01] Rank 0 scheduler died during initialization (exit code: -9). If exit code is -9 \
+(SIGKILL), a common cause is the OS OOM killer.
+[2026-11-29 10:00:01] Received sigquit from a child process. It usually means the child failed.
+"""
+TOO_LOW = """[2026-11-29 10:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):
+RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. Current value: 0.5
+[2026-11-29 10:00:01] Rank 0 scheduler died during initialization (exit code: -9).
+"""
+RUNTIME = """[2026-11-29 10:00:01] Decode batch, #running-req: 5, #token: 20800, #queue-req: 0
+[2026-11-29 10:00:02 TP0] Scheduler hit an exception: Traceback (most recent call last):
+  File "scheduler.py", line 1104, in event_loop_overlap
+RuntimeError: CUDA error: an illegal memory access was encountered
+"""
+
+
+@pytest.mark.parametrize(
+    ("log", "code", "first", "kind", "remedy"),
+    [
+        (GRAPH_OOM, -9, True, "oom_fraction_too_high", LOWER_FRACTION),
+        (TOO_LOW, -9, True, "oom_fraction_too_low", RAISE_FRACTION),
+        (RUNTIME, -9, False, "scheduler_exception", RESTART),
+        ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, True, "cuda_oom", LOWER_FRACTION),
+        ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, False, "cuda_oom", RESTART),
+        ("[t] Uvicorn running\n", -9, False, "killed", RESTART),
+        ("[t] ERROR: [Errno 98] error while attempting to bind on address: address already in use\n",
+         1, True, "port_in_use", RESTART),
+        ("sglang serve: error: argument --kv-cache-dtype: invalid choice: 'x'\n", 2, True,
+         "invalid_arguments", GIVE_UP),
+        ("[t] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)\n", -9, False,
+         "watchdog_timeout", RESTART),
+        ("ValueError: Not enough host memory available. Requesting 48 GB but only have 20 GB free.\n",
+         1, True, "hicache_host_memory", GIVE_UP),
+        ("boom\n", 3, True, "exited", RESTART),
+    ],
+)
+def test_a_death_is_classified_by_its_log_not_by_exit_137(
+        log: str, code: int, first: bool, kind: str, remedy: str) -> None:
+    crash = classify(log, code, first_prefill=first)
+    assert (crash.kind, crash.remedy) == (kind, remedy), crash
+
+
+def test_the_crash_detail_names_the_exception_line() -> None:
+    crash = classify(RUNTIME, -9, first_prefill=False)
+    assert crash.describe() == ("scheduler_exception: a scheduler raised: RuntimeError: CUDA error: "
+                                "an illegal memory access was encountered (exit -9)")
+    assert "exit 137 alone does not say which" in classify("", 137, first_prefill=False).describe()
+
+
+# --- the restart policy ---------------------------------------------------------------------------
+
+def _policy(**keys: object) -> RestartPolicy:
+    return RestartPolicy(ServerConfig(name="s", port=1, engine="sim", **keys))  # type: ignore[arg-type]
+
+
+def test_backoff_doubles_and_a_crash_loop_fails_with_the_reason() -> None:
+    policy = _policy(max_restarts=3, restart_window_s=60.0, backoff_initial_s=1.0, backoff_max_s=3.0)
+    crash = Crash("killed", "gone", RESTART, -9)
+    delays = [policy.decide(crash, 100.0 + i, None).delay_s for i in range(3)]
+    assert delays == [1.0, 2.0, 3.0]
+    verdict = policy.decide(crash, 103.0, None)
+    assert verdict.action == FAIL and verdict.reason.startswith("crash loop: 4 crashes within 60 s")
+
+
+def test_crashes_outside_the_window_are_forgotten() -> None:
+    policy = _policy(max_restarts=1, restart_window_s=10.0)
+    crash = Crash("killed", "gone", RESTART, -9)
+    assert policy.decide(crash, 0.0, None).action == RELAUNCH
+    assert policy.decide(crash, 20.0, None).action == RELAUNCH
+    assert policy.decide(crash, 21.0, None).action == FAIL
+
+
+def test_startup_oom_steps_the_fraction_within_bounds() -> None:
+    policy = _policy(mem_fraction_bounds=(0.8, 0.9), mem_fraction_step=0.05)
+    high = Crash("oom_fraction_too_high", "x", LOWER_FRACTION, -9)
+    assert policy.decide(high, 0.0, 0.9).fraction == 0.85
+    assert policy.decide(high, 0.0, 0.85).fraction == 0.8
+    verdict = policy.decide(high, 0.0, 0.8)
+    assert verdict.action == FAIL and "would leave mem_fraction_bounds [0.8, 0.9]" in verdict.reason
+
+
+def test_a_fraction_too_high_after_one_too_low_means_none_fits() -> None:
+    policy = _policy(mem_fraction_bounds=(0.5, 0.95), mem_fraction_step=0.02)
+    low = Crash("oom_fraction_too_low", "x", RAISE_FRACTION, -9)
+    assert policy.decide(low, 0.0, 0.7).fraction == 0.72
+    verdict = policy.decide(Crash("oom_fraction_too_high", "x", LOWER_FRACTION, -9), 0.0, 0.72)
+    assert verdict.action == FAIL and verdict.reason.startswith("no mem_fraction_static fits")
+
+
+def test_an_unset_fraction_steps_from_the_bound() -> None:
+    policy = _policy(mem_fraction_bounds=(0.5, 0.95), mem_fraction_step=0.05)
+    assert policy.decide(Crash("o", "x", LOWER_FRACTION), 0.0, None).fraction == 0.9
+
+
+def test_a_refused_argument_is_not_retried() -> None:
+    verdict = _policy().decide(Crash("invalid_arguments", "bad flag", GIVE_UP, 2), 0.0, None)
+    assert verdict.action == FAIL and "restarting cannot fix this" in verdict.reason
+
+
+def test_gpu_holders_are_the_given_pids_nvidia_smi_lists() -> None:
+    listing = "4242, sglang::scheduler_TP0, 70000 MiB\n777, python, 1000 MiB\n"
+    assert gpu_holders([4242, 5], run=lambda *args: listing) == [4242]
