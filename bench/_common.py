@@ -165,6 +165,18 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` (nanosecond run time from schedstat, not ticks)."""
+    out: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended
+    return out
+
+
 def proc_rss_peak_mb(pid: int) -> float:
     """Peak resident set size of ``pid`` in MB (VmHWM)."""
     with open(f"/proc/{pid}/status") as f:

@@ -14,7 +14,7 @@ The same prompts, against a fresh sim with the same knobs each time, alternating
 Both must produce the same completions (per prompt: text, reasoning and completion tokens);
 the benchmark checks it. The sim is the bottleneck the way a GPU is (``--sim-step-ms``).
 
-    .venv/bin/python bench/e2e.py                     # 1,000 prompts, two rounds, ~3 minutes
+    .venv/bin/python bench/e2e.py                     # 600 prompts, A B A B: ~3 minutes
     .venv/bin/python bench/e2e.py --prompts 300 --rounds 1
 """
 
@@ -43,6 +43,7 @@ from _common import (
     start_sim,
     start_worker,
     table,
+    thread_cpu_s,
     verdict,
     wait_for,
     workdir,
@@ -125,6 +126,7 @@ class Result:
     in_flight: list[int] = field(default_factory=list)
     sim_cpu_s: float = 0.0
     redis_cpu_s: float = 0.0
+    split: dict[str, float] = field(default_factory=dict)  # worker CPU by thread kind
 
     @property
     def tok_s(self) -> float:
@@ -180,6 +182,7 @@ def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_u
         enq = Enqueuer(ledger, routing(k), max_queued=100_000)
         sampler = SimSampler(url)
         cpu0 = [proc_cpu_s(w.pid) for w in workers]
+        threads0 = [thread_cpu_s(w.pid) for w in workers]
         sim0, redis0 = proc_cpu_s(sim.pid), proc_cpu_s(redis_pid)
         sampler.start()
         start = time.time()
@@ -187,6 +190,7 @@ def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_u
         assert enq.summary.total_new == k.prompts, enq.summary.line(RUN)
         wait_for(lambda: _finished(ledger, workers), 900, "the tokenmill run to finish", 0.1)
         cpu = sum(proc_cpu_s(w.pid) - c for w, c in zip(workers, cpu0, strict=True))
+        split = _thread_split(workers, threads0)
         sim_cpu, redis_cpu = proc_cpu_s(sim.pid) - sim0, proc_cpu_s(redis_pid) - redis0
         in_flight = sampler.stop()
         counts = ledger.counts()[PARTITION]
@@ -194,7 +198,21 @@ def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_u
             raise RuntimeError(f"{counts['failed']} jobs failed: see the worker logs in {where}")
         outputs, last_ms = _ledger_outputs(ledger)
     tokens = sum(t for t, _, _ in outputs.values())
-    return Result("tokenmill", last_ms / 1000 - start, cpu, tokens, outputs, in_flight, sim_cpu, redis_cpu)
+    wall = last_ms / 1000 - start
+    return Result("tokenmill", wall, cpu, tokens, outputs, in_flight, sim_cpu, redis_cpu, split)
+
+
+def _thread_split(workers: list[Child], before: list[dict[int, float]]) -> dict[str, float]:
+    """Worker CPU by thread: Celery's consumer (the main thread), the event loop (the busiest
+    other thread: every stream of the process runs on it), and the rest (task threads, pump)."""
+    split = {"celery consumer": 0.0, "event loop": 0.0, "task threads": 0.0}
+    for w, base in zip(workers, before, strict=True):
+        used = {tid: s - base.get(tid, 0.0) for tid, s in thread_cpu_s(w.pid).items()}
+        split["celery consumer"] += used.pop(w.pid, 0.0)
+        loop_tid = max(used, key=lambda t: used[t])
+        split["event loop"] += used.pop(loop_tid)
+        split["task threads"] += sum(used.values())
+    return split
 
 
 def _finished(ledger: Any, workers: list[Child]) -> bool:
@@ -314,7 +332,7 @@ def direct_client_main(url: str, reqs_path: str, out_path: str, short_c: int, lo
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=1000, help="prompts in the dataset (default 1,000)")
+    ap.add_argument("--prompts", type=int, default=600, help="prompts in the dataset (default 600)")
     ap.add_argument("--long-every", type=int, default=10, help="one prompt in N is long (default 10)")
     ap.add_argument("--short-max-tokens", type=int, default=300)
     ap.add_argument("--long-max-tokens", type=int, default=1000)
@@ -366,7 +384,8 @@ def main() -> None:
                 print(f"round {rnd} {r.variant:9}: {r.wall_s:6.2f} s, {r.tokens:,} tokens, "
                       f"{r.tok_s:,.0f} tok/s, client CPU {r.client_cpu_s:.2f} s "
                       f"({r.cpu_ms_per_1k:.1f} ms per 1k tokens), "
-                      f"mean in flight {_mean(r.in_flight):.0f}")  # fmt: skip
+                      f"in flight mean {_mean(r.in_flight):.0f}, "
+                      f"peak {max(r.in_flight, default=0)}")  # fmt: skip
     check_same_outputs(results)
     report(results)
 
@@ -400,17 +419,18 @@ def report(results: list[Result]) -> None:
             "cpu": median([r.client_cpu_s for r in rs]),
             "per_1k": median([r.cpu_ms_per_1k for r in rs]),
             "flight": median([_mean(r.in_flight) for r in rs]),
+            "peak": median([max(r.in_flight, default=0) for r in rs]),
             "sim": median([r.sim_cpu_s / r.tokens * 1e6 for r in rs]),
         }
         med[variant] = m
         who = "2 worker processes" if variant == "tokenmill" else "client process"
         rows.append([
             variant, len(rs), f"{m['wall']:.2f}", f"{m['tok_s']:,.0f}", f"{m['cpu']:.2f} ({who})",
-            f"{m['per_1k']:.1f}", f"{m['flight']:.0f}", f"{m['sim']:.1f}",
+            f"{m['per_1k']:.1f}", f"{m['flight']:.0f} / {m['peak']:.0f}", f"{m['sim']:.1f}",
         ])  # fmt: skip
     print(table(
         ["variant", "runs", "wall s", "tokens/s", "client CPU s", "CPU ms / 1k tokens",
-         "mean requests in flight at the sim", "sim CPU ms / 1k tokens"],
+         "requests in flight at the sim (mean / peak)", "sim CPU ms / 1k tokens"],
         rows,
     ))  # fmt: skip
     ratio = med["tokenmill"]["wall"] / med["direct"]["wall"]
@@ -419,6 +439,14 @@ def report(results: list[Result]) -> None:
     print(f"\ntokenmill wall / direct wall: {ratio:.3f} (target <= 1.05: {verdict(ratio <= 1.05)})")
     print(f"tokenmill worker CPU per token / direct client CPU per token: {cpu_ratio:.2f}x")
     print(f"(tokenmill's redis-server used {redis_cpu:.2f} CPU s per run on top, median)")
+    tm = [r for r in results if r.variant == "tokenmill"]
+    parts = ", ".join(
+        f"{name} {median([r.split[name] for r in tm]):.2f} s"
+        for name in ("event loop", "celery consumer", "task threads")
+    )
+    jobs = len(tm[0].outputs)
+    print(f"tokenmill worker CPU by thread (median, both workers): {parts}; "
+          f"{jobs} jobs, {tm[0].tokens / jobs:.0f} tokens per job")  # fmt: skip
 
 
 if __name__ == "__main__":

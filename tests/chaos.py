@@ -208,6 +208,12 @@ def wait_leases_expired(client: redis.Redis, run: str, timeout: float) -> None:
     wait_for(lambda: redis_now_ms(client) > last, timeout, f"the leases of run {run} to expire", 0.1)
 
 
+def results(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The committed result of each of ``job_ids`` (``{}`` when it has none)."""
+    k = keys.RunKeys(run)
+    return {j: orjson.loads(client.hget(k.job(j), "result") or b"{}") for j in job_ids}
+
+
 def queue_messages(client: redis.Redis, queue: str = "short") -> dict[str, int]:
     """Job id → how many messages for it wait in the broker list of ``queue``."""
     out: dict[str, int] = {}
@@ -383,6 +389,28 @@ def reclaim_delays(c: Cluster, run: str, fault: Fault, timeout: float = 90) -> d
     wait_for(
         all_reclaimed, timeout, f"the {len(fault.hit)} job(s) of the dead worker to be claimed again", 0.02
     )
+    return delays
+
+
+def back_in_line_delays(
+    c: Cluster, run: str, fault: Fault, job_ids: Iterable[str], timeout: float = 90
+) -> dict[str, float]:
+    """Seconds from the fault until each of ``job_ids`` is available again: its message is back on
+    the broker list, or a worker claimed it (whichever is seen first; polled every 20 ms)."""
+    waiting = set(job_ids)
+    delays: dict[str, float] = fault.notes.setdefault("back_in_line_s", {})
+
+    def all_back() -> bool:
+        now = time.time()
+        on_broker = set(queue_messages(c.client))
+        for j, v in job_views(c.client, run, waiting - set(delays)).items():
+            if v.token > 0:
+                delays[j] = min(now, v.claimed_ms / 1000) - fault.at
+            elif j in on_broker:
+                delays[j] = now - fault.at
+        return len(delays) == len(waiting)
+
+    wait_for(all_back, timeout, f"the {len(waiting)} job(s) to be available again", 0.02)
     return delays
 
 

@@ -74,6 +74,13 @@ def test_the_gate_pauses_while_no_fresh_server_is_ready(rclient: redis.Redis) ->
     assert [c[0] for c in control.calls].count("cancel") == 2  # no rebroadcast within an hour
 
 
+def _names(control: Any) -> tuple[str, str] | None:
+    """The full names of the short and the long worker, once both answer."""
+    replies = control.inspect(timeout=1.0).active_queues() or {}
+    found = [next((w for w in replies if w.startswith(prefix)), None) for prefix in ("wshort@", "wlong@")]
+    return (found[0], found[1]) if found[0] and found[1] else None
+
+
 def _queues(control: Any, worker: str) -> list[str] | None:
     replies = control.inspect(timeout=1.0, destination=[worker]).active_queues() or {}
     return sorted(q["name"] for q in replies[worker]) if worker in replies else None
@@ -85,8 +92,8 @@ def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
     procs.append(start_worker(tmp_path, "short", env, concurrency=2, name="wshort"))
     procs.append(start_worker(tmp_path, "long", env, concurrency=2, name="wlong"))
     control = celery_control(Settings.load(redis_url=redis_url))
-    short, long = (next(w for w in control.inspect(timeout=2).active_queues() or {} if w.startswith(n))
-                   for n in ("wshort@", "wlong@"))
+    workers = wait_for(lambda: _names(control), 20, "both workers to answer")
+    short, long = workers
 
     pause_consumers(rclient, control, "no server is ready: test")
     wait_for(lambda: _queues(control, short) == [] and _queues(control, long) == [], 10,

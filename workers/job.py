@@ -146,7 +146,7 @@ def _settle(
     if isinstance(exc, errors.AuthError):
         _auth_broken(rt, exc)
         return ledger.release(
-            claim, err, delay_s=60, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
+            claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
         )
     if isinstance(exc, errors.TerminalError):
         log.warning("job %s/%s failed: %s: %s", claim.run, claim.job_id, err.error_class, err.message)

@@ -1,0 +1,278 @@
+"""Chaos, the long form: every fault kind of ``tests/test_chaos.py`` injected several times in one run.
+
+One private redis-server (AOF everysec), one sim, two ``short`` workers and one ``long`` worker,
+all real processes. Two runs share them:
+
+- ``chaos``: ``--prompts`` prompts of 75-525 tokens (reasoning on, 10 ms a token, max_tokens
+  400), on the short queue. The faults strike it while jobs are mid-stream, round after round
+  (``--reps``): worker SIGKILL (a new worker starts), sim SIGKILL (restarted on its port after
+  2 s), Redis SIGKILL (restarted from its AOF after 2 s; ``tokenmill resume`` after the first),
+  ``CLIENT PAUSE 2000 ALL``, duplicated deliveries, worker SIGTERM (a new worker starts);
+- ``chaos-enqueue``: ``--enqueue-rows`` rows (3.5 KB each) whose ``tokenmill enqueue`` is
+  SIGKILLed ``--reps`` times mid-way and rerun to the end; 4-token outputs, on the long queue.
+
+Then both runs are audited (one ``done`` per distinct prompt, one export row each, byte-exact
+against the sim, counts that match) and a table reports the faults, what was lost, duplicated
+and continued, the tokens generated (the sims' counters, summed over restarts) and thrown away,
+and how long a dead worker's jobs took to run again. Every process is killed at the end, also
+on Ctrl-C or SIGTERM.
+
+    .venv/bin/python bench/chaos.py                                  # ~4 minutes
+    .venv/bin/python bench/chaos.py --prompts 300 --reps 1 --enqueue-rows 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import exit_on_sigterm, machine, median, table, workdir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
+from tests import chaos
+from tests.chaos import Cluster, Fault, Workload
+from tests.procs import worker_env
+
+MEAN = 300
+SIM = ("--reasoning-parser", "qwen3", "--sim-step-ms", "10", "--sim-mean-output-tokens", str(MEAN),
+       "--sim-prefill-tokens-per-ms", "2000")  # fmt: skip
+GRACE_S = float(worker_env("", "")["TOKENMILL_SHUTDOWN_GRACE_S"])
+KINDS = ("worker SIGKILL", "sim SIGKILL", "redis SIGKILL", "redis CLIENT PAUSE", "duplicate delivery",
+         "worker SIGTERM")  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=800, help="prompts of the run the faults strike")
+    p.add_argument("--reps", type=int, default=3, help="injections of each fault kind")
+    p.add_argument("--enqueue-rows", type=int, default=20000, help="rows of the killed producer's file")
+    p.add_argument("--workers", type=int, default=2, help="short-queue workers")
+    p.add_argument("--concurrency", type=int, default=8, help="threads per short-queue worker")
+    p.add_argument("--timeout", type=float, default=900, help="most seconds to wait for the runs to finish")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, Redis files)")
+    return p.parse_args()
+
+
+# --- death → running again, watched in the background ---------------------------------------------
+
+
+@dataclass(eq=False)
+class ReclaimWatch:
+    """Polls the jobs a dead worker left behind; records when each is claimed again."""
+
+    c: Cluster
+    run: str
+    pending: dict[str, tuple[str, float, int]] = field(default_factory=dict)  # job -> (kind, since, token)
+    delays: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, since: float, jobs: dict[str, chaos.JobView]) -> None:
+        with self.lock:
+            self.pending.update({j: (kind, since, v.token) for j, v in jobs.items()})
+
+    def loop(self) -> None:
+        while not self.stop.wait(0.05):
+            try:
+                self.poll()
+            except Exception:  # Redis may be down: the next poll tries again
+                continue
+
+    def poll(self) -> None:
+        with self.lock:
+            pending = dict(self.pending)
+        views = chaos.job_views(self.c.client, self.run, pending)
+        with self.lock:
+            for j, v in views.items():
+                kind, since, token = pending[j]
+                if v.token > token and j in self.pending:
+                    self.delays.setdefault(kind, []).append(v.claimed_ms / 1000 - since)
+                    del self.pending[j]
+
+    def start(self) -> None:
+        threading.Thread(target=self.loop, name="reclaim-watch", daemon=True).start()
+
+
+# --- the faults ----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Chaos:
+    """The fault schedule on the ``chaos`` run, and what it observed."""
+
+    c: Cluster
+    wl: Workload
+    watch: ReclaimWatch
+    concurrency: int
+    failures: list[str] = field(default_factory=list)  # faults that could not be injected or checked
+    resumed: str = ""
+
+    def inject(self, kind: str) -> Fault:
+        c, run = self.c, self.wl.run
+        if kind == "worker SIGKILL":
+            f = chaos.kill_worker(c, run, chaos.busiest_worker(c, run, 2), replace=False)
+            c.start_workers(1, concurrency=self.concurrency)
+            self.watch.add(kind, f.at, f.hit)
+        elif kind == "sim SIGKILL":
+            f = chaos.kill_sim(c, run, min_jobs=3, down_s=2.0)
+        elif kind == "redis SIGKILL":
+            f = chaos.kill_redis(c, run, min_jobs=3, down_s=2.0)
+            if not self.resumed:
+                self.resumed = chaos.resume(c, run)
+        elif kind == "redis CLIENT PAUSE":
+            f = chaos.pause_redis(c, run, 2000)
+        elif kind == "duplicate delivery":
+            f = chaos.duplicate_messages(c, run, n=20)
+        else:
+            f = chaos.sigterm_worker(c, run, chaos.busiest_worker(c, run, 2), GRACE_S)
+            released = {j: f.hit[j] for j in f.notes["released"]}
+            self.watch.add(kind, f.at + f.notes["exit_s"], released)
+            c.start_workers(1, concurrency=self.concurrency)
+        return f
+
+    def rounds(self, reps: int, log: Callable[[str], None]) -> None:
+        for rep in range(reps):
+            for kind in KINDS:
+                if _finished(self.c, self.wl):
+                    self.failures.append(f"the run finished before {kind} #{rep + 1}")
+                    return
+                try:
+                    f = self.inject(kind)
+                    log(f"{kind} #{rep + 1}: hit {len(f.hit)} job(s) {_brief(f)}")
+                    chaos.wait_progress(self.c.client, self.wl.run, 1, timeout=120)
+                except AssertionError as exc:  # a wait ran out: note it, go on with the next fault
+                    self.failures.append(f"{kind} #{rep + 1}: {str(exc).splitlines()[0]}")
+                    log(f"{kind} #{rep + 1}: FAILED {self.failures[-1]}")
+
+
+def _finished(c: Cluster, wl: Workload) -> bool:
+    counts = chaos.state_counts(c.client, wl.run)
+    return counts["queued"] + counts["running"] == 0
+
+
+def _brief(f: Fault) -> str:
+    n = f.notes
+    if f.kind == "sim SIGKILL":
+        burned = len(n["failed_or_burned_while_down"])
+        return f"(released {len(n['released'])}, failed or burned a retry while down: {burned})"
+    if f.kind == "worker SIGTERM":
+        finished, released = len(n["finished_in_grace"]), len(n["released"])
+        return f"(finished in grace {finished}, released {released}, exit after {n['exit_s']:.1f} s)"
+    if f.kind == "duplicate delivery":
+        return f"({n['copies']} copies)"
+    if f.kind == "redis SIGKILL":
+        return f"(done {n['done_before']} before, {n['done_after_restart']} after the AOF replay)"
+    return ""
+
+
+def kill_producer_rounds(c: Cluster, wl: Workload, reps: int, log: Callable[[str], None]) -> list[Fault]:
+    """SIGKILL ``tokenmill enqueue`` of ``wl`` ``reps`` times, each once it created new jobs, then
+    rerun it to the end."""
+    path = wl.write(c.workdir)
+    faults: list[Fault] = []
+    created = 0
+    for rep in range(reps):
+        f = chaos.kill_producer(c, wl, path, after_jobs=created)
+        created = f.notes["jobs_at_kill"]
+        log(
+            f"producer SIGKILL #{rep + 1}: {created} of {len(wl.rows)} jobs existed ({f.notes['returncode']})"
+        )
+        faults.append(f)
+    log("rerun: " + c.enqueue(wl, path).strip())
+    return faults
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def report(c: Cluster, audits: dict[str, chaos.Audit], watch: ReclaimWatch, ch: Chaos, wall_s: float) -> None:
+    injected = Counter(f.kind for f in c.faults)
+    hit: Counter[str] = Counter()
+    for f in c.faults:
+        hit[f.kind] += len(f.hit)
+    print(f"\n## Chaos — {machine()}; {wall_s:.0f} s\n")
+    rows = [[k, injected[k], hit[k]] for k in (*KINDS, "producer SIGKILL")]
+    print(table(["fault", "injected", "jobs in flight hit"], rows))
+
+    print()
+    rows = []
+    for name, a in audits.items():
+        rows.append([name, a.prompts, a.done, sum(a.failed.values()), len(a.lost), len(a.duplicated),
+                     len(a.wrong_text), len(a.wrong_usage), a.continued_jobs, a.continued_tokens,
+                     a.retries])  # fmt: skip
+    heads = ["run", "jobs", "done", "failed", "lost", "duplicated", "wrong text", "wrong usage",
+             "continued jobs", "continued tokens", "retries burned"]  # fmt: skip
+    print(table(heads, rows))
+
+    generated = c.tokens_generated()
+    kept = sum(a.kept_tokens for a in audits.values())
+    thrown = generated - kept
+    print()
+    print(table(["tokens generated (sims, over restarts)", "kept (exported)", "thrown away", "% of kept"],
+                [[generated, kept, thrown, f"{100 * thrown / max(kept, 1):.2f}%"]]))  # fmt: skip
+
+    print()
+    rows = []
+    for kind, label in (("worker SIGKILL", "SIGKILL: death → claimed again"),
+                        ("worker SIGTERM", "SIGTERM: exit → released job claimed again")):  # fmt: skip
+        d = watch.delays.get(kind, [])
+        left = sum(1 for k, _, _ in watch.pending.values() if k == kind)
+        rows.append([label, len(d), f"{median(d):.1f}" if d else "-", f"{max(d):.1f}" if d else "-", left])
+    print(table(["worker death", "jobs", "median s", "max s", "never claimed again"], rows))
+    env = worker_env("", "")
+    print(f"(lease TTL {env['TOKENMILL_LEASE_TTL_S']} s, reaper every {env['TOKENMILL_REAPER_PERIOD_S']} s)")
+
+    problems = [f"{name}: {p}" for name, a in audits.items() for p in a.problems()]
+    crashes = c.task_crashes()
+    if crashes:
+        problems.append(f"{len(crashes)} task(s) crashed in workers, e.g. {crashes[0]}")
+    problems += ch.failures
+    if ch.resumed:
+        print(f"\n`tokenmill resume` after the first Redis crash: {ch.resumed}")
+    print("\nproblems:" if problems else "\nno problem: every job ended exactly once, byte-exact")
+    for p in problems:
+        print(f"- {p}")
+
+
+def main() -> int:
+    args = parse_args()
+    exit_on_sigterm()
+    start = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - start:6.1f}s] {msg}", flush=True)
+
+    with workdir(keep=args.keep, prefix="tokenmill-chaos-") as where:
+        c = Cluster.start(where, sim_flags=SIM)
+        try:
+            main_wl = Workload("chaos", chaos.prompt_rows("chaos", args.prompts), 400, MEAN)
+            feed_rows = chaos.prompt_rows("feed", args.enqueue_rows, pad_words=500)
+            feed_wl = Workload("chaos-enqueue", feed_rows, 4, MEAN, queue="long")
+            c.start_workers(args.workers, concurrency=args.concurrency)
+            c.start_workers(1, concurrency=16, queue="long")
+            log(c.enqueue(main_wl).strip())
+            kill_producer_rounds(c, feed_wl, args.reps, log)
+            watch = ReclaimWatch(c, main_wl.run)
+            watch.start()
+            ch = Chaos(c, main_wl, watch, args.concurrency)
+            ch.rounds(args.reps, log)
+            audits = {}
+            for wl in (main_wl, feed_wl):
+                audits[wl.run] = chaos.audit(c, wl, where / f"out-{wl.run}", timeout=args.timeout)
+                log(f"run {wl.run} finished and audited")
+            watch.stop.set()
+            watch.poll()
+            report(c, audits, watch, ch, time.monotonic() - start)
+            return 0 if all(not a.problems() for a in audits.values()) else 1
+        finally:
+            c.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
