@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -106,14 +107,75 @@ class Children(contextlib.ExitStack):
                 list(args), stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
             )
         child = Child(proc, log, name)
+        _LIVE[proc.pid] = proc
         self.callback(child.stop)
         return child
 
     def redis(self, where: Path) -> LocalRedis:
         """A private redis-server (AOF on, noeviction, loopback, a free port)."""
         server = LocalRedis(where).start()
+        if server.proc is not None:
+            _LIVE[server.proc.pid] = server.proc
         self.callback(server.stop)
         return server
+
+
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}  # every process a benchmark started
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process, its waited-for children and the children still running."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+    for pid, proc in list(_LIVE.items()):
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                total += proc_cpu_s(pid)
+        else:
+            _LIVE.pop(pid)
+    return total
+
+
+def wait_quiet(max_wait_s: float = 120.0, busy_cores: float = 0.3, window_s: float = 3.0) -> float:
+    """Wait (at most ``max_wait_s``) until the machine is nearly idle; returns the busy cores seen.
+
+    Other processes on this 2-core machine (test suites, other benchmarks) skew every figure.
+    """
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        b0 = busy_cpu_s()
+        time.sleep(window_s)
+        cores = (busy_cpu_s() - b0) / window_s
+        if cores <= busy_cores or time.monotonic() > deadline:
+            return cores
+
+
+class MachineLoad:
+    """How much CPU the rest of the machine used while a benchmark ran (it should be ~0)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.busy0 = busy_cpu_s()
+        self.own0 = own_cpu_s()
+
+    def line(self) -> str:
+        wall = time.monotonic() - self.t0
+        busy = busy_cpu_s() - self.busy0
+        own = own_cpu_s() - self.own0
+        others = max(0.0, busy - own)
+        return (
+            f"machine load during the run: {busy:.0f} CPU-s busy in {wall:.0f} s, {own:.0f} of them this "
+            f"benchmark's processes, {others:.0f} other processes' ({others / wall:.2f} cores on average)"
+        )
 
 
 def http_status(url: str, timeout_s: float = 5.0) -> int:

@@ -8,7 +8,7 @@ all real processes. Two runs share them:
   (``--reps``): worker SIGKILL (a new worker starts), sim SIGKILL (restarted on its port after
   2 s), Redis SIGKILL (restarted from its AOF after 2 s; ``tokenmill resume`` after the first),
   ``CLIENT PAUSE 2000 ALL``, duplicated deliveries, worker SIGTERM (a new worker starts);
-- ``chaos-enqueue``: ``--enqueue-rows`` rows (3.5 KB each) whose ``tokenmill enqueue`` is
+- ``chaos-enqueue``: ``--enqueue-rows`` rows (~700 bytes each) whose ``tokenmill enqueue`` is
   SIGKILLed ``--reps`` times mid-way and rerun to the end; 4-token outputs, on the long queue.
 
 Then both runs are audited (one ``done`` per distinct prompt, one export row each, byte-exact
@@ -196,9 +196,17 @@ def report(c: Cluster, audits: dict[str, chaos.Audit], watch: ReclaimWatch, ch: 
     hit: Counter[str] = Counter()
     for f in c.faults:
         hit[f.kind] += len(f.hit)
+    at_kill = [str(f.notes["jobs_at_kill"]) for f in c.faults if f.kind == "producer SIGKILL"]
     print(f"\n## Chaos — {machine()}; {wall_s:.0f} s\n")
-    rows = [[k, injected[k], hit[k]] for k in (*KINDS, "producer SIGKILL")]
-    print(table(["fault", "injected", "jobs in flight hit"], rows))
+    rows: list[list[object]] = [[k, injected[k], f"{hit[k]} jobs mid-stream"] for k in KINDS]
+    rows.append(
+        [
+            "producer SIGKILL",
+            injected["producer SIGKILL"],
+            f"jobs existing at each kill: {', '.join(at_kill)}",
+        ]
+    )
+    print(table(["fault", "injected", "hit"], rows))
 
     print()
     rows = []
@@ -252,10 +260,10 @@ def main() -> int:
         c = Cluster.start(where, sim_flags=SIM)
         try:
             main_wl = Workload("chaos", chaos.prompt_rows("chaos", args.prompts), 400, MEAN)
-            feed_rows = chaos.prompt_rows("feed", args.enqueue_rows, pad_words=500)
+            feed_rows = chaos.prompt_rows("feed", args.enqueue_rows, pad_words=100)
             feed_wl = Workload("chaos-enqueue", feed_rows, 4, MEAN, queue="long")
             c.start_workers(args.workers, concurrency=args.concurrency)
-            c.start_workers(1, concurrency=16, queue="long")
+            c.start_workers(1, concurrency=32, queue="long")
             log(c.enqueue(main_wl).strip())
             kill_producer_rounds(c, feed_wl, args.reps, log)
             watch = ReclaimWatch(c, main_wl.run)

@@ -36,6 +36,7 @@ import redis
 from _common import (
     Child,
     Children,
+    MachineLoad,
     exit_on_sigterm,
     machine,
     median,
@@ -46,6 +47,7 @@ from _common import (
     thread_cpu_s,
     verdict,
     wait_for,
+    wait_quiet,
     workdir,
 )
 
@@ -364,8 +366,10 @@ def main() -> None:
     )  # fmt: skip
     print(f"machine: {machine()}")
     print(f"sim: {' '.join(sim)}")
+    print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []
     with workdir(a.keep) as work, Children() as children:
+        load = MachineLoad()
         data = write_dataset(work / f"{PARTITION}.jsonl", k)
         reqs = direct_requests(data, k)
         reqs_path = work / "requests.json"
@@ -386,6 +390,7 @@ def main() -> None:
                       f"({r.cpu_ms_per_1k:.1f} ms per 1k tokens), "
                       f"in flight mean {_mean(r.in_flight):.0f}, "
                       f"peak {max(r.in_flight, default=0)}")  # fmt: skip
+        print(load.line())
     check_same_outputs(results)
     report(results)
 

@@ -34,6 +34,7 @@ import orjson
 import redis
 from _common import (
     Children,
+    MachineLoad,
     exit_on_sigterm,
     machine,
     median,
@@ -41,6 +42,7 @@ from _common import (
     table,
     verdict,
     wait_for,
+    wait_quiet,
     workdir,
 )
 
@@ -171,7 +173,9 @@ def main() -> None:
     exit_on_sigterm()
     apply_rows = min(a.apply_rows, a.rows)
     print(f"machine: {machine()}")
+    print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     with workdir(a.keep) as work, Children() as children:
+        load = MachineLoad()
         server = children.redis(work / "redis")
         client = redis.Redis.from_url(server.url, socket_timeout=600)  # FLUSHALL of 1M jobs is slow
         # A background AOF rewrite (a fork) landing inside one variant would skew it: rewrite
@@ -186,6 +190,7 @@ def main() -> None:
             done = ", ".join(f"{k} {v:,.0f} rows/s" for k, v in rates(rounds[-1]).items())
             print(f"round {i + 1}: {done}")
         rss_line = measure_rss(client, server.url, work, a.rss_rows) if a.rss_rows else None
+        print(load.line())
     report(rounds, a.rows, apply_rows, rss_line)
 
 

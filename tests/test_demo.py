@@ -27,8 +27,14 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_demo_exports_both_partitions_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
-    res = subprocess.run([sys.executable, "-m", "tokenmill.cli", "demo", "--out", str(out)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    res = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "demo", "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "120"},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "200 new" in res.stdout and f"Completions are in {out}" in res.stdout
     rows = {p.stem: [orjson.loads(x) for x in p.read_bytes().splitlines()] for p in out.glob("*.jsonl")}

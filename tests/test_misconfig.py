@@ -13,7 +13,8 @@ from tests.procs import Proc, RedisServer, free_port, spawn, start_sim, start_wo
 
 
 def test_wrong_api_key_stops_the_worker_claiming_without_failing_jobs(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     # Given a sim that requires an API key and a worker configured with the wrong one
     sim, url = start_sim(tmp_path, "--api-key", "right-key")
     procs.append(sim)
@@ -24,24 +25,36 @@ def test_wrong_api_key_stops_the_worker_claiming_without_failing_jobs(
 
     # When it meets the 401, it says so once and stops consuming; no job fails
     wait_for(lambda: "refused the API key" in bad.output(), 30, "the worker to report the refused key")
-    wait_for(lambda: "cancel_consumer" in bad.output() or "Canceling queue" in bad.output()
-             or "canceling" in bad.output().lower(), 20, "the worker to stop consuming")
+    wait_for(
+        lambda: (
+            "cancel_consumer" in bad.output()
+            or "Canceling queue" in bad.output()
+            or "canceling" in bad.output().lower()
+        ),
+        20,
+        "the worker to stop consuming",
+    )
     doc = run_status(rclient, "r")
     assert doc["totals"]["failed"] == 0 and doc["totals"]["done"] == 0
     assert bad.output().count("refused the API key") == 1
     assert "wrong-key" not in bad.output()
 
     # Then a worker with the right key finishes the run
-    procs.append(start_worker(tmp_path, "short", worker_env(redis_url, url, api_key="right-key"), concurrency=2))
+    procs.append(
+        start_worker(tmp_path, "short", worker_env(redis_url, url, api_key="right-key"), concurrency=2)
+    )
     assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 6
 
 
 def test_a_server_url_that_is_not_sglang_makes_jobs_wait_not_fail(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     port = free_port()
     (tmp_path / "www").mkdir()
-    web = spawn([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path / "www")],
-                tmp_path / "web.log")
+    web = spawn(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path / "www")],
+        tmp_path / "web.log",
+    )
     procs.append(web)
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: "Serving HTTP" in web.output(), 20, "the plain web server")

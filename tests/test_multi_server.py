@@ -14,7 +14,8 @@ MEAN = 60
 
 
 def test_a_run_spreads_over_two_servers_and_survives_losing_one(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     # Given two sims behind one comma-separated TOKENMILL_SERVER_URL and two worker processes
     knobs = ("--sim-mean-output-tokens", str(MEAN), "--sim-step-ms", "15")
     sim_a, url_a = start_sim(tmp_path, *knobs)
@@ -22,17 +23,28 @@ def test_a_run_spreads_over_two_servers_and_survives_losing_one(
     procs += [sim_a, sim_b]
     env = worker_env(redis_url, f"{url_a},{url_b}")
     rows = [{"id": str(i), "prompt": f"question number {i}"} for i in range(80)]
-    cli("enqueue", str(write_jsonl(tmp_path / "P.jsonl", rows)), "--run", "r", "--short-max-tokens", "200",
-        env=env)
+    cli(
+        "enqueue",
+        str(write_jsonl(tmp_path / "P.jsonl", rows)),
+        "--run",
+        "r",
+        "--short-max-tokens",
+        "200",
+        env=env,
+    )
     procs.append(start_worker(tmp_path, "short", env, concurrency=12))
     procs.append(start_worker(tmp_path, "short", env, concurrency=12))
 
     # When server A is killed while streams are running on it
     def running_on_a() -> bool:
-        return any(rclient.hget(k, "state") == b"running" and int(rclient.hget(k, "ckpt_tokens") or 0) > 0
-                   for k in rclient.scan_iter("tm:r:job:*"))
+        return any(
+            rclient.hget(k, "state") == b"running" and int(rclient.hget(k, "ckpt_tokens") or 0) > 0
+            for k in rclient.scan_iter("tm:r:job:*")
+        )
 
-    wait_for(lambda: sum(1 for _ in rclient.scan_iter("tm:r:job:*")) and running_on_a(), 60, "streams mid-way")
+    wait_for(
+        lambda: sum(1 for _ in rclient.scan_iter("tm:r:job:*")) and running_on_a(), 60, "streams mid-way"
+    )
     done_before = int(rclient.hget("tm:r:counts", "done|P") or 0)
     sim_a.kill()
 
@@ -41,7 +53,9 @@ def test_a_run_spreads_over_two_servers_and_survives_losing_one(
     assert doc["totals"]["done"] == 80 and doc["totals"]["failed"] == 0
     results = [orjson.loads(rclient.hget(f"tm:r:job:P:{i}", "result")) for i in range(80)]
     servers = {r["server"] for r in results}
-    assert servers == {url_a, url_b}, f"both servers should have served jobs (done before kill: {done_before})"
+    assert servers == {url_a, url_b}, (
+        f"both servers should have served jobs (done before kill: {done_before})"
+    )
     out = tmp_path / "out"
     cli("export", "--run", "r", "--out", str(out), "--include-truncated", env=env)
     exported = read_export(out)["P"]

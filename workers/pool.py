@@ -129,16 +129,17 @@ class ServerPool:
         return None
 
     def is_down(self, url: str) -> bool:
-        """After a failed request: is the server down (rather than the request at fault)?"""
-        rec = self._load_records().get(url)
-        if rec is not None:
-            self._records_at = 0.0
-            rec = self._load_records().get(url)
-            return rec is None or rec.state != server_records.READY
+        """After a failed request: is the server down (rather than the request at fault)?
+
+        Its own ``/health`` answers first (a manager may not have noticed a crash yet); a managed
+        server that answers is still down unless its manager says ``ready``.
+        """
         ok, reason = probe_health(url)
         if ok:
             self._suspect.pop(url, None)
-            return False
+            self._records_at = 0.0
+            rec = self._load_records().get(url)
+            return rec is not None and rec.state != server_records.READY
         if url not in self._suspect:
             log.warning("server %s is down or not SGLang: GET /health %s; its jobs wait for it", url, reason)
         self._suspect[url] = time.monotonic()
