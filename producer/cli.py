@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 import orjson
 
 from tokenmill import keys
 
+if TYPE_CHECKING:
+    import redis
 
-def _connect(redis_url: str | None):
+    from tokenmill.settings import Settings
+
+
+def _connect(redis_url: str | None, name: str) -> tuple[Settings, redis.Redis]:
+    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST."""
     from tokenmill import redis_conn
     from tokenmill.settings import Settings
 
     settings = Settings.load(redis_url=redis_url)
-    return settings, redis_conn.connect(settings)
+    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}")
 
 
 redis_option = click.option(
@@ -76,7 +83,7 @@ def enqueue(
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
-    settings, client = _connect(redis_url)
+    settings, client = _connect(redis_url, "enqueue")
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
     routing = Routing(
         model=model or settings.model,
@@ -140,7 +147,7 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     from producer.status import run_status
 
     keys.check_run(run)
-    settings, client = _connect(redis_url)
+    settings, client = _connect(redis_url, "status")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
     urls = settings.server_urls
@@ -176,7 +183,7 @@ def export(run: str, out_dir: str, include_truncated: bool, redis_url: str | Non
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
-    _, client = _connect(redis_url)
+    _, client = _connect(redis_url, "export")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis")
     summary = export_run(Ledger(client, run), out_dir, include_truncated)
@@ -202,7 +209,7 @@ def resume(run: str, redis_url: str | None) -> None:
     from producer.resume import resume_run
 
     keys.check_run(run)
-    _, client = _connect(redis_url)
+    _, client = _connect(redis_url, "resume")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis")
     click.echo(resume_run(client, run).line(run))

@@ -13,10 +13,11 @@ from tokenmill.settings import Settings, redact_url
 log = logging.getLogger("tokenmill.redis")
 
 
-def connect(settings: Settings, *, check: bool = True) -> redis.Redis:
-    """A client for ``settings.redis_url``; with ``check``, ping it and raise a clear error."""
+def connect(settings: Settings, *, check: bool = True, name: str | None = None) -> redis.Redis:
+    """A client for ``settings.redis_url`` (named ``name`` in CLIENT LIST); with ``check``, ping it
+    and raise a clear error."""
     url = settings.redis_url
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, client_name=name)
     if check:
         ping(client, url)
     return client

@@ -1,0 +1,88 @@
+"""The broker stays bounded for big datasets; status shows a run's state to a person."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import redis
+
+from tests.pipeline import cli, wait_run_finished, write_jsonl
+from tests.procs import ROOT, Proc, start_sim, start_worker, wait_for, worker_env
+
+
+def test_max_queued_bounds_the_broker_and_the_feeder_publishes_the_rest(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    sim, url = start_sim(tmp_path, "--sim-mean-output-tokens", "10")
+    procs.append(sim)
+    env = worker_env(redis_url, url, max_queued=25)
+    data = write_jsonl(tmp_path / "P.jsonl", [{"prompt": f"q{i}"} for i in range(300)])
+    res = cli("enqueue", str(data), "--run", "r", "--max-queued", "25", env=env)
+    assert "300 new" in res.stdout and "275 held in the ledger's backlog" in res.stdout
+    assert rclient.llen("short") == 25
+    depth: list[int] = []
+    procs.append(start_worker(tmp_path, "short", env, concurrency=4))
+    wait_for(
+        lambda: depth.append(rclient.llen("short")) or rclient.llen("tm:r:backlog:short") == 0,
+        60,
+        "the feeder to drain the backlog",
+    )
+    assert max(depth) <= 25
+    assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 300
+
+
+def test_status_shows_progress_failures_and_admission(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    sim, url = start_sim(tmp_path, "--context-length", "600", "--sim-mean-output-tokens", "20")
+    procs.append(sim)
+    env = worker_env(redis_url, url)
+    rows = [{"prompt": f"q{i}"} for i in range(20)] + [{"id": "big", "prompt": "w " * 2000}]
+    cli(
+        "enqueue",
+        str(write_jsonl(tmp_path / "B1.jsonl", rows)),
+        "--run",
+        "r",
+        "--short-max-tokens",
+        "50",
+        "--long-max-tokens",
+        "50",
+        env=env,
+    )
+    procs.append(start_worker(tmp_path, "short", env, concurrency=4))
+    procs.append(start_worker(tmp_path, "long", env, concurrency=1))
+    wait_run_finished(rclient, "r", 60)
+
+    doc = orjson.loads(cli("status", "--run", "r", "--json", env=env).stdout)
+    assert doc["totals"] == {"queued": 0, "running": 0, "done": 20, "failed": 1, "total": 21}
+    assert doc["failures"] == {"context_length": 1}
+    assert "context length" in doc["failure_messages"]["context_length"]
+    assert doc["eta_s"] == 0.0 and doc["tokens_per_s"] > 0
+    assert doc["admission"][url]["budget"] > 0 and doc["admission"][url]["admitted"] == 21
+
+    human = cli("status", "--run", "r", env={**env, "COLUMNS": "160"}).stdout
+    assert "run r: 20/21 done" in human and "B1" in human and "context_length" in human
+    assert "admission" in human and url in human
+
+    # --watch keeps refreshing until interrupted, and exits cleanly on Ctrl-C
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "status", "--run", "r", "--watch", "--interval", "0.2"],
+        cwd=ROOT,
+        env={**os.environ, **env, "COLUMNS": "160"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(
+        lambda: any(c["name"] == "tokenmill-status" for c in rclient.client_list()),
+        20,
+        "status --watch to connect",
+    )
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=20)
+    assert watch.returncode == 130 and "run r: 20/21 done" in out
