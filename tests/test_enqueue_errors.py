@@ -105,3 +105,33 @@ def test_limit_caps_each_partition(tmp_path: Path, redis_url: str, rclient: redi
     cli("enqueue", str(a), str(b), "--run", "r", "--limit", "3", env={"TOKENMILL_REDIS_URL": redis_url})
     parts = run_status(rclient, "r")["partitions"]
     assert parts["A"]["queued"] == 3 and parts["B"]["queued"] == 3
+
+
+def test_parquet_and_hf_datasets_directories_enqueue_like_jsonl(tmp_path: Path, redis_url: str,
+                                                                 rclient: redis.Redis) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": str(i), "prompt": f"question {i}", "max_tokens": 64} for i in range(30)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "PQ.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "HF"))
+    res = cli("enqueue", str(tmp_path / "PQ.parquet"), str(tmp_path / "HF"), "--run", "r",
+              env={"TOKENMILL_REDIS_URL": redis_url})
+    assert "60 new" in res.stdout, res.stdout
+    parts = run_status(rclient, "r")["partitions"]
+    assert parts["PQ"]["queued"] == 30 and parts["HF"]["queued"] == 30
+    spec = orjson.loads(rclient.hget("tm:r:job:HF:7", "spec"))
+    assert spec["request"]["max_tokens"] == 64 and spec["record_id"] == "7"
+
+
+def test_a_10mb_row_and_non_utf8_bytes(tmp_path: Path, redis_url: str, rclient: redis.Redis) -> None:
+    f = tmp_path / "P.jsonl"
+    big = "x" * (10 * 1024 * 1024)
+    f.write_bytes(orjson.dumps({"id": "big", "prompt": big}) + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": redis_url}, check=False)
+    assert res.returncode == 2 and f"{f}:2: not valid UTF-8" in res.stderr
+    spec = orjson.loads(rclient.hget("tm:r:job:P:big", "spec"))
+    assert len(spec["request"]["messages"][0]["content"]) == len(big)
+    # a 10 MB prompt is routed to the long queue
+    assert rclient.hget("tm:r:job:P:big", "queue") == b"long"
