@@ -30,62 +30,129 @@ sys.path.insert(0, str(ROOT))
 from tokenmill.local_redis import LocalRedis, free_port  # noqa: E402
 
 
-def wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+def wait(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if cond():
                 return
-        except Exception:  # noqa: S110 - not checkable yet
+        except Exception:
             pass
         time.sleep(0.05)
     raise SystemExit(f"timed out waiting for {what}")
 
 
 def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310
+    with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())
 
 
 def make_dataset(path: Path, n: int) -> None:
     with path.open("w") as fh:
         for i in range(n):
-            fh.write(json.dumps({"id": str(i), "prompt": f"Write about topic {i}. " + "context " * (40 + i % 60)}) + "\n")
+            fh.write(
+                json.dumps({"id": str(i), "prompt": f"Write about topic {i}. " + "context " * (40 + i % 60)})
+                + "\n"
+            )
 
 
-def run_variant(work: Path, data: Path, args: argparse.Namespace, *, admission: bool, concurrency: int) -> dict:
+def run_variant(
+    work: Path, data: Path, args: argparse.Namespace, *, admission: bool, concurrency: int
+) -> dict:
     rds = LocalRedis(work / f"redis-{time.monotonic_ns()}").start()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
         sim = subprocess.Popen(
-            [sys.executable, "-m", "server_mgr.sim", "--port", str(port), "--max-total-tokens", str(args.kv),
-             "--sim-startup-delay-s", "0", "--sim-warmup-s", "0", "--sim-health-latency-s", "0.01",
-             "--sim-mean-output-tokens", str(args.mean_output), "--sim-step-ms", str(args.step_ms),
-             "--sim-step-ms-per-req", str(args.step_ms_per_req)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "server_mgr.sim",
+                "--port",
+                str(port),
+                "--max-total-tokens",
+                str(args.kv),
+                "--sim-startup-delay-s",
+                "0",
+                "--sim-warmup-s",
+                "0",
+                "--sim-health-latency-s",
+                "0.01",
+                "--sim-mean-output-tokens",
+                str(args.mean_output),
+                "--sim-step-ms",
+                str(args.step_ms),
+                "--sim-step-ms-per-req",
+                str(args.step_ms_per_req),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(sim)
         wait(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 30, "the sim")
-        env = {**os.environ, "TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": url,
-               "TOKENMILL_ADMISSION": "true" if admission else "false"}
-        subprocess.run([sys.executable, "-m", "tokenmill.cli", "enqueue", str(data), "--run", "b",
-                        "--short-max-tokens", str(args.max_tokens), "--long-prompt-tokens", "100000"],
-                       env=env, cwd=ROOT, check=True, capture_output=True)
+        env = {
+            **os.environ,
+            "TOKENMILL_REDIS_URL": rds.url,
+            "TOKENMILL_SERVER_URL": url,
+            "TOKENMILL_ADMISSION": "true" if admission else "false",
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.cli",
+                "enqueue",
+                str(data),
+                "--run",
+                "b",
+                "--short-max-tokens",
+                str(args.max_tokens),
+                "--long-prompt-tokens",
+                "100000",
+            ],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         log = work / f"worker-{time.monotonic_ns()}.log"
         t0 = time.monotonic()
         with log.open("wb") as fh:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.cli", "worker", "--queue", "short", "--concurrency",
-                 str(concurrency)], env=env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tokenmill.cli",
+                        "worker",
+                        "--queue",
+                        "short",
+                        "--concurrency",
+                        str(concurrency),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         client = redis.Redis.from_url(rds.url)
-        wait(lambda: int(client.hget("tm:b:counts", "done|" + data.stem) or 0) == args.prompts, args.timeout,
-             "the run to finish")
+        wait(
+            lambda: int(client.hget("tm:b:counts", "done|" + data.stem) or 0) == args.prompts,
+            args.timeout,
+            "the run to finish",
+        )
         wall = time.monotonic() - t0
         stats = get_json(f"{url}/_sim/stats")
         tokens = int(client.hget("tm:b:stats", "completion_tokens") or 0)
-        return {"wall_s": wall, "retractions": stats.get("retracted_total", 0),
-                "peak_kv": stats.get("peak_used_tokens"), "tokens": tokens}
+        return {
+            "wall_s": wall,
+            "retractions": stats.get("retracted_total", 0),
+            "peak_kv": stats.get("peak_used_tokens"),
+            "tokens": tokens,
+        }
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -126,8 +193,10 @@ def main() -> None:
             for name, adm, conc in variants:
                 results[name].append(run_variant(work, data, args, admission=adm, concurrency=conc))
                 print(f"  {name}: {results[name][-1]}", flush=True)
-    print(f"\nadmission benchmark: {args.prompts} prompts, KV {args.kv} tokens, mean output {args.mean_output}, "
-          f"max_tokens {args.max_tokens}, median of {args.repeat}")
+    print(
+        f"\nadmission benchmark: {args.prompts} prompts, KV {args.kv} tokens, "
+        f"mean output {args.mean_output}, max_tokens {args.max_tokens}, median of {args.repeat}"
+    )
     med = {n: statistics.median(r["wall_s"] for r in rs) for n, rs in results.items()}
     best_fixed = min(v for n, v in med.items() if n.startswith("fixed"))
     worst_fixed = max(v for n, v in med.items() if n.startswith("fixed"))
@@ -135,10 +204,13 @@ def main() -> None:
     for name, rs in results.items():
         tokens = statistics.median(r["tokens"] for r in rs)
         retr = statistics.median(r["retractions"] for r in rs)
-        print(f"{name:44} {med[name]:8.1f} {tokens / med[name]:8.0f} {retr:12.0f} {med[name] / best_fixed:14.3f}")
+        ratio = med[name] / best_fixed
+        print(f"{name:44} {med[name]:8.1f} {tokens / med[name]:8.0f} {retr:12.0f} {ratio:14.3f}")
     adm = med[variants[-1][0]]
-    print(f"\nadmission / best fixed = {adm / best_fixed:.3f} (target <= 1.05); "
-          f"worst fixed / admission = {worst_fixed / adm:.2f}x")
+    print(
+        f"\nadmission / best fixed = {adm / best_fixed:.3f} (target <= 1.05); "
+        f"worst fixed / admission = {worst_fixed / adm:.2f}x"
+    )
 
 
 if __name__ == "__main__":

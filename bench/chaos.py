@@ -188,6 +188,21 @@ def kill_producer_rounds(c: Cluster, wl: Workload, reps: int, log: Callable[[str
     return faults
 
 
+def wait_finished(c: Cluster, wl: Workload, timeout_s: float, log: Callable[[str], None]) -> None:
+    """Wait for ``wl`` to finish, saying how it goes every 30 s; on timeout, say what is stuck."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = chaos.state_counts(c.client, wl.run)
+        if counts["queued"] + counts["running"] == 0 and counts["done"] + counts["failed"] >= len(wl.rows):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"run {wl.run} did not finish in {timeout_s:.0f} s: {chaos.unfinished(c.client, wl.run)}"
+            )
+        log(f"run {wl.run}: {counts}; unfinished: {chaos.unfinished(c.client, wl.run)}")
+        time.sleep(30)
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -272,7 +287,8 @@ def main() -> int:
             ch.rounds(args.reps, log)
             audits = {}
             for wl in (main_wl, feed_wl):
-                audits[wl.run] = chaos.audit(c, wl, where / f"out-{wl.run}", timeout=args.timeout)
+                wait_finished(c, wl, args.timeout, log)
+                audits[wl.run] = chaos.audit(c, wl, where / f"out-{wl.run}", timeout=60)
                 log(f"run {wl.run} finished and audited")
             watch.stop.set()
             watch.poll()

@@ -16,6 +16,7 @@ the benchmark checks it. The sim is the bottleneck the way a GPU is (``--sim-ste
 
     .venv/bin/python bench/e2e.py                     # 600 prompts, A B A B: ~3 minutes
     .venv/bin/python bench/e2e.py --prompts 300 --rounds 1
+    .venv/bin/python bench/e2e.py --per-token 300       # the stream path alone: CPU per token
 """
 
 from __future__ import annotations
@@ -329,6 +330,92 @@ def direct_client_main(url: str, reqs_path: str, out_path: str, short_c: int, lo
     Path(out_path).write_bytes(orjson.dumps(doc))
 
 
+# --- per token: the worker's stream path alone ------------------------------------------------
+
+
+async def _stream_path(
+    url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool
+) -> tuple[float, int]:
+    """CPU seconds and completion tokens for ``reqs``, ``concurrency`` at a time, in this process:
+    through ``workers.stream.stream_chat`` on the worker's own openai client, or directly."""
+    import aiohttp
+
+    from tokenmill.settings import Settings
+    from workers.runtime import Runtime
+    from workers.stream import Progress, stream_chat
+
+    sem = asyncio.Semaphore(concurrency)
+    rt = object.__new__(Runtime)  # only its client factory: no Redis, no loop thread
+    rt.settings = Settings.load(server_url=url)
+    client = await rt._make_client(url)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def via_worker(item: dict[str, Any]) -> int:
+        async with sem:
+            p = await stream_chat(client, item["request"], {"rid": item["id"]}, Progress())
+            return int((p.usage or {}).get("completion_tokens") or 0)
+
+    async def direct(item: dict[str, Any]) -> int:
+        return int((await _stream_one(session, url, item, sem))[1])
+
+    cpu0 = time.process_time()
+    tokens = await asyncio.gather(*((via_worker if worker else direct)(r) for r in reqs))
+    cpu = time.process_time() - cpu0
+    await client.close()
+    await session.close()
+    return cpu, sum(tokens)
+
+
+def _parse_costs_us() -> tuple[float, float]:
+    """``_on_line`` and ``orjson.loads`` alone on one of the sim's content chunks, in µs."""
+    import timeit
+
+    from server_mgr.sim.sse import ChunkEncoder
+    from workers.stream import Progress, _on_line
+
+    payload = ChunkEncoder("run/P:p1/1", int(time.time()), "default").content(" token")[6:].rstrip()
+    loop = asyncio.new_event_loop()
+    n = 100_000
+    on_line = min(timeit.repeat(lambda: _on_line(payload, Progress(), loop), number=n, repeat=3)) / n
+    loads = min(timeit.repeat(lambda: orjson.loads(payload), number=n, repeat=3)) / n
+    loop.close()
+    return on_line * 1e6, loads * 1e6
+
+
+def per_token(k: Knobs, n: int, rounds: int) -> None:
+    """The stream path alone, side by side: CPU per streamed token, worker code vs direct."""
+    rows: dict[str, list[tuple[float, int, float]]] = {"worker": [], "direct": []}
+    with workdir() as work, Children() as ch:
+        reqs = [r for r in direct_requests(write_dataset(work / "P.jsonl", k), k) if r["queue"] == "short"][
+            :n
+        ]
+        _, url = start_sim(ch, work, k.sim)
+        for _ in range(rounds):
+            for variant in rows:
+                sampler = SimSampler(url)
+                sampler.start()
+                cpu, tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, variant == "worker"))
+                rows[variant].append((cpu, tokens, _mean(sampler.stop())))
+                print(
+                    f"{variant:6}: {cpu:.2f} CPU s, {tokens:,} tokens, {cpu / tokens * 1e6:.1f} µs per token"
+                )
+    direct = median([c / t for c, t, _ in rows["direct"]])
+    table_rows = []
+    for variant, label in (
+        ("worker", "workers.stream.stream_chat on the worker's openai client (Runtime._make_client)"),
+        ("direct", "direct: aiohttp lines + orjson"),
+    ):
+        per = median([c / t for c, t, _ in rows[variant]])
+        flight = median([f for _, _, f in rows[variant]])
+        table_rows.append(
+            [label, f"{rows[variant][0][1]:,}", f"{per * 1e6:.1f}", f"{per / direct:.2f}x", f"{flight:.0f}"]
+        )
+    print(f"\n{len(reqs)} short requests, {k.short_concurrency} at a time, one process, median of {rounds}:")
+    print(table(["stream path", "tokens", "CPU µs / token", "vs direct", "mean in flight"], table_rows))
+    on_line, loads = _parse_costs_us()
+    print(f"_on_line on one content chunk: {on_line:.2f} µs, of which orjson.loads {loads:.2f} µs")
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -346,6 +433,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--step-ms-per-req", type=float, default=0.02, help="the sim's step time per request")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds; medians are reported (default 2)")
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
+    ap.add_argument(
+        "--per-token", type=int, metavar="N", default=0, help="only the stream path: N requests, in process"
+    )
     ap.add_argument("--direct-client", nargs=3, metavar=("URL", "REQUESTS", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -353,7 +443,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     if a.direct_client:
-        direct_client_main(*a.direct_client, a.short_concurrency, a.long_concurrency)
+        url, reqs_path, out_path = a.direct_client
+        direct_client_main(url, reqs_path, out_path, a.short_concurrency, a.long_concurrency)
         return
     exit_on_sigterm()
     sim = (
@@ -366,6 +457,9 @@ def main() -> None:
     )  # fmt: skip
     print(f"machine: {machine()}")
     print(f"sim: {' '.join(sim)}")
+    if a.per_token:
+        per_token(k, a.per_token, a.rounds)
+        return
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []
     with workdir(a.keep) as work, Children() as children:

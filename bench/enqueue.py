@@ -9,15 +9,15 @@ variants; every variant leaves one broker message per row (checked):
 - tokenmill, CLI: ``tokenmill enqueue FILE`` as a subprocess, end to end (interpreter start,
   imports, the durability check), with its max RSS from ``wait4``;
 - tokenmill, re-enqueue: the same file again, every row a dedup hit (nothing written);
-- Celery: ``app.send_task("tokenmill.generate", args=[row], queue=...)`` per row on one reused
-  producer (the hand-written way), on the first ``--apply-rows`` rows;
+- Celery: ``app.send_task("tokenmill.generate", args=[request], queue=...)`` per row (the row's
+  chat request) on one reused producer, the hand-written way, on the first ``--apply-rows`` rows;
 - raw: each row's JSON line LPUSHed, pipelined in batches of 1,000 (a floor: no parsing,
   no ids, no dedup, no envelope).
 
 ``--rss-rows N`` also runs the CLI over an N-row file (written streaming) and reports its max RSS.
 
     .venv/bin/python bench/enqueue.py                      # 100k rows, 5k send_task: ~1 minute
-    .venv/bin/python bench/enqueue.py --rss-rows 1000000   # and the CLI over 1M rows: ~3 minutes more
+    .venv/bin/python bench/enqueue.py --rss-rows 1000000   # and the CLI over 1M rows: ~2 minutes more
 """
 
 from __future__ import annotations

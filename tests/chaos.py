@@ -208,6 +208,27 @@ def wait_leases_expired(client: redis.Redis, run: str, timeout: float) -> None:
     wait_for(lambda: redis_now_ms(client) > last, timeout, f"the leases of run {run} to expire", 0.1)
 
 
+def unfinished(client: redis.Redis, run: str) -> dict[str, int]:
+    """Why the jobs of ``run`` that are not done or failed are not: a count per reason."""
+    k = keys.RunKeys(run)
+    on_broker = {j for q in keys.QUEUES for j in queue_messages(client, q)}
+    delayed = {x.decode() for x in client.zrange(k.delayed(), 0, -1)}
+    backlog = {x.decode() for q in keys.QUEUES for x in client.lrange(k.backlog(q), 0, -1)}
+    now = redis_now_ms(client)
+    out: dict[str, int] = {}
+    for j in all_job_ids(client, run):
+        state, lease = client.hmget(k.job(j), ["state", "lease"])
+        if state == b"queued":
+            why = ("queued, on the broker" if j in on_broker else "queued, delayed" if j in delayed
+                   else "queued, on the backlog" if j in backlog else "queued, with no message")  # fmt: skip
+        elif state == b"running":
+            why = "running, lease live" if int(lease or 0) > now else "running, lease expired"
+        else:
+            continue
+        out[why] = out.get(why, 0) + 1
+    return out
+
+
 def results(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     """The committed result of each of ``job_ids`` (``{}`` when it has none)."""
     k = keys.RunKeys(run)

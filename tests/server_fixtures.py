@@ -22,11 +22,23 @@ from tokenmill import servers
 from tokenmill.local_redis import free_port
 
 # A sim that starts in well under a second and answers /health at once.
-FAST_SIM = {"startup_delay_s": 0.1, "warmup_s": 0.05, "health_latency_s": 0.02,
-            "health_timeout_s": 3.0, "drain_poll_s": 0.1}
-FAST_SERVER = {"health_interval_s": 0.3, "health_timeout_s": 1.0, "health_failures": 2,
-               "backoff_initial_s": 0.1, "backoff_max_s": 0.5, "stop_grace_s": 5.0,
-               "drain_grace_s": 10.0, "startup_timeout_s": 30.0}
+FAST_SIM = {
+    "startup_delay_s": 0.1,
+    "warmup_s": 0.05,
+    "health_latency_s": 0.02,
+    "health_timeout_s": 3.0,
+    "drain_poll_s": 0.1,
+}
+FAST_SERVER = {
+    "health_interval_s": 0.3,
+    "health_timeout_s": 1.0,
+    "health_failures": 2,
+    "backoff_initial_s": 0.1,
+    "backoff_max_s": 0.5,
+    "stop_grace_s": 5.0,
+    "drain_grace_s": 10.0,
+    "startup_timeout_s": 30.0,
+}
 
 
 def toml_value(value: Any) -> str:
@@ -58,11 +70,19 @@ def write_config(path: Path, *servers_: dict[str, Any]) -> Path:
     return path
 
 
-def sim_server(tmp_path: Path, name: str = "s1", sim: dict[str, Any] | None = None,
-               **keys: Any) -> dict[str, Any]:
+def sim_server(
+    tmp_path: Path, name: str = "s1", sim: dict[str, Any] | None = None, **keys: Any
+) -> dict[str, Any]:
     """A fast sim ``[[server]]`` table on a free port, logging under ``tmp_path``."""
-    return {"name": name, "engine": "sim", "port": free_port(), "log_dir": str(tmp_path / "logs"),
-            **FAST_SERVER, **keys, "sim": {**FAST_SIM, **(sim or {})}}
+    return {
+        "name": name,
+        "engine": "sim",
+        "port": free_port(),
+        "log_dir": str(tmp_path / "logs"),
+        **FAST_SERVER,
+        **keys,
+        "sim": {**FAST_SIM, **(sim or {})},
+    }
 
 
 class Up:
@@ -77,7 +97,10 @@ class Up:
         with self.log.open("ab") as fh:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tokenmill.cli", "server", "up", "--config", str(config), *extra],
-                env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.engine_pids: set[int] = set()
 
@@ -87,9 +110,15 @@ class Up:
             self.engine_pids.add(record.pid)
         return record
 
-    def wait_state(self, state: str, name: str = "s1", timeout_s: float = 20.0,
-                   where: Callable[[servers.ServerRecord], bool] = lambda r: True) -> servers.ServerRecord:
+    def wait_state(
+        self,
+        state: str,
+        name: str = "s1",
+        timeout_s: float = 20.0,
+        where: Callable[[servers.ServerRecord], bool] = lambda r: True,
+    ) -> servers.ServerRecord:
         """Wait until the record of ``name`` is in ``state`` and satisfies ``where``."""
+
         def ready() -> servers.ServerRecord | None:
             record = self.record(name)
             if self.proc.poll() is not None and (record is None or record.state != state):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis
 
+from tests.procs import wait_for
 from tokenmill.admission import Admission, admission_view
 from tokenmill.settings import Settings
-from tests.procs import wait_for
 
 
 def adm(rclient: redis.Redis, **kw: object) -> Admission:

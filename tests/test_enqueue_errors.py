@@ -107,8 +107,9 @@ def test_limit_caps_each_partition(tmp_path: Path, redis_url: str, rclient: redi
     assert parts["A"]["queued"] == 3 and parts["B"]["queued"] == 3
 
 
-def test_parquet_and_hf_datasets_directories_enqueue_like_jsonl(tmp_path: Path, redis_url: str,
-                                                                 rclient: redis.Redis) -> None:
+def test_parquet_and_hf_datasets_directories_enqueue_like_jsonl(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -116,8 +117,14 @@ def test_parquet_and_hf_datasets_directories_enqueue_like_jsonl(tmp_path: Path, 
     rows = [{"id": str(i), "prompt": f"question {i}", "max_tokens": 64} for i in range(30)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "PQ.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "HF"))
-    res = cli("enqueue", str(tmp_path / "PQ.parquet"), str(tmp_path / "HF"), "--run", "r",
-              env={"TOKENMILL_REDIS_URL": redis_url})
+    res = cli(
+        "enqueue",
+        str(tmp_path / "PQ.parquet"),
+        str(tmp_path / "HF"),
+        "--run",
+        "r",
+        env={"TOKENMILL_REDIS_URL": redis_url},
+    )
     assert "60 new" in res.stdout, res.stdout
     parts = run_status(rclient, "r")["partitions"]
     assert parts["PQ"]["queued"] == 30 and parts["HF"]["queued"] == 30

@@ -33,8 +33,7 @@ class FakeControl:
         class Inspect:
             def active_queues(self) -> dict[str, list[dict[str, str]]]:
                 control.calls.append(("inspect", "", timeout))
-                return {"w1@h": [{"name": "short"}], "w2@h": [{"name": "short"}],
-                        "w3@h": [{"name": "long"}]}
+                return {"w1@h": [{"name": "short"}], "w2@h": [{"name": "short"}], "w3@h": [{"name": "long"}]}
 
         return Inspect()
 
@@ -46,7 +45,8 @@ class FakeControl:
 
 
 def test_pause_cancels_every_consumer_and_resume_restores_each_queue_on_its_workers(
-        rclient: redis.Redis) -> None:
+    rclient: redis.Redis,
+) -> None:
     control = FakeControl()
     pause_consumers(rclient, control, "no server is ready: gpu0 down")
     assert paused_reason(rclient) == "no server is ready: gpu0 down"
@@ -60,8 +60,10 @@ def test_pause_cancels_every_consumer_and_resume_restores_each_queue_on_its_work
 def test_the_gate_pauses_while_no_fresh_server_is_ready(rclient: redis.Redis) -> None:
     control = FakeControl()
     gate = ConsumerGate(rclient, control, stale_after_s=30, rebroadcast_s=3600)
-    servers.publish(rclient, ServerRecord(name="a", url="u", state=servers.DOWN,
-                                          updated_at=time.time(), last_error="killed"))
+    servers.publish(
+        rclient,
+        ServerRecord(name="a", url="u", state=servers.DOWN, updated_at=time.time(), last_error="killed"),
+    )
     gate.sync()
     assert paused_reason(rclient) == "no server is ready: a down (killed)"
     stale = time.time() - 60
@@ -87,7 +89,8 @@ def _queues(control: Any, worker: str) -> list[str] | None:
 
 
 def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
-        tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]) -> None:
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
     env = worker_env(redis_url, "http://127.0.0.1:9")
     procs.append(start_worker(tmp_path, "short", env, concurrency=2, name="wshort"))
     procs.append(start_worker(tmp_path, "long", env, concurrency=2, name="wlong"))
@@ -96,8 +99,14 @@ def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
     short, long = workers
 
     pause_consumers(rclient, control, "no server is ready: test")
-    wait_for(lambda: _queues(control, short) == [] and _queues(control, long) == [], 10,
-             "both workers to stop consuming")
+    wait_for(
+        lambda: _queues(control, short) == [] and _queues(control, long) == [],
+        10,
+        "both workers to stop consuming",
+    )
     resume_consumers(rclient, control)
-    wait_for(lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
-             10, "each worker to consume its own queue again")
+    wait_for(
+        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
+        10,
+        "each worker to consume its own queue again",
+    )

@@ -15,33 +15,55 @@ from server_mgr.process import gpu_holders
 
 
 def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:
-    line = ("[2026-04-05 20:02:51 TP0] Prefill batch, #new-seq: 1, #new-token: 158, #cached-token: 0, "
-            "token usage: 0.08, #running-req: 31, #queue-req: 2, #pending-token: 0, cuda graph: True, "
-            "input throughput (token/s): 559.53")
+    line = (
+        "[2026-04-05 20:02:51 TP0] Prefill batch, #new-seq: 1, #new-token: 158, #cached-token: 0, "
+        "token usage: 0.08, #running-req: 31, #queue-req: 2, #pending-token: 0, cuda graph: True, "
+        "input throughput (token/s): 559.53"
+    )
     kind, figures = parse_batch_line(line)
     assert kind == "prefill"
-    assert figures == {"new_seq": 1, "new_token": 158, "cached_token": 0, "token_usage": 0.08,
-                       "running_req": 31, "queue_req": 2, "pending_token": 0, "cuda_graph": 1.0,
-                       "input_throughput": 559.53}
+    assert figures == {
+        "new_seq": 1,
+        "new_token": 158,
+        "cached_token": 0,
+        "token_usage": 0.08,
+        "running_req": 31,
+        "queue_req": 2,
+        "pending_token": 0,
+        "cuda_graph": 1.0,
+        "input_throughput": 559.53,
+    }
 
 
 def test_fields_in_another_order_and_trailing_separators_are_read_too() -> None:
-    production = ("[2026-02-24 12:20:19 TP0] Prefill batch, #new-seq: 1, #new-token: 1, "
-                  "#cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0, "
-                  "input throughput (token/s): 0.29, cuda graph: False")
+    production = (
+        "[2026-02-24 12:20:19 TP0] Prefill batch, #new-seq: 1, #new-token: 1, "
+        "#cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0, "
+        "input throughput (token/s): 0.29, cuda graph: False"
+    )
     assert parse_batch_line(production)[1]["input_throughput"] == 0.29
-    old = ("[2025-11-06 10:00:00] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, "
-           "#queue-req: 0, ")
-    assert parse_batch_line(old)[1] == {"running_req": 5, "num_used_tokens": 20800,
-                                        "token_usage": 0.29, "queue_req": 0}
+    old = (
+        "[2025-11-06 10:00:00] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, "
+        "#queue-req: 0, "
+    )
+    assert parse_batch_line(old)[1] == {
+        "running_req": 5,
+        "num_used_tokens": 20800,
+        "token_usage": 0.29,
+        "queue_req": 0,
+    }
 
 
 def test_decode_lines_and_retractions_accumulate_into_live_figures() -> None:
     live = LiveFigures()
-    live.feed("[t] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, cuda graph: True, "
-              "gen throughput (token/s): 144.95, #queue-req: 3")
-    live.feed("[t] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 9, "
-              "#new_token_ratio: 0.4000 -> 0.6000")
+    live.feed(
+        "[t] Decode batch, #running-req: 5, #token: 20800, token usage: 0.29, cuda graph: True, "
+        "gen throughput (token/s): 144.95, #queue-req: 3"
+    )
+    live.feed(
+        "[t] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 9, "
+        "#new_token_ratio: 0.4000 -> 0.6000"
+    )
     live.feed("[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_token_ratio: 0.4 -> 0.6")
     live.feed('[t] INFO:     127.0.0.1:40052 - "POST /v1/chat/completions HTTP/1.1" 200 OK')
     assert live.figures["gen_throughput"] == 144.95 and live.figures["queue_req"] == 3
@@ -49,8 +71,10 @@ def test_decode_lines_and_retractions_accumulate_into_live_figures() -> None:
 
 
 def test_capacity_and_fraction_come_from_the_startup_lines() -> None:
-    line = ("[t TP0] max_total_num_tokens=2243474, chunked_prefill_size=8192, max_prefill_tokens=16384, "
-            "max_running_requests=4096, context_len=131072, available_gpu_mem=38.05 GB")
+    line = (
+        "[t TP0] max_total_num_tokens=2243474, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+        "max_running_requests=4096, context_len=131072, available_gpu_mem=38.05 GB"
+    )
     assert capacity_line(line) == (2243474, 131072)
     assert launch_fraction("server_args=ServerArgs(model_path='m', mem_fraction_static=0.88, x=1)") == 0.88
 
@@ -68,17 +92,22 @@ def test_log_tail_returns_only_complete_new_lines(tmp_path: Path) -> None:
 
 
 def test_metrics_page_gives_the_same_names_summed_over_dp_ranks() -> None:
-    page = "\n".join([
-        "# TYPE sglang:num_running_reqs gauge",
-        'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="0"} 3.0',
-        'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="1"} 4.0',
-        'sglang:num_running_reqs{model_name="m",tp_rank="1",dp_rank="0"} 3.0',
-        "# TYPE sglang:token_usage gauge",
-        'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="0"} 0.2',
-        'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="1"} 0.4',
-        "# TYPE sglang:num_queue_reqs gauge",
-        'sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0',
-    ]) + "\n"
+    page = (
+        "\n".join(
+            [
+                "# TYPE sglang:num_running_reqs gauge",
+                'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="0"} 3.0',
+                'sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="1"} 4.0',
+                'sglang:num_running_reqs{model_name="m",tp_rank="1",dp_rank="0"} 3.0',
+                "# TYPE sglang:token_usage gauge",
+                'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="0"} 0.2',
+                'sglang:token_usage{model_name="m",tp_rank="0",dp_rank="1"} 0.4',
+                "# TYPE sglang:num_queue_reqs gauge",
+                'sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1.0',
+            ]
+        )
+        + "\n"
+    )
     assert parse_metrics(page) == pytest.approx({"running_req": 7.0, "token_usage": 0.3, "queue_req": 1.0})
 
 
@@ -114,31 +143,55 @@ RuntimeError: CUDA error: an illegal memory access was encountered
         ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, True, "cuda_oom", LOWER_FRACTION),
         ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, False, "cuda_oom", RESTART),
         ("[t] Uvicorn running\n", -9, False, "killed", RESTART),
-        ("[t] ERROR: [Errno 98] error while attempting to bind on address: address already in use\n",
-         1, True, "port_in_use", RESTART),
-        ("sglang serve: error: argument --kv-cache-dtype: invalid choice: 'x'\n", 2, True,
-         "invalid_arguments", GIVE_UP),
-        ("[t] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)\n", -9, False,
-         "watchdog_timeout", RESTART),
-        ("ValueError: Not enough host memory available. Requesting 48 GB but only have 20 GB free.\n",
-         1, True, "hicache_host_memory", GIVE_UP),
+        (
+            "[t] ERROR: [Errno 98] error while attempting to bind on address: address already in use\n",
+            1,
+            True,
+            "port_in_use",
+            RESTART,
+        ),
+        (
+            "sglang serve: error: argument --kv-cache-dtype: invalid choice: 'x'\n",
+            2,
+            True,
+            "invalid_arguments",
+            GIVE_UP,
+        ),
+        (
+            "[t] Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)\n",
+            -9,
+            False,
+            "watchdog_timeout",
+            RESTART,
+        ),
+        (
+            "ValueError: Not enough host memory available. Requesting 48 GB but only have 20 GB free.\n",
+            1,
+            True,
+            "hicache_host_memory",
+            GIVE_UP,
+        ),
         ("boom\n", 3, True, "exited", RESTART),
     ],
 )
 def test_a_death_is_classified_by_its_log_not_by_exit_137(
-        log: str, code: int, first: bool, kind: str, remedy: str) -> None:
+    log: str, code: int, first: bool, kind: str, remedy: str
+) -> None:
     crash = classify(log, code, first_prefill=first)
     assert (crash.kind, crash.remedy) == (kind, remedy), crash
 
 
 def test_the_crash_detail_names_the_exception_line() -> None:
     crash = classify(RUNTIME, -9, first_prefill=False)
-    assert crash.describe() == ("scheduler_exception: a scheduler raised: RuntimeError: CUDA error: "
-                                "an illegal memory access was encountered (exit -9)")
+    assert crash.describe() == (
+        "scheduler_exception: a scheduler raised: RuntimeError: CUDA error: "
+        "an illegal memory access was encountered (exit -9)"
+    )
     assert "exit 137 alone does not say which" in classify("", 137, first_prefill=False).describe()
 
 
 # --- the restart policy ---------------------------------------------------------------------------
+
 
 def _policy(**keys: object) -> RestartPolicy:
     return RestartPolicy(ServerConfig(name="s", port=1, engine="sim", **keys))  # type: ignore[arg-type]

@@ -25,8 +25,7 @@ def test_agreement_figures_of_two_output_lists() -> None:
 def test_prompts_file_takes_prompt_or_messages_and_names_a_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
-    assert load_prompts(path) == [[{"role": "user", "content": "hi"}],
-                                  [{"role": "user", "content": "yo"}]]
+    assert load_prompts(path) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
     path.write_text('{"prompt": "hi"}\n{"text": "no"}\n')
     with pytest.raises(InputError, match=r"p.jsonl:2: expected an object with 'messages'"):
         load_prompts(path)
@@ -35,15 +34,28 @@ def test_prompts_file_takes_prompt_or_messages_and_names_a_bad_line(tmp_path: Pa
 @pytest.fixture
 def prompts(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Question {i}: why is the sky blue?"}) + "\n"
-                            for i in range(6)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Question {i}: why is the sky blue?"}) + "\n" for i in range(6))
+    )
     return path
 
 
 def _check(reference: Path, candidate: Path, prompts: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(server, [
-        "check-quality", "--reference", str(reference), "--candidate", str(candidate),
-        "--prompts", str(prompts), "--max-tokens", "24", "--json"])
+    result = CliRunner().invoke(
+        server,
+        [
+            "check-quality",
+            "--reference",
+            str(reference),
+            "--candidate",
+            str(candidate),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "24",
+            "--json",
+        ],
+    )
     return result.exit_code, result.output
 
 
@@ -52,7 +64,7 @@ def test_identical_configs_pass(tmp_path: Path, prompts: Path) -> None:
     reference = write_config(tmp_path / "ref.toml", table)
     candidate = write_config(tmp_path / "cand.toml", {**table, "name": "cand"})
     code, output = _check(reference, candidate, prompts)
-    report = json.loads(output[output.index("{"):])
+    report = json.loads(output[output.index("{") :])
     assert code == 0, output
     assert report["exact_match_rate"] == 1.0 and report["passed"] is True
 
@@ -63,19 +75,28 @@ def test_a_perturbed_candidate_fails(tmp_path: Path, prompts: Path) -> None:
     perturbed = {**table, "sim": {**table["sim"], "perturb": 0.05}}
     candidate = write_config(tmp_path / "cand.toml", perturbed)
     code, output = _check(reference, candidate, prompts)
-    report = json.loads(output[output.index("{"):])
+    report = json.loads(output[output.index("{") :])
     assert code == 1, output
     assert report["mean_prefix_fraction"] < 0.95 and report["passed"] is False
     assert report["median_first_divergence_words"] is not None
 
 
-def test_a_lossy_candidate_is_refused_before_anything_is_launched(
-        tmp_path: Path, prompts: Path) -> None:
+def test_a_lossy_candidate_is_refused_before_anything_is_launched(tmp_path: Path, prompts: Path) -> None:
     table = sim_server(tmp_path)
     reference = write_config(tmp_path / "ref.toml", table)
     candidate = write_config(tmp_path / "cand.toml", {**table, "kv_cache_dtype": "fp8_e4m3"})
-    result = CliRunner().invoke(server, ["check-quality", "--reference", str(reference),
-                                         "--candidate", str(candidate), "--prompts", str(prompts)])
+    result = CliRunner().invoke(
+        server,
+        [
+            "check-quality",
+            "--reference",
+            str(reference),
+            "--candidate",
+            str(candidate),
+            "--prompts",
+            str(prompts),
+        ],
+    )
     assert result.exit_code != 0
     assert "degrades output quality" in str(result.exception)
     assert not (tmp_path / "logs").exists()

@@ -27,33 +27,44 @@ from tokenmill.local_redis import free_port
 
 
 def post(url: str, body: dict[str, object], timeout_s: float = 30.0) -> dict[str, object]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
 def chat(url: str, max_tokens: int = 8) -> dict[str, object]:
-    return post(url + "/v1/chat/completions", {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    return post(
+        url + "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens},
+    )
 
 
 def kinds(up: Up) -> list[str]:
     return [e["kind"] for e in reversed(up.events())]
 
 
-def test_ready_server_publishes_capacity_and_comes_back_after_sigkill(
-        tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(
-        tmp_path, context_length=8192, enable_metrics=True, extra_args=["--max-total-tokens", "48000"]))
+def test_ready_server_publishes_capacity_and_comes_back_after_sigkill(tmp_path: Path, redis_url: str) -> None:
+    config = write_config(
+        tmp_path / "s.toml",
+        sim_server(
+            tmp_path, context_length=8192, enable_metrics=True, extra_args=["--max-total-tokens", "48000"]
+        ),
+    )
     with Up(config, redis_url) as up:
         first = up.wait_state(servers.READY)
         assert (first.max_total_num_tokens, first.context_length, first.engine) == (48000, 8192, "sim")
         assert first.url.startswith("http://127.0.0.1:") and process.is_alive(first.pid)
         assert "input_throughput" in first.live  # the warmup's Prefill line, parsed by field name
         up.wait_state(servers.READY, where=lambda r: r.live.get("kv_available_tokens") == 48000)
-        wait_for(lambda: paused_reason(up.client) is None and
-                 up.client.hexists(keys.worker_control(), "resumed_at"), 10, "consumers resumed")
+        wait_for(
+            lambda: (
+                paused_reason(up.client) is None and up.client.hexists(keys.worker_control(), "resumed_at")
+            ),
+            10,
+            "consumers resumed",
+        )
 
         os.kill(first.pid, signal.SIGKILL)
         again = up.wait_state(servers.READY, where=lambda r: r.restarts == 1)
@@ -73,23 +84,37 @@ def test_wedged_health_endpoint_gets_the_server_restarted(tmp_path: Path, redis_
 
 
 def test_a_server_that_dies_at_startup_ends_failed_not_in_an_endless_loop(
-        tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", {
-        "name": "s1", "port": free_port(), "model_path": "m", "log_dir": str(tmp_path / "logs"),
-        "launcher": [sys.executable, "-c", "print('CUDA driver not found'); raise SystemExit(3)"],
-        "max_restarts": 2, "backoff_initial_s": 0.05, "backoff_max_s": 0.1})
+    tmp_path: Path, redis_url: str
+) -> None:
+    config = write_config(
+        tmp_path / "s.toml",
+        {
+            "name": "s1",
+            "port": free_port(),
+            "model_path": "m",
+            "log_dir": str(tmp_path / "logs"),
+            "launcher": [sys.executable, "-c", "print('CUDA driver not found'); raise SystemExit(3)"],
+            "max_restarts": 2,
+            "backoff_initial_s": 0.05,
+            "backoff_max_s": 0.1,
+        },
+    )
     with Up(config, redis_url) as up:
         failed = up.wait_state(servers.FAILED)
-        assert failed.last_error == ("crash loop: 3 crashes within 600 s (max_restarts = 2); "
-                                     "last: exited: CUDA driver not found (exit 3)")
+        assert failed.last_error == (
+            "crash loop: 3 crashes within 600 s (max_restarts = 2); "
+            "last: exited: CUDA driver not found (exit 3)"
+        )
         assert failed.restarts == 2 and kinds(up).count("launch") == 3
         assert up.wait_exit() == 1
 
 
 def test_a_sim_crashing_on_every_request_ends_failed_with_the_crash_class(
-        tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(
-        tmp_path, max_restarts=1, sim={"crash_after_requests": 1}))
+    tmp_path: Path, redis_url: str
+) -> None:
+    config = write_config(
+        tmp_path / "s.toml", sim_server(tmp_path, max_restarts=1, sim={"crash_after_requests": 1})
+    )
     with Up(config, redis_url) as up:
         for restarts in (0, 1):
             ready = up.wait_state(servers.READY, where=lambda r, n=restarts: r.restarts == n)
@@ -100,10 +125,11 @@ def test_a_sim_crashing_on_every_request_ends_failed_with_the_crash_class(
         assert "scheduler_exception: a scheduler raised: RuntimeError: CUDA error" in failed.last_error
 
 
-def test_startup_oom_steps_the_fraction_down_until_the_server_starts(
-        tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(
-        tmp_path, mem_fraction_static=0.9, mem_fraction_step=0.02, sim={"oom_above": 0.85}))
+def test_startup_oom_steps_the_fraction_down_until_the_server_starts(tmp_path: Path, redis_url: str) -> None:
+    config = write_config(
+        tmp_path / "s.toml",
+        sim_server(tmp_path, mem_fraction_static=0.9, mem_fraction_step=0.02, sim={"oom_above": 0.85}),
+    )
     with Up(config, redis_url) as up:
         ready = up.wait_state(servers.READY)
         steps = [(e["previous"], e["fraction"]) for e in reversed(up.events()) if e["kind"] == "oom_step"]
@@ -114,30 +140,39 @@ def test_startup_oom_steps_the_fraction_down_until_the_server_starts(
 
 
 def test_a_fraction_too_low_is_stepped_up(tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(
-        tmp_path, mem_fraction_static=0.7, mem_fraction_step=0.05, sim={"oom_below": 0.75}))
+    config = write_config(
+        tmp_path / "s.toml",
+        sim_server(tmp_path, mem_fraction_static=0.7, mem_fraction_step=0.05, sim={"oom_below": 0.75}),
+    )
     with Up(config, redis_url) as up:
         up.wait_state(servers.READY)
         steps = [(e["previous"], e["fraction"]) for e in up.events() if e["kind"] == "oom_step"]
         assert steps == [(0.7, 0.75)]
 
 
-def test_server_stop_drains_in_flight_requests_and_leaves_no_process(
-        tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(
-        tmp_path, sim={"step_ms": 20.0, "mean_output_tokens": 2000}))
+def test_server_stop_drains_in_flight_requests_and_leaves_no_process(tmp_path: Path, redis_url: str) -> None:
+    config = write_config(
+        tmp_path / "s.toml", sim_server(tmp_path, sim={"step_ms": 20.0, "mean_output_tokens": 2000})
+    )
     with Up(config, redis_url) as up:
         ready = up.wait_state(servers.READY)
         group = set(process.group_members(ready.pid)) | {ready.pid}
         answer: dict[str, object] = {}
         streaming = threading.Thread(target=lambda: answer.update(chat(ready.url, max_tokens=60)))
         streaming.start()
-        wait_for(lambda: up.record().live.get("running_req", 0) >= 1 or _in_flight(ready.url),
-                 10, "the request to be running")
+        wait_for(
+            lambda: up.record().live.get("running_req", 0) >= 1 or _in_flight(ready.url),
+            10,
+            "the request to be running",
+        )
 
-        stop = subprocess.run([sys.executable, "-m", "tokenmill.cli", "server", "stop", "--name", "s1"],
-                              env={**os.environ, "TOKENMILL_REDIS_URL": redis_url},
-                              capture_output=True, text=True, timeout=60)
+        stop = subprocess.run(
+            [sys.executable, "-m", "tokenmill.cli", "server", "stop", "--name", "s1"],
+            env={**os.environ, "TOKENMILL_REDIS_URL": redis_url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert stop.stdout.splitlines() == ["s1: stop requested (drain first)", "s1: down"]
         streaming.join(10)
@@ -155,8 +190,7 @@ def _in_flight(url: str) -> bool:
 
 
 def test_sigterm_to_server_up_stops_every_server(tmp_path: Path, redis_url: str) -> None:
-    config = write_config(tmp_path / "s.toml", sim_server(tmp_path, name="a"),
-                          sim_server(tmp_path, name="b"))
+    config = write_config(tmp_path / "s.toml", sim_server(tmp_path, name="a"), sim_server(tmp_path, name="b"))
     with Up(config, redis_url) as up:
         pids = [up.wait_state(servers.READY, name=n).pid for n in ("a", "b")]
         up.proc.send_signal(signal.SIGTERM)
@@ -166,7 +200,8 @@ def test_sigterm_to_server_up_stops_every_server(tmp_path: Path, redis_url: str)
 
 
 def test_a_server_orphaned_by_a_killed_manager_is_stopped_by_the_next_one(
-        tmp_path: Path, redis_url: str) -> None:
+    tmp_path: Path, redis_url: str
+) -> None:
     config = write_config(tmp_path / "s.toml", sim_server(tmp_path))
     with Up(config, redis_url) as first:
         orphan = first.wait_state(servers.READY).pid

@@ -144,11 +144,18 @@ def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
 
 def _decode(name: str, raw: dict[Any, Any]) -> ServerRecord:
     data = {_s(k): _s(v) for k, v in raw.items()}
-    live = {k[len(LIVE_PREFIX):]: float(v) for k, v in data.items()
-            if k.startswith(LIVE_PREFIX) and _number(v, float) is not None}
-    values: dict[str, Any] = {"name": name, "url": data.get("url", ""), "state": data.get("state", DOWN),
-                              "engine": data.get("engine", "sglang"),
-                              "last_error": data.get("last_error", "")}
+    live = {
+        k[len(LIVE_PREFIX) :]: float(v)
+        for k, v in data.items()
+        if k.startswith(LIVE_PREFIX) and _number(v, float) is not None
+    }
+    values: dict[str, Any] = {
+        "name": name,
+        "url": data.get("url", ""),
+        "state": data.get("state", DOWN),
+        "engine": data.get("engine", "sglang"),
+        "last_error": data.get("last_error", ""),
+    }
     for key in ("pid", "max_total_num_tokens", "context_length"):  # "" (unknown) -> None
         values[key] = _number(data.get(key, ""), int)
     for key, kind in (("restarts", int), ("updated_at", float)):

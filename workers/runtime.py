@@ -51,18 +51,20 @@ class Runtime:
 
     def client(self, url: str) -> AsyncOpenAI:
         """The openai client for ``url``, created on the loop (its aiohttp session lives there)."""
-        with self._lock:
+        with self._lock:  # held while creating: the first jobs all arrive at once
             client = self._clients.get(url)
-        if client is None:
-            client = self.loop.run(self._make_client(url))
-            with self._lock:
-                client = self._clients.setdefault(url, client)
+            if client is None:
+                client = self._clients[url] = self.loop.run(self._make_client(url))
         return client
 
     async def _make_client(self, url: str) -> AsyncOpenAI:
         s = self.settings
-        timeout = httpx2.Timeout(s.total_timeout_s, connect=s.connect_timeout_s)
-        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=1024)
+        # No read timeout: the watchdog enforces each request's stall and total deadlines, and
+        # aiohttp would cancel and re-arm a timer on every chunk (bench/e2e.py --per-token).
+        timeout = httpx2.Timeout(None, connect=s.connect_timeout_s)
+        # Explicit: with None, openai's aiohttp transport keeps aiohttp's default cap of 100
+        # connections, and a 150-thread worker streamed only 100 requests at once.
+        limits = httpx2.Limits(max_connections=4096, max_keepalive_connections=1024)
         return AsyncOpenAI(
             base_url=f"{url}/v1",
             api_key=s.api_key or "EMPTY",

@@ -11,9 +11,11 @@ would avoid; checkpoints are taken by the job's watchdog task from the shared ``
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import httpx2
 import orjson
 from openai import AsyncOpenAI
 
@@ -50,8 +52,17 @@ async def stream_chat(
             stream_options={"include_usage": True},
             extra_body=extra,
         ) as response:
+            http = response.http_response
+            # The transport's byte stream: skips openai's iter_bytes and httpx2's aiter_bytes and
+            # aiter_raw on every chunk (bench/e2e.py --per-token). SGLang's SSE is not
+            # content-encoded; should a proxy encode it, httpx2 decodes it as before.
+            chunks: AsyncIterable[bytes] = (
+                http.aiter_bytes()
+                if http.headers.get("content-encoding")
+                else cast(httpx2.AsyncByteStream, http.stream)
+            )
             buf = b""
-            async for data in response.iter_bytes():
+            async for data in chunks:
                 buf += data
                 if b"\n" not in data:
                     continue
