@@ -96,6 +96,7 @@ class Enqueuer:
     on_invalid: Callable[[InputError], None] | None = None
     on_progress: Callable[[int], None] | None = None
     summary: Summary = field(default_factory=Summary)
+    _pending: tuple[list[JobSpec], Callable[[], list[str]]] | None = None
 
     def enqueue_file(self, path: str | Path, partition: str | None = None) -> None:
         """Enqueue every row of ``path`` into ``partition`` (default: the file's stem)."""
@@ -114,6 +115,7 @@ class Enqueuer:
         finally:
             # Everything read before a bad row is enqueued before the error surfaces.
             self._flush(part, batch)
+            self._collect()
 
     def _specs(self, path: str | Path, partition: str) -> Iterable[JobSpec]:
         for rec in iter_records(path):
@@ -131,9 +133,19 @@ class Enqueuer:
             yield self.routing.spec(row, partition, rec.source)
 
     def _flush(self, partition: str, batch: list[JobSpec]) -> None:
-        if not batch:
+        """Send ``batch``; tally the batch sent before it (Redis runs one while we build the next)."""
+        self._collect()
+        if batch:
+            self._pending = (batch, self.ledger.enqueue_send(partition, batch, self.max_queued))
+
+    def _collect(self) -> None:
+        if self._pending is None:
             return
-        outcomes = self.ledger.enqueue_batch(partition, batch, self.max_queued)
+        batch, read = self._pending
+        self._pending = None
+        self._tally(batch, read())
+
+    def _tally(self, batch: list[JobSpec], outcomes: list[str]) -> None:
         s = self.summary
         for spec, outcome in zip(batch, outcomes, strict=True):
             if outcome in ("new", "backlog"):

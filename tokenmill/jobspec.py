@@ -16,10 +16,15 @@ import orjson
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
 
 
-def content_hash(request: dict[str, Any]) -> str:
+def canonical(request: dict[str, Any]) -> bytes:
+    """The request as canonical JSON (sorted keys): what is hashed and what is stored."""
+    return orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+
+
+def content_hash(request: dict[str, Any] | bytes) -> str:
     """A stable hash of what determines the output: model, messages and sampling parameters."""
-    canonical = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+    raw = request if isinstance(request, bytes) else canonical(request)
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def job_id_for(partition: str, record_id: str | None, digest: str) -> str:
@@ -38,6 +43,7 @@ class JobSpec:
     request: dict[str, Any]
     metadata: dict[str, Any] = field(default_factory=dict)
     record_id: str | None = None
+    request_json: bytes = b""
 
     @classmethod
     def build(
@@ -50,7 +56,8 @@ class JobSpec:
         metadata: dict[str, Any],
         record_id: str | None,
     ) -> JobSpec:
-        digest = content_hash(request)
+        request_json = canonical(request)
+        digest = content_hash(request_json)
         return cls(
             job_id=job_id_for(partition, record_id, digest),
             partition=partition,
@@ -60,11 +67,19 @@ class JobSpec:
             request=request,
             metadata=metadata,
             record_id=record_id,
+            request_json=request_json,
         )
 
     def to_json(self) -> bytes:
-        """What the ledger stores under the job's ``spec`` field."""
-        return orjson.dumps({"request": self.request, "metadata": self.metadata, "record_id": self.record_id})
+        """What the ledger stores under the job's ``spec`` field (the request is dumped once)."""
+        request = self.request_json or canonical(self.request)
+        return b"".join(
+            (
+                b'{"request":', request,
+                b',"metadata":', orjson.dumps(self.metadata),
+                b',"record_id":', orjson.dumps(self.record_id), b"}",
+            )
+        )  # fmt: skip
 
 
 def load_spec(raw: bytes | str) -> dict[str, Any]:

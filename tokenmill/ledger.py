@@ -9,7 +9,7 @@ script, so status is O(partitions).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -91,13 +91,48 @@ class Ledger:
         self.run = run
         self.k = keys.RunKeys(run)
         self._scripts = {n: client.register_script(src) for n, src in _SOURCES.items()}
+        self._enqueue_loaded = False
 
     # -- producer side ----------------------------------------------------------------------
 
     def enqueue_batch(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> list[str]:
         """Create-if-absent and publish ``jobs`` (all of ``partition``); one outcome per job."""
+        return self.enqueue_send(partition, jobs, max_depth)()
+
+    def enqueue_send(
+        self, partition: str, jobs: Sequence[JobSpec], max_depth: int
+    ) -> Callable[[], list[str]]:
+        """Send the enqueue script for ``jobs`` now and return the function that reads its
+        outcomes, so the producer builds the next batch while Redis runs this one."""
         if not jobs:
-            return []
+            return list
+        script_keys, args = self._enqueue_args(partition, jobs, max_depth)
+        script = self._scripts["enqueue"]
+        if not self._enqueue_loaded:
+            self.r.script_load(script.script)
+            self._enqueue_loaded = True
+        pool = self.r.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+        except BaseException:
+            pool.release(conn)
+            raise
+
+        def read() -> list[str]:
+            try:
+                outcomes = conn.read_response()
+            except redis.exceptions.NoScriptError:  # Redis restarted since: run it the slow way
+                outcomes = script(script_keys, args)
+            finally:
+                pool.release(conn)
+            return [_s(x) for x in outcomes]
+
+        return read
+
+    def _enqueue_args(
+        self, partition: str, jobs: Sequence[JobSpec], max_depth: int
+    ) -> tuple[list[str], list[Any]]:
         k = self.k
         script_keys = [
             keys.runs(),
@@ -110,17 +145,18 @@ class Ledger:
             k.backlog("long"),
         ]
         args: list[Any] = [self.run, partition, max_depth]
+        run = self.run
         for job in jobs:
             script_keys.append(k.job(job.job_id))
-            args += [
+            args += (
                 job.job_id,
                 job.digest,
                 job.source,
                 job.queue,
                 job.to_json(),
-                task_message(self.run, partition, job.job_id, job.queue),
-            ]
-        return [_s(x) for x in self._scripts["enqueue"](script_keys, args)]
+                task_message(run, partition, job.job_id, job.queue),
+            )
+        return script_keys, args
 
     # -- worker side ------------------------------------------------------------------------
 

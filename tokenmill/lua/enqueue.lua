@@ -8,17 +8,16 @@
 -- ARGV: 1 run, 2 partition, 3 max_depth, then 6 per job: id, hash, source, queue, spec, message.
 -- Returns one entry per job: new | backlog | queued | running | done | failed | conflict:<source>
 local run, partition, max_depth = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
+local broker = {short = KEYS[5], long = KEYS[6]}
+local backlog = {short = KEYS[7], long = KEYS[8]}
 local out = {}
-local created = 0
+local ids = {}
 for i = 9, #KEYS do
   local a = 4 + (i - 9) * 6
-  local id, hash, source, queue, spec, msg =
-    ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local job = KEYS[i]
-  local prior = redis.call('HMGET', job, 'state', 'hash', 'source')
-  if prior[1] then
+  local job, hash, queue = KEYS[i], ARGV[a + 1], ARGV[a + 3]
+  if redis.call('EXISTS', job) == 1 then
+    local prior = redis.call('HMGET', job, 'state', 'hash', 'source')
     if prior[2] ~= hash then
       out[#out + 1] = 'conflict:' .. prior[3]
     else
@@ -26,24 +25,22 @@ for i = 9, #KEYS do
     end
   else
     redis.call('HSET', job, 'state', 'queued', 'partition', partition, 'queue', queue,
-      'hash', hash, 'source', source, 'spec', spec, 'attempts', 0, 'token', 0, 'retries', 0,
-      'enq_ms', now_ms)
-    redis.call('RPUSH', KEYS[4], id)
-    created = created + 1
-    local broker, backlog = KEYS[5], KEYS[7]
-    if queue == 'long' then broker, backlog = KEYS[6], KEYS[8] end
-    if redis.call('LLEN', broker) < max_depth then
-      redis.call('LPUSH', broker, msg)
+      'hash', hash, 'source', ARGV[a + 2], 'spec', ARGV[a + 4])
+    ids[#ids + 1] = ARGV[a]
+    if depth[queue] < max_depth then
+      redis.call('LPUSH', broker[queue], ARGV[a + 5])
+      depth[queue] = depth[queue] + 1
       out[#out + 1] = 'new'
     else
-      redis.call('RPUSH', backlog, id)
+      redis.call('RPUSH', backlog[queue], ARGV[a])
       out[#out + 1] = 'backlog'
     end
   end
 end
-if created > 0 then
+if #ids > 0 then
+  redis.call('RPUSH', KEYS[4], unpack(ids))
   redis.call('SADD', KEYS[1], run)
   redis.call('SADD', KEYS[2], partition)
-  redis.call('HINCRBY', KEYS[3], 'queued|' .. partition, created)
+  redis.call('HINCRBY', KEYS[3], 'queued|' .. partition, #ids)
 end
 return out
