@@ -42,6 +42,7 @@ JOB_FIELDS = (
     "claimed_ms",
     "ckpt_tokens",
     "last_error_class",
+    "reaped_ms",
 )
 WORDS = ("alpha", "beta", "gamma", "δέλτα", "日本語", "emoji🙂", "naïve", "zeta", "lease", "token")
 TASK_CRASH = "raised unexpected"  # what Celery logs when a task body raises
@@ -91,7 +92,8 @@ class Workload:
 
 
 def prompt_key(messages: list[dict[str, Any]]) -> bytes:
-    return orjson.dumps(messages)
+    """A prompt's identity: its messages as JSON with sorted keys (the ledger stores them so)."""
+    return orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)
 
 
 def row_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -114,12 +116,13 @@ class JobView:
     claimed_ms: int
     ckpt_tokens: int
     last_error_class: str
+    reaped_ms: int  # when the reaper last requeued it (0: never)
 
 
 def _view(job_id: str, values: list[bytes | None]) -> JobView:
     s = [v.decode() if v is not None else "" for v in values]
     n = [int(x) if x.isdigit() else 0 for x in s]
-    return JobView(job_id, s[0], s[1], n[2], n[3], n[4], n[5], n[6], s[7])
+    return JobView(job_id, s[0], s[1], n[2], n[3], n[4], n[5], n[6], s[7], n[8])
 
 
 def job_views(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str, JobView]:
@@ -187,9 +190,18 @@ def wait_progress(client: redis.Redis, run: str, commits: int = 1, timeout: floa
 
 
 def wait_finished(client: redis.Redis, run: str, total: int, timeout: float) -> None:
-    """All ``total`` jobs are ``done`` or ``failed``, by the jobs' own states (not the counts)."""
+    """All ``total`` jobs are ``done`` or ``failed``: the counts hash says so (a cheap poll), or
+    else the jobs' own states do (read every 2 s only: the audit compares the two)."""
+    read_states_at = time.monotonic() + 2
 
     def finished() -> bool:
+        nonlocal read_states_at
+        counts = state_counts(client, run)
+        if counts["queued"] + counts["running"] == 0 and counts["done"] + counts["failed"] >= total:
+            return True
+        if time.monotonic() < read_states_at:
+            return False
+        read_states_at = time.monotonic() + 2
         views = job_views(client, run, all_job_ids(client, run))
         return len(views) >= total and all(v.state in ("done", "failed") for v in views.values())
 
