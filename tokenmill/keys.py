@@ -137,6 +137,10 @@ class RunKeys:
         """Sorted set: running job id → lease expiry (ms, Redis clock)."""
         return f"{self.prefix}:leases"
 
+    def waiting(self) -> str:
+        """Sorted set: delivered job id waiting for a server or admission → lease expiry (ms)."""
+        return f"{self.prefix}:waiting"
+
     def delayed(self) -> str:
         """Sorted set: queued job id → when its retry may be published (ms, Redis clock)."""
         return f"{self.prefix}:delayed"

@@ -34,6 +34,7 @@ SCRIPT_NAMES = (
     "feed",
     "admit",
     "unadmit",
+    "wait",
 )
 _SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
 
@@ -344,25 +345,40 @@ class Ledger:
             yield from zip(ids, pipe.execute(), strict=True)
             start += batch
 
-    def peek(self, job_id: str) -> tuple[str, dict[str, Any]] | None:
-        """``(state, spec)`` of a job without claiming it, or None when it does not exist."""
-        state, spec = self.r.hmget(self.k.job(job_id), "state", "spec")
+    def peek(self, job_id: str) -> tuple[str, dict[str, Any], str] | None:
+        """``(state, spec, queue)`` of a job without claiming it, or None when it does not exist."""
+        state, spec, queue = self.r.hmget(self.k.job(job_id), "state", "spec", "queue")
         if state is None or spec is None:
             return None
-        return _s(state), orjson.loads(spec)
+        return _s(state), orjson.loads(spec), _s(queue or b"short")
+
+    def hold_waiting(self, job_id: str, lease_ttl_s: float, hold: bool = True) -> None:
+        """Renew (or drop) the waiting lease of a delivered, not yet claimed job."""
+        self._scripts["wait"]([self.k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)])
+
+    def requeue_abandoned(self, limit: int = 500) -> int:
+        """Republish delivered jobs whose worker died while they waited (lease expired, still queued)."""
+        now_ms = _redis_now_ms(self.r)
+        ids = [_s(x) for x in self.r.zrangebyscore(self.k.waiting(), "-inf", now_ms, 0, limit)]
+        if not ids:
+            return 0
+        self.r.zrem(self.k.waiting(), *ids)
+        return self.republish(ids, front=True)
 
     def job(self, job_id: str) -> dict[str, str]:
         return {_s(a): _s(b) for a, b in self.r.hgetall(self.k.job(job_id)).items()}
 
-    def republish(self, job_ids: Iterable[str]) -> int:
-        """Publish a message for each of ``job_ids`` that is ``queued`` (duplicates are harmless)."""
+    def republish(self, job_ids: Iterable[str], front: bool = False) -> int:
+        """Publish a message for each of ``job_ids`` that is ``queued`` (duplicates are harmless);
+        with ``front``, at the consuming end of the queue (it runs next)."""
         n = 0
         for job_id in job_ids:
             state, part, queue = (
                 _s(x) if x else "" for x in self.r.hmget(self.k.job(job_id), "state", "partition", "queue")
             )
             if state == "queued":
-                self.r.lpush(keys.broker_queue(queue), task_message(self.run, part, job_id, queue))
+                push = self.r.rpush if front else self.r.lpush
+                push(keys.broker_queue(queue), task_message(self.run, part, job_id, queue))
                 n += 1
         return n
 

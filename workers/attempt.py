@@ -49,7 +49,7 @@ class AttemptState:
         return Checkpoint(
             content=self.base.content + "".join(p.content),
             reasoning=self.base.reasoning + "".join(p.reasoning),
-            tokens=self.base.tokens + p.chunks,
+            tokens=self.base.tokens + p.tokens,
         )
 
 
@@ -131,7 +131,7 @@ async def _watchdog(
         if problem is not None:
             stream.cancel()
             raise problem
-        tokens = p.chunks
+        tokens = p.tokens
         due_ckpt = tokens > last_ckpt_tokens and (
             tokens - last_ckpt_tokens >= s.checkpoint_every_tokens
             or now - last_ckpt_at >= s.checkpoint_every_s
@@ -179,7 +179,7 @@ def _outcome(
     p = state.progress
     ck = state.checkpoint()
     usage = p.usage or {}
-    new_completion = int(usage.get("completion_tokens") or p.chunks)
+    new_completion = p.tokens
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     if state.base:
         prompt_tokens = max(0, prompt_tokens - state.base.tokens)
@@ -194,7 +194,7 @@ def _outcome(
         "attempt": claim.attempt,
         "continued_tokens": state.base.tokens,
         "ttft_s": round(ttft, 4) if ttft is not None else None,
-        "decode_tps": round(p.chunks / decode_s, 2) if decode_s > 0 else None,
+        "decode_tps": round(p.tokens / decode_s, 2) if decode_s > 0 else None,
     }
     new_tokens = max(0, new_completion - state.reported_tokens)
     return Outcome(result=result, new_tokens=new_tokens)

@@ -7,6 +7,7 @@ and released at once; a stale claim → nothing (another worker owns the job).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -35,17 +36,20 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     peeked = durable(lambda: ledger.peek(job_id))
     if peeked is None:
         return "missing"
-    state, spec = peeked
+    state, spec, queue = peeked
     if state in ("done", "failed"):
         return state
-    admitted = _admit(rt, run, spec["request"], spec_queue(spec, ledger, job_id))
+    admitted = _admit(rt, ledger, job_id, spec["request"], queue)
     if admitted is None:
         return "stopping"
     server, slot = admitted
     try:
         return _claim_and_run(rt, ledger, run, job_id, server.url, slot)
     finally:
-        rt.admission.release(slot)
+        try:
+            rt.admission.release(slot)
+        except redis.RedisError as exc:  # the slot's lease expires on its own
+            log.warning("could not release an admission slot: %s", exc)
 
 
 REDIS_RETRY_S = 120.0
@@ -67,31 +71,56 @@ def durable(fn: Callable[[], T]) -> T:
             delay = min(delay * 2, 2.0)
 
 
-def spec_queue(spec: dict, ledger: Ledger, job_id: str) -> str:
-    queue = ledger.r.hget(ledger.k.job(job_id), "queue")
-    return queue.decode() if queue else "short"
+def _admit(
+    rt: Runtime, ledger: Ledger, job_id: str, request: dict, queue: str
+) -> tuple[ServerView, Slot] | None:
+    """Wait for a ready server with room for this request in its budget (least loaded first).
+
+    While it waits the job holds a waiting lease, so that if this worker dies the job is
+    republished at once instead of when the broker's visibility timeout restores the message.
+    """
+    adm = rt.admission
+    s = rt.settings
+    said = False
+    held_at = 0.0
+    try:
+        while not rt.stopping.is_set():
+            try:
+                if time.monotonic() - held_at > s.lease_ttl_s / 3:
+                    ledger.hold_waiting(job_id, s.lease_ttl_s)
+                    held_at = time.monotonic()
+                got = _try_servers(rt, ledger.run, request, queue)
+            except redis.RedisError as exc:
+                log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
+                rt.stopping.wait(1.0)
+                continue
+            if isinstance(got, tuple):
+                return got
+            if not said and not got:
+                log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
+                said = True
+            if got:
+                adm.wait_for_room(s.admission_wait_s * (0.5 + random.random()))
+            else:
+                rt.stopping.wait(s.admission_wait_s)
+        return None
+    finally:
+        if held_at:
+            with contextlib.suppress(redis.RedisError):
+                ledger.hold_waiting(job_id, s.lease_ttl_s, hold=False)
 
 
-def _admit(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | None:
-    """Wait for a ready server with room for this request in its budget (least loaded first)."""
+def _try_servers(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | bool:
+    """A server and a slot, or whether any server is ready (True: ready but full)."""
     adm = rt.admission
     tokens = adm.estimate(run, request)
-    said = False
-    while not rt.stopping.is_set():
-        views = rt.pool.ready_views()
-        views.sort(key=lambda v: adm.load(v.name) / (adm.budget(v.capacity) or float("inf")))
-        for view in views:
-            slot = adm.try_admit(view.name, view.capacity, tokens, queue)
-            if slot is not None:
-                return view, slot
-        if not said and not views:
-            log.warning("no server is ready (%s); waiting", ", ".join(rt.settings.server_urls))
-            said = True
-        if views:
-            adm.wait_for_room(rt.settings.admission_wait_s * (0.5 + random.random()))
-        else:
-            rt.stopping.wait(rt.settings.admission_wait_s)
-    return None
+    views = rt.pool.ready_views()
+    views.sort(key=lambda v: adm.load(v.name) / (adm.budget(v.capacity) or float("inf")))
+    for view in views:
+        slot = adm.try_admit(view.name, view.capacity, tokens, queue)
+        if slot is not None:
+            return view, slot
+    return bool(views)
 
 
 def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str, slot: Slot) -> str:

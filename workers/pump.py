@@ -72,6 +72,7 @@ def pump_once(
             log.warning("run %s: requeued %d job(s) whose lease expired", run, len(reaped))
         did["reaped"] += len(reaped)
         did["promoted"] += ledger.promote_due()
+        did["abandoned"] = did.get("abandoned", 0) + ledger.requeue_abandoned()
         for queue in keys.QUEUES:
             did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
         if reconciler is not None:

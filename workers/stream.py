@@ -23,6 +23,9 @@ from tokenmill import errors
 from workers import taxonomy
 
 _DATA = b"data: "
+# Every chunk carries the running usage, so checkpoints count tokens exactly even when a chunk
+# holds several (``--stream-interval``): a continuation's max_tokens depends on that count.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 _DONE = b"[DONE]"
 
 
@@ -38,6 +41,11 @@ class Progress:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     model: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens so far: the server's running count, else one per chunk."""
+        return int(self.usage["completion_tokens"]) if self.usage else self.chunks
 
 
 async def stream_chat(
@@ -109,5 +117,6 @@ def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> No
             p.model = obj.get("model")
     elif "error" in obj:
         raise taxonomy.from_error_chunk(obj)
-    elif obj.get("usage"):
-        p.usage = obj["usage"]
+    usage = obj.get("usage")
+    if usage:
+        p.usage = usage

@@ -123,9 +123,10 @@ async def _stream(
         if upto > sent:
             buf = b""
             if sent < split:
-                buf = enc.reasoning("".join(tokens[sent : min(upto, split)]))
+                done = min(upto, split)
+                buf = enc.reasoning("".join(tokens[sent:done]), _usage(plan, req, done, split))
             if upto > split:
-                buf += enc.content("".join(tokens[max(sent, split) : upto]))
+                buf += enc.content("".join(tokens[max(sent, split) : upto]), _usage(plan, req, upto, split))
             await resp.write(buf)
             sent = upto
         elif req.finished:
@@ -137,6 +138,13 @@ async def _stream(
         tail += enc.usage(req.prompt_tokens, req.generated, min(req.generated, split))
     await resp.write(tail + sse.DONE)
     return resp
+
+
+def _usage(plan: ChatPlan, req: SimRequest, generated: int, split: int) -> bytes:
+    """The running usage a chunk carries with ``continuous_usage_stats`` (else nothing)."""
+    if not plan.continuous_usage:
+        return b""
+    return orjson.dumps(sse.usage_body(req.prompt_tokens, generated, min(generated, split)))
 
 
 async def _stream_fault(

@@ -17,6 +17,10 @@ DONE = b"data: [DONE]\n\n"
 _TAIL = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
 
 
+def _usage_tail(usage: bytes) -> bytes:
+    return b'},"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":' + usage + b"}\n\n"
+
+
 def usage_body(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
     """The ``usage`` object of 0.5.23."""
     return {
@@ -61,11 +65,12 @@ class ChunkEncoder:
     def role(self) -> bytes:
         return self._head + b'"reasoning_content":null,"role":"assistant","content":""' + _TAIL
 
-    def content(self, text: str) -> bytes:
-        return self._content + orjson.dumps(text) + _TAIL
+    def content(self, text: str, usage: bytes = b"") -> bytes:
+        """A content delta; ``usage`` (``continuous_usage_stats``) rides on the chunk when given."""
+        return self._content + orjson.dumps(text) + (_usage_tail(usage) if usage else _TAIL)
 
-    def reasoning(self, text: str) -> bytes:
-        return self._reasoning + orjson.dumps(text) + _TAIL
+    def reasoning(self, text: str, usage: bytes = b"") -> bytes:
+        return self._reasoning + orjson.dumps(text) + (_usage_tail(usage) if usage else _TAIL)
 
     def finish(self, finish_reason: str) -> bytes:
         """The separate finish chunk, with an empty delta."""

@@ -47,6 +47,7 @@ class ChatPlan:
     model: str
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     completion: textgen.Completion
     max_new_tokens: int  # the limit the scheduler knows (clamped to the context)
 
@@ -212,6 +213,7 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
         model=str(body.get("model") or "default"),
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        continuous_usage=bool(isinstance(options, dict) and options.get("continuous_usage_stats")),
         completion=completion,
         max_new_tokens=max(completion.completion_tokens, min(limit or budget, budget)),
     )

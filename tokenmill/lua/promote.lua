@@ -10,5 +10,5 @@ local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not due or tonumber(due) > now_ms then return 0 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
-redis.call('LPUSH', KEYS[3], ARGV[2])
+redis.call('RPUSH', KEYS[3], ARGV[2])  -- the front: its wait is over
 return 1

@@ -1,7 +1,8 @@
 -- reap: put a job whose lease expired back on its queue (its worker is presumed dead).
 -- Pre:  the job is in the leases set.
 -- Post: if it is `running` with an expired lease it is `queued` (counts move running ->
---       queued) and its message is on the broker list; its checkpoint stays for continuation.
+--       queued) and its message is at the consuming end of the broker list (it runs next);
+--       its checkpoint stays for continuation.
 --       A job that is no longer running just leaves the leases set; a renewed lease is kept.
 -- KEYS: 1 job, 2 counts, 3 leases, 4 broker.  ARGV: 1 job id, 2 message.
 -- Returns 1 when the job was requeued, else 0.
@@ -20,5 +21,5 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'last_error_class', 'lease_expire
 redis.call('HINCRBY', KEYS[1], 'reaps', 1)
 redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
 redis.call('HINCRBY', KEYS[2], 'queued|' .. f[3], 1)
-redis.call('LPUSH', KEYS[4], ARGV[2])
+redis.call('RPUSH', KEYS[4], ARGV[2])  -- the front: it runs next
 return 1

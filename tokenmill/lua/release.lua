@@ -38,5 +38,5 @@ if delay > 0 then
   redis.call('ZADD', KEYS[4], t[1] * 1000 + math.floor(t[2] / 1000) + delay, ARGV[1])
   return 'delayed'
 end
-redis.call('LPUSH', KEYS[5], ARGV[6])
+redis.call('RPUSH', KEYS[5], ARGV[6])  -- the front: it keeps its checkpoint
 return 'queued'
