@@ -57,8 +57,8 @@ async def stream_chat(
         async with client.chat.completions.with_streaming_response.create(
             **request,
             stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
+            # in extra_body: the SDK's typed stream_options would drop continuous_usage_stats
+            extra_body={**extra, "stream_options": STREAM_OPTIONS},
         ) as response:
             http = response.http_response
             # The transport's byte stream: skips openai's iter_bytes and httpx2's aiter_bytes and
