@@ -166,6 +166,10 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     if not watch:
         console.print(render(run_status(client, run, urls)))
         return
+    if not console.is_terminal:  # a log or a pipe: one frame per refresh, appended
+        while True:
+            console.print(render(run_status(client, run, urls)))
+            time.sleep(interval)
     with Live(render(run_status(client, run, urls)), console=console, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
