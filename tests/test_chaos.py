@@ -29,7 +29,7 @@ RECLAIM_SLACK_S = 1.5
 MEAN = 150  # ~1.5 s streams at 10 ms a token: each is checkpointed a few times
 STREAMS = ("--reasoning-parser", "qwen3", "--sim-step-ms", "10", "--sim-mean-output-tokens", str(MEAN))
 # a few requests fit the admission budget (90% of 1,200 tokens): the other threads wait in admission
-NARROW = ("--max-total-tokens", "1200")
+NARROW = ("--max-total-tokens", "600")
 
 # tiny outputs and an instant prefill, for runs of thousands of jobs
 FAST = ("--reasoning-parser", "qwen3", "--sim-step-ms", "1", "--sim-mean-output-tokens", "6",
