@@ -270,8 +270,10 @@ class Cluster:
     owns_redis: bool = False
     sim: Proc | None = None
     sim_port: int = 0
-    workers: list[Proc] = field(default_factory=list)  # the short queue's: the faults' targets
+    workers: list[Proc] = field(default_factory=list)  # live workers (a fault removes its victim)
     procs: list[Proc] = field(default_factory=list)  # everything started, for close()
+    worker_args: dict[int, tuple[int, str]] = field(default_factory=dict)  # pid -> (concurrency, queue)
+    deaths: list[str] = field(default_factory=list)  # workers that stopped by themselves
     faults: list[Fault] = field(default_factory=list)
     generated_by_dead_sims: int = 0
     _client: redis.Redis | None = None
@@ -327,9 +329,31 @@ class Cluster:
                 lambda p=proc: " ready." in p.output() or not p.alive(), 60, f"worker {proc.log.name} ready"
             )
             assert proc.alive(), proc.output()[-3000:]
-        if queue == "short":
-            self.workers += started
+            self.worker_args[proc.proc.pid] = (concurrency, queue)
+        self.workers += started
         return started
+
+    def broken_workers(self) -> list[str]:
+        """Workers that stopped, or are stopping, by themselves (no fault told them to): why."""
+        out = []
+        for w in self.workers:
+            said = [line for line in w.output().splitlines() if "Unrecoverable error" in line]
+            if said or not w.alive():
+                why = said[0].strip() if said else "(no error logged)"
+                out.append(f"{w.log.name} (exit {w.proc.poll()}): {why}")
+        return out
+
+    def revive(self) -> list[str]:
+        """Replace the workers that stopped by themselves, as a supervisor would; returns why each
+        stopped (also kept in ``deaths``)."""
+        broken = self.broken_workers()
+        for w in [w for w in self.workers if any(b.startswith(w.log.name) for b in broken)]:
+            w.kill()
+            self.workers.remove(w)
+            concurrency, queue = self.worker_args[w.proc.pid]
+            self.start_workers(1, concurrency, queue)
+        self.deaths += broken
+        return broken
 
     def sim_stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.sim_url}/_sim/stats", timeout=5) as resp:
@@ -381,7 +405,7 @@ def _record(c: Cluster, fault: Fault) -> Fault:
 
 
 def busiest_worker(c: Cluster, run: str, min_jobs: int = 1, timeout: float = 60) -> Proc:
-    """The short-queue worker streaming the most jobs, once one streams ``min_jobs`` of them."""
+    """The worker streaming the most jobs of ``run``, once one streams ``min_jobs`` of them."""
 
     def pick() -> Proc | None:
         held: dict[str, int] = {}
@@ -478,8 +502,9 @@ def kill_sim(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> Fa
 
 
 def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> Fault:
-    """SIGKILL redis-server mid-stream; after ``down_s`` start it again (same port, AOF replayed)."""
-    hit = wait_mid_stream(c.client, run, min_jobs)
+    """SIGKILL redis-server mid-stream (at once with ``min_jobs=0``); after ``down_s`` start it
+    again (same port, AOF replayed)."""
+    hit = wait_mid_stream(c.client, run, min_jobs) if min_jobs else running_jobs(c.client, run)
     done_before = state_counts(c.client, run)["done"]
     c.redis.kill(signal.SIGKILL)
     at = time.time()
