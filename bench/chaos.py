@@ -14,8 +14,9 @@ all real processes. Two runs share them:
 Then both runs are audited (one ``done`` per distinct prompt, one export row each, byte-exact
 against the sim, counts that match) and a table reports the faults, what was lost, duplicated
 and continued, the tokens generated (the sims' counters, summed over restarts) and thrown away,
-and how long a dead worker's jobs took to run again. Every process is killed at the end, also
-on Ctrl-C or SIGTERM.
+and how long a dead worker's jobs took to run again. A worker that stops by itself is replaced
+(as compose's restart policy would) and reported. Every process is killed at the end, also on
+Ctrl-C or SIGTERM.
 
     .venv/bin/python bench/chaos.py                                  # ~4 minutes
     .venv/bin/python bench/chaos.py --prompts 300 --reps 1 --enqueue-rows 5000
@@ -149,9 +150,16 @@ class Chaos:
                     f = self.inject(kind, last_round=rep == reps - 1)
                     log(f"{kind} #{rep + 1}: hit {len(f.hit)} job(s) {_brief(f)}")
                     chaos.wait_progress(self.c.client, self.wl.run, 1, timeout=120)
+                    revive(self.c, log)
                 except AssertionError as exc:  # a wait ran out: note it, go on with the next fault
                     self.failures.append(f"{kind} #{rep + 1}: {str(exc).splitlines()[0]}")
                     log(f"{kind} #{rep + 1}: FAILED {self.failures[-1]}")
+
+
+def revive(c: Cluster, log: Callable[[str], None]) -> None:
+    """Replace workers that stopped by themselves (as compose's restart policy would), saying so."""
+    for why in c.revive():
+        log(f"a worker stopped by itself, replaced: {why}")
 
 
 def _finished(c: Cluster, wl: Workload) -> bool:
@@ -203,6 +211,7 @@ def wait_finished(c: Cluster, wl: Workload, timeout_s: float, log: Callable[[str
             raise SystemExit(
                 f"run {wl.run} did not finish in {timeout_s:.0f} s: {chaos.unfinished(c.client, wl.run)}"
             )
+        revive(c, log)
         if time.monotonic() - said >= 30:
             log(f"run {wl.run}: {counts}; unfinished: {chaos.unfinished(c.client, wl.run)}")
             said = time.monotonic()
@@ -268,12 +277,14 @@ def reclaim_table(watch: ReclaimWatch) -> str:
 
 
 def problems(c: Cluster, audits: dict[str, chaos.Audit], watch: ReclaimWatch, ch: Chaos) -> list[str]:
-    """Lost, duplicated or wrong results, crashed tasks, faults not injected, late re-claims."""
+    """Lost, duplicated or wrong results, crashed tasks and workers, faults not injected, late
+    re-claims."""
     found = [f"{name}: {p}" for name, a in audits.items() for p in a.problems()]
     crashes = c.task_crashes()
     if crashes:
         found.append(f"{len(crashes)} task(s) crashed in workers, e.g. {crashes[0]}")
     found += ch.failures
+    found += [f"a worker stopped by itself (replaced): {why}" for why in c.deaths]
     env = worker_env("", "")
     bound = float(env["TOKENMILL_LEASE_TTL_S"]) + float(env["TOKENMILL_REAPER_PERIOD_S"]) + RECLAIM_SLACK_S
     killed = watch.delays.get("worker SIGKILL", [])

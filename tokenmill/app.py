@@ -11,7 +11,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
-from tokenmill import keys
+from tokenmill import keys, kombu_patch
 from tokenmill.serializer import NAME as SERIALIZER
 from tokenmill.serializer import register_orjson
 from tokenmill.settings import Settings
@@ -19,6 +19,7 @@ from tokenmill.settings import Settings
 TASK_NAME = "tokenmill.generate"
 
 register_orjson()
+kombu_patch.apply()
 
 app = Celery("tokenmill", include=["workers.task"])
 _configured: dict[str, Settings] = {}
