@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from server_mgr.sim.textgen import expected_completion
 from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
-from tests.procs import RedisServer, worker_env
+from tests.procs import RedisServer, wait_for, worker_env
+from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
 
 ENV = worker_env("", "")
 LEASE_TTL_S = float(ENV["TOKENMILL_LEASE_TTL_S"])
@@ -173,6 +175,38 @@ def test_continued_text_is_byte_exact_when_the_server_streams_several_tokens_per
     assert a.problems() == [], "\n".join(a.problems())
 
 
+def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted_finish_and_usage(
+    cluster: MakeCluster, tmp_path: Path
+) -> None:
+    # Given jobs whose worker streamed every token max_tokens allows (some ended by themselves,
+    # some were cut at the limit), checkpointed them all, and died before committing
+    c = cluster("--reasoning-parser", "qwen3", "--sim-mean-output-tokens", "40")
+    wl = streams("fullckpt", 16, mean=40, max_tokens=40)
+    c.enqueue(wl)
+    ledger = Ledger(c.client, wl.run)
+    finishes = set()
+    for job_id in chaos.all_job_ids(c.client, wl.run):
+        claim = ledger.claim(job_id, "ghost", LEASE_TTL_S)
+        assert isinstance(claim, Claim), claim
+        want = expected_completion(
+            claim.spec["request"]["messages"], max_tokens=wl.max_tokens, reasoning=True, mean_output_tokens=40
+        )
+        finishes.add(want.finish_reason)
+        full = Checkpoint(want.content, want.reasoning_content or "", want.completion_tokens)
+        verdict = ledger.release(
+            claim, JobError("worker_lost", "died"), delay_s=0, burn=False, max_attempts=8, checkpoint=full
+        )
+        assert verdict == "queued", verdict
+    assert finishes == {"stop", "length"}
+
+    # When a worker takes them up
+    c.start_workers(1)
+
+    # Then each ends with the text, finish reason and token counts of an uninterrupted run
+    a = assert_exactly_once(c, wl, tmp_path / "out")
+    assert a.continued_jobs == a.prompts
+
+
 # --- 3. Redis SIGKILL ----------------------------------------------------------------------------
 
 
@@ -194,6 +228,30 @@ def test_workers_ride_through_a_redis_crash_and_every_job_ends_exactly_once(
     # Then no task died of the outage, and every job ends exactly once
     assert_exactly_once(c, wl, tmp_path / "out")
     assert c.task_crashes() == []
+
+
+def test_workers_survive_redis_crashes_while_their_tasks_finish(cluster: MakeCluster, tmp_path: Path) -> None:
+    # Given a worker finishing short jobs all the time (32 threads, 4-token outputs): some of
+    # its acks are in flight whenever Redis goes away
+    c = cluster(*FAST, private_redis=True)
+    wl = Workload("acks", prompt_rows("acks", 3000), max_tokens=4, mean_output_tokens=6)
+    c.enqueue(wl)
+    c.start_workers(1, concurrency=32)
+
+    # When Redis is SIGKILLed and restarted from its AOF 1.5 s later, three times
+    for _ in range(3):
+        chaos.wait_progress(c.client, wl.run, 200)
+        fault = chaos.kill_redis(c, wl.run, min_jobs=0, down_s=1.5)
+        # Then the worker carries on: 100 more commits, and it did not stop by itself
+        then = fault.notes["done_after_restart"] + 100
+        wait_for(
+            lambda then=then: c.broken_workers() or chaos.state_counts(c.client, wl.run)["done"] >= then,
+            30,
+            "100 commits after the restart",
+        )
+        assert c.broken_workers() == []
+
+    assert_exactly_once(c, wl, tmp_path / "out")
 
 
 def test_resume_requeues_and_republishes_after_a_crash_of_redis_and_every_worker(

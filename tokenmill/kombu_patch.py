@@ -1,11 +1,16 @@
-"""A guard around kombu's Redis ``QoS.restore_unacked`` (kombu 5.7).
+"""Guards around two places where kombu's Redis transport (5.7) dies on a lost broker.
 
-When Redis goes away while a threads-pool worker is acking, kombu closes the channel and tries to
-restore its unacked messages through a connection it has already released; that raises
-``AttributeError: 'NoneType' object has no attribute 'hostname'``, which Celery treats as an
-unrecoverable error and stops the worker (found by tests/test_chaos.py). The restore could not
-reach Redis anyway: the messages stay in kombu's unacked hash, and tokenmill's leases, waiting
-leases and reconciler put their jobs back on the queue. So the error is logged, not fatal.
+When Redis goes away while a threads-pool worker is acking, kombu closes the channel and then:
+
+* ``QoS.restore_unacked`` tries to restore the channel's unacked messages through a connection it
+  has already released, raising ``AttributeError: 'NoneType' object has no attribute 'hostname'``;
+* an ack that arrives after that, on the now detached channel, asks ``Channel._connparams`` for a
+  new connection, and ``self.connection`` (the transport) is gone: another ``AttributeError``.
+
+Celery treats both as unrecoverable and stops the worker (found by tests/test_chaos.py). Neither
+operation could reach Redis anyway: the messages stay in kombu's unacked hash, and tokenmill's
+leases, waiting leases and reconciler put their jobs back on the queue. So the first is logged,
+and the second raises the ``redis.ConnectionError`` that kombu and Celery already recover from.
 """
 
 from __future__ import annotations
@@ -13,15 +18,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 
 log = logging.getLogger("tokenmill.kombu")
-_original = kombu_redis.QoS.restore_unacked
+_original_restore = kombu_redis.QoS.restore_unacked
+_original_connparams = kombu_redis.Channel._connparams
 
 
 def _restore_unacked(self: Any, client: Any = None) -> Any:
     try:
-        return _original(self, client)
+        return _original_restore(self, client)
     except AttributeError as exc:
         log.warning(
             "could not restore unacked messages while the broker connection was lost (%s); "
@@ -31,6 +38,14 @@ def _restore_unacked(self: Any, client: Any = None) -> Any:
         return None
 
 
+def _connparams(self: Any, asynchronous: bool = False) -> Any:
+    transport = self.connection
+    if transport is None or transport.client is None:
+        raise redis.ConnectionError("this channel's broker connection was closed")
+    return _original_connparams(self, asynchronous)
+
+
 def apply() -> None:
-    """Install the guard (idempotent)."""
+    """Install the guards (idempotent)."""
     kombu_redis.QoS.restore_unacked = _restore_unacked  # type: ignore[method-assign]
+    kombu_redis.Channel._connparams = _connparams  # type: ignore[method-assign]

@@ -89,7 +89,7 @@ async def run_attempt(
     """Stream the job to completion under the watchdog; raise a classified error otherwise."""
     request, extra = build_request(claim, settings, state.base)
     if request.get("max_tokens") is not None and request["max_tokens"] <= 0:
-        return _outcome(claim, request, state, "length", 0.0)
+        return await _ended_at_the_limit(client, claim, settings, request, extra, state)
     loop = asyncio.get_running_loop()
     started = loop.time()
     stream = asyncio.ensure_future(stream_chat(client, request, extra, state.progress))
@@ -105,6 +105,35 @@ async def run_attempt(
         with contextlib.suppress(asyncio.CancelledError, errors.TokenmillError):
             await watch
     return _outcome(claim, request, state, state.progress.finish_reason or "stop", started)
+
+
+async def _ended_at_the_limit(
+    client: AsyncOpenAI,
+    claim: Claim,
+    s: Settings,
+    request: dict[str, Any],
+    extra: dict[str, Any],
+    state: AttemptState,
+) -> Outcome:
+    """The checkpoint already holds every token max_tokens allows (the worker died between its
+    last checkpoint and the commit). Ask the server for one more token, only to learn whether the
+    text had ended by itself (``stop``) or was cut (``length``) and how long the prompt is; the
+    probe's token is not kept."""
+    probe = Progress()
+    try:
+        await asyncio.wait_for(
+            stream_chat(client, {**request, "max_tokens": 1}, extra, probe),
+            s.connect_timeout_s + s.stall_timeout_s,
+        )
+    except TimeoutError:
+        raise errors.StreamStalledError(
+            f"the end-of-text probe got no answer within {s.connect_timeout_s + s.stall_timeout_s:.0f}s"
+        ) from None
+    ended = probe.finish_reason == "stop" and not "".join(probe.content + probe.reasoning)
+    usage = probe.usage or {}
+    state.progress.usage = {"prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": 0}
+    state.progress.model = probe.model
+    return _outcome(claim, request, state, "stop" if ended else "length", 0.0)
 
 
 async def _watchdog(
