@@ -9,10 +9,17 @@ variants; every variant leaves one broker message per row (checked):
 - tokenmill, CLI: ``tokenmill enqueue FILE`` as a subprocess, end to end (interpreter start,
   imports, the durability check), with its max RSS from ``wait4``;
 - tokenmill, re-enqueue: the same file again, every row a dedup hit (nothing written);
-- Celery: ``app.send_task("tokenmill.generate", args=[request], queue=...)`` per row (the row's
-  chat request) on one reused producer, the hand-written way, on the first ``--apply-rows`` rows;
+- Celery ``apply_async``: ``generate.apply_async(args=[run, partition, id], queue=...)`` per row
+  on one reused producer (the issue's "plain apply_async loop", with tokenmill's own task and its
+  small message), on the first ``--apply-rows`` rows;
+- Celery ``send_task``: ``app.send_task("tokenmill.generate", args=[request], queue=...)`` per row
+  (the row's chat request in the message, the hand-written way), on the same rows;
 - raw: each row's JSON line LPUSHed, pipelined in batches of 1,000 (a floor: no parsing,
   no ids, no dedup, no envelope).
+
+For the in-process variant the run also reports CPU per row: the producer's (its process time)
+and Redis's (``used_cpu_user + used_cpu_sys`` from INFO), and the rate those two costs allow at
+best on this machine's cores, however well they overlap.
 
 ``--rss-rows N`` also runs the CLI over an N-row file (written streaming) and reports its max RSS.
 
@@ -23,6 +30,7 @@ variants; every variant leaves one broker message per row (checked):
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -108,13 +116,21 @@ def broker_depth(client: redis.Redis) -> int:
     return sum(int(client.llen(keys.broker_queue(q))) for q in keys.QUEUES)
 
 
-def tokenmill_in_process(client: redis.Redis, path: Path, rows: int) -> tuple[float, str]:
-    """Seconds to enqueue ``path`` with the producer's Enqueuer; and its summary line."""
+def redis_cpu_s(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def tokenmill_in_process(client: redis.Redis, path: Path, rows: int) -> tuple[float, str, float, float]:
+    """Seconds to enqueue ``path`` with the producer's Enqueuer, its summary line, and the CPU
+    seconds the producer and Redis spent on it."""
     enq = Enqueuer(Ledger(client, RUN), Routing(model="default", long_prompt_tokens=LONG_PROMPT_TOKENS), rows)
+    redis0, cpu0 = redis_cpu_s(client), time.process_time()
     start = time.perf_counter()
     enq.enqueue_file(path)
     elapsed = time.perf_counter() - start
-    return elapsed, enq.summary.line(RUN)
+    cpu, redis_cpu = time.process_time() - cpu0, redis_cpu_s(client) - redis0
+    return elapsed, enq.summary.line(RUN), cpu, redis_cpu
 
 
 def cli_args(path: Path, redis_url: str, rows: int) -> list[str]:
@@ -139,6 +155,26 @@ def celery_send_task(redis_url: str, path: Path, rows: int) -> float:
             queue = "long" if len(line) > routing.long_prompt_tokens * 4 else "short"
             request = {"model": "default", "messages": messages, "max_tokens": 10240}
             app.send_task("tokenmill.generate", args=[request], queue=queue, producer=producer)
+        elapsed = time.perf_counter() - start
+    return elapsed
+
+
+def celery_apply_async(redis_url: str, path: Path, rows: int) -> float:
+    """Seconds to publish the first ``rows`` rows with ``generate.apply_async`` on one reused
+    producer; the row is read and parsed, its id is its line number."""
+    from tokenmill.app import TASK_NAME, configure
+
+    app = configure(Settings.load(redis_url=redis_url))
+    import workers.task  # noqa: F401  (registers the task)
+
+    generate = app.tasks[TASK_NAME]
+    with open(path, "rb") as f, app.producer_or_acquire() as producer:
+        generate.apply_async(args=[RUN, "P", "warm-up"], queue="short", producer=producer)
+        start = time.perf_counter()
+        for i, line in zip(range(rows), f, strict=False):
+            orjson.loads(line)
+            queue = "long" if len(line) > LONG_PROMPT_TOKENS * 4 else "short"
+            generate.apply_async(args=[RUN, "P", str(i)], queue=queue, producer=producer)
         elapsed = time.perf_counter() - start
     return elapsed
 
@@ -213,14 +249,19 @@ def measure(
     assert broker_depth(client) == rows, "raw LPUSH: one message per row"
 
     flush(client)
-    out["tm_s"], out["tm_line"] = tokenmill_in_process(client, data, rows)
+    tm = tokenmill_in_process(client, data, rows)
+    out["tm_s"], out["tm_line"], out["tm_cpu_s"], out["tm_redis_cpu_s"] = tm
     assert broker_depth(client) == rows, "tokenmill: one message per row"
-    out["tm_again_s"], out["tm_again_line"] = tokenmill_in_process(client, data, rows)
+    out["tm_again_s"], out["tm_again_line"], _, _ = tokenmill_in_process(client, data, rows)
     assert broker_depth(client) == rows, "re-enqueue publishes nothing"
 
     flush(client)
     out["celery_s"] = celery_send_task(url, data, apply_rows)
     assert broker_depth(client) == apply_rows + 1, "send_task: one message per row (and the warm-up)"
+
+    flush(client)
+    out["apply_s"] = celery_apply_async(url, data, apply_rows)
+    assert broker_depth(client) == apply_rows + 1, "apply_async: one message per row (and the warm-up)"
 
     flush(client)
     cli = run_measured(cli_args(data, url, rows), work / "cli.log")
@@ -238,6 +279,7 @@ def rates(r: dict[str, Any]) -> dict[str, float]:
         "cli": rows / r["cli"].wall_s,
         "re-enqueue": rows / r["tm_again_s"],
         "send_task": r["apply_rows"] / r["celery_s"],
+        "apply_async": r["apply_rows"] / r["apply_s"],
         "raw": rows / r["raw_s"],
     }
 
@@ -261,34 +303,45 @@ def measure_rss(client: redis.Redis, url: str, work: Path, rows: int) -> list[An
 def report(rounds: list[dict[str, Any]], rows: int, apply_rows: int, rss_line: list[Any] | None) -> None:
     per = [rates(r) for r in rounds]
     m = {k: median([p[k] for p in per]) for k in per[0]}
-    tm, cli, celery, raw = m["tokenmill"], m["cli"], m["send_task"], m["raw"]
+    tm, cli, apply, raw = m["tokenmill"], m["cli"], m["apply_async"], m["raw"]
+    send = m["send_task"]
     n = len(rounds)
     print()
     print(rounds[0]["tm_line"])
     print(rounds[0]["tm_again_line"])
     print()
     print(f"median of {n} round(s), each variant on a flushed Redis:")
+
+    def line(name: str, count: int, rate: float) -> list[str]:
+        ratios = [f"{rate / apply:.1f}x", f"{rate / send:.1f}x", f"{rate / raw:.3f}"]
+        return [name, f"{count:,}", f"{rate:,.0f}", *ratios]
+
     print(table(
-        ["variant", "rows", "rows/s", "vs send_task", "vs raw LPUSH"],
+        ["variant", "rows", "rows/s", "vs apply_async", "vs send_task", "vs raw LPUSH"],
         [
-            ["tokenmill Enqueuer (in process)", f"{rows:,}", f"{tm:,.0f}", f"{tm / celery:.1f}x",
-             f"{tm / raw:.2f}"],
-            ["`tokenmill enqueue` CLI (subprocess, end to end)", f"{rows:,}", f"{cli:,.0f}",
-             f"{cli / celery:.1f}x", f"{cli / raw:.2f}"],
-            ["tokenmill re-enqueue (every row a dedup hit)", f"{rows:,}", f"{m['re-enqueue']:,.0f}",
-             f"{m['re-enqueue'] / celery:.1f}x", f"{m['re-enqueue'] / raw:.2f}"],
-            ["Celery send_task, one reused producer", f"{apply_rows:,}", f"{celery:,.0f}", "1.0x",
-             f"{celery / raw:.3f}"],
-            ["raw pipelined LPUSH of the JSON lines", f"{rows:,}", f"{raw:,.0f}", f"{raw / celery:.1f}x",
-             "1.00"],
+            line("tokenmill Enqueuer (in process)", rows, tm),
+            line("`tokenmill enqueue` CLI (subprocess, end to end)", rows, cli),
+            line("tokenmill re-enqueue (every row a dedup hit)", rows, m["re-enqueue"]),
+            line("Celery apply_async, one reused producer", apply_rows, apply),
+            line("Celery send_task (request in the message), one reused producer", apply_rows, send),
+            line("raw pipelined LPUSH of the JSON lines", rows, raw),
         ],
     ))  # fmt: skip
     if apply_rows < rows:
-        print(f"(send_task ran on the first {apply_rows:,} rows only: {rows:,} would take "
-              f"~{rows / celery:.0f} s at this rate; --apply-rows {rows} runs them all)")  # fmt: skip
+        print(f"(apply_async and send_task ran on the first {apply_rows:,} rows only: {rows:,} would take "
+              f"~{rows / apply:.0f} s at this rate; --apply-rows {rows} runs them all)")  # fmt: skip
     print()
-    print(f"tokenmill vs send_task: {tm / celery:.1f}x (target >= 25x: {verdict(tm / celery >= 25)}); "
+    print(f"tokenmill vs apply_async: {tm / apply:.1f}x (target >= 25x: {verdict(tm / apply >= 25)}); "
           f"vs raw LPUSH: {tm / raw:.2f} (target >= 0.2: {verdict(tm / raw >= 0.2)})")  # fmt: skip
+    cpu_us = median([r["tm_cpu_s"] / rows * 1e6 for r in rounds])
+    redis_us = median([r["tm_redis_cpu_s"] / rows * 1e6 for r in rounds])
+    cores = len(os.sched_getaffinity(0))
+    bound = cores / ((cpu_us + redis_us) / 1e6)
+    print(
+        f"CPU per row (in process): producer {cpu_us:.1f} us, redis-server {redis_us:.1f} us; "
+        f"on {cores} cores that allows at most {bound:,.0f} rows/s ({bound / apply:.1f}x apply_async) "
+        "however well the two overlap"
+    )
     print()
     rss = max(r["cli"].max_rss_mb for r in rounds)
     rss_rows = [[f"`tokenmill enqueue` CLI, {rows:,} rows", f"{min(r['cli'].wall_s for r in rounds):.1f}",
