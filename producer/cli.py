@@ -33,6 +33,12 @@ redis_option = click.option(
     help="Redis URL (default redis://127.0.0.1:6379/0).",
 )
 run_option = click.option("--run", "run", required=True, help="The run's name.")
+max_queued_option = click.option(
+    "--max-queued",
+    type=click.IntRange(min=1),
+    default=None,
+    help="At most N messages per queue in the broker; the rest wait in the ledger (default: settings).",
+)
 
 
 @click.command()
@@ -54,12 +60,7 @@ run_option = click.option("--run", "run", required=True, help="The run's name.")
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid rows instead of stopping.")
-@click.option(
-    "--max-queued",
-    type=click.IntRange(min=1),
-    default=None,
-    help="At most N messages per queue in the broker; the rest wait in the ledger.",
-)
+@max_queued_option
 @redis_option
 def enqueue(
     files: tuple[str, ...],
@@ -207,13 +208,14 @@ def export(run: str, out_dir: str, include_truncated: bool, redis_url: str | Non
 
 @click.command()
 @run_option
+@max_queued_option
 @redis_option
-def resume(run: str, redis_url: str | None) -> None:
+def resume(run: str, max_queued: int | None, redis_url: str | None) -> None:
     """Republish every job of RUN that is not done (duplicates are harmless)."""
     from producer.resume import resume_run
 
     keys.check_run(run)
-    _, client = _connect(redis_url, "resume")
+    settings, client = _connect(redis_url, "resume")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis")
-    click.echo(resume_run(client, run).line(run))
+    click.echo(resume_run(client, run, max_queued or settings.max_queued).line(run))

@@ -36,6 +36,37 @@ def test_max_queued_bounds_the_broker_and_the_feeder_publishes_the_rest(
     assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 300
 
 
+def test_resume_keeps_the_broker_bounded_and_leaves_waiting_jobs_to_the_feeder(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given 300 jobs enqueued with at most 25 messages in the broker (275 on the backlog)
+    sim, url = start_sim(tmp_path, "--sim-mean-output-tokens", "10")
+    procs.append(sim)
+    env = worker_env(redis_url, url, max_queued=25)
+    data = write_jsonl(tmp_path / "P.jsonl", [{"prompt": f"q{i}"} for i in range(300)])
+    cli("enqueue", str(data), "--run", "r", "--max-queued", "25", env=env)
+
+    # When the broker list is lost and the run resumed
+    rclient.delete("short")
+    line = cli("resume", "--run", "r", "--max-queued", "25", env=env).stdout
+    # Then only the 25 jobs that had a message get one again; the backlog is left to the feeder
+    assert "republished 25 queued jobs" in line and "275 were already waiting" in line, line
+    assert rclient.llen("short") == 25 and rclient.llen("tm:r:backlog:short") == 275
+
+    # When the backlog is lost as well and the run resumed
+    rclient.delete("short", "tm:r:backlog:short")
+    line = cli("resume", "--run", "r", "--max-queued", "25", env=env).stdout
+    # Then every job is handed back, and still only 25 of them as messages
+    assert "republished 300 queued jobs" in line, line
+    assert "275 of the republished wait on the backlog" in line, line
+    assert rclient.llen("short") == 25 and rclient.llen("tm:r:backlog:short") == 275
+
+    # and workers finish the run exactly once
+    procs.append(start_worker(tmp_path, "short", env, concurrency=4))
+    totals = wait_run_finished(rclient, "r", 60)["totals"]
+    assert totals["done"] == 300 and totals["queued"] == totals["running"] == 0
+
+
 def test_status_shows_progress_failures_and_admission(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import redis
@@ -363,24 +363,59 @@ class Ledger:
         if not ids:
             return 0
         self.r.zrem(self.k.waiting(), *ids)
-        return self.republish(ids, front=True)
+        return self.republish(ids, front=True).published
 
     def job(self, job_id: str) -> dict[str, str]:
         return {_s(a): _s(b) for a, b in self.r.hgetall(self.k.job(job_id)).items()}
 
-    def republish(self, job_ids: Iterable[str], front: bool = False) -> int:
+    def republish(
+        self, job_ids: Iterable[str], front: bool = False, max_depth: int | None = None
+    ) -> Republished:
         """Publish a message for each of ``job_ids`` that is ``queued`` (duplicates are harmless);
-        with ``front``, at the consuming end of the queue (it runs next)."""
-        n = 0
-        for job_id in job_ids:
-            state, part, queue = (
-                _s(x) if x else "" for x in self.r.hmget(self.k.job(job_id), "state", "partition", "queue")
-            )
-            if state == "queued":
-                push = self.r.rpush if front else self.r.lpush
-                push(keys.broker_queue(queue), task_message(self.run, part, job_id, queue))
-                n += 1
-        return n
+        with ``front``, at the consuming end of the queue (it runs next). With ``max_depth``, a job
+        whose queue already holds that many messages goes on the backlog instead (the feeder
+        publishes it as the queue drains)."""
+        published = backlogged = 0
+        ids = list(job_ids)
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            read = self.r.pipeline(transaction=False)
+            for job_id in chunk:
+                read.hmget(self.k.job(job_id), "state", "partition", "queue")
+            room = {
+                q: len(chunk) if max_depth is None else max_depth - int(self.r.llen(keys.broker_queue(q)))
+                for q in keys.QUEUES
+            }
+            write = self.r.pipeline(transaction=False)
+            for job_id, (state, part, queue) in zip(chunk, read.execute(), strict=True):
+                if state != b"queued" or not queue:
+                    continue
+                q = _s(queue)
+                if room[q] > 0:
+                    push = write.rpush if front else write.lpush
+                    push(keys.broker_queue(q), task_message(self.run, _s(part or b""), job_id, q))
+                    room[q] -= 1
+                    published += 1
+                else:
+                    write.rpush(self.k.backlog(q), job_id)
+                    backlogged += 1
+            write.execute()
+        return Republished(published, backlogged)
+
+    def parked(self) -> set[str]:
+        """Queued jobs that wait without a message by design: delayed retries and the backlogs."""
+        k = self.k
+        ids = {_s(x) for x in self.r.zrange(k.delayed(), 0, -1)}
+        for q in keys.QUEUES:
+            ids.update(_s(x) for x in self.r.lrange(k.backlog(q), 0, -1))
+        return ids
+
+
+class Republished(NamedTuple):
+    """What :meth:`Ledger.republish` did: messages published, job ids put on the backlog."""
+
+    published: int
+    backlogged: int
 
 
 def heartbeat_args(

@@ -40,10 +40,7 @@ class Reconciler:
         if not any(c["queued"] for c in counts.values()):
             self.suspects.pop(ledger.run, None)
             return 0
-        k = ledger.k
-        parked = {x.decode() for x in client.zrange(k.delayed(), 0, -1)}
-        for q in keys.QUEUES:
-            parked.update(x.decode() for x in client.lrange(k.backlog(q), 0, -1))
+        parked = ledger.parked()
         queued = {
             job_id
             for partition, c in counts.items()
@@ -55,7 +52,7 @@ class Reconciler:
         self.suspects[ledger.run] = queued - orphans
         if orphans:
             log.warning("run %s: %d queued job(s) had no message; republished", ledger.run, len(orphans))
-            return ledger.republish(sorted(orphans))
+            return ledger.republish(sorted(orphans)).published
         return 0
 
 
