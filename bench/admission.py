@@ -6,7 +6,11 @@ retraction count. Fixed variants turn admission off and set the worker's concurr
 hand-tuned from the capacity, too high); the admission variant sets no concurrency by hand (the
 worker's thread pool is large) and lets the server's published capacity bound the load.
 
-    python bench/admission.py [--prompts 400] [--kv 24000] [--repeat 1]
+    python bench/admission.py [--prompts 400] [--kv 24000] [--repeat 1] [--only tuned,admission]
+                              [--trace]
+
+``--trace`` samples the sim (running, queued, KV used) and the admission hash (tokens held,
+slots) every 0.5 s and prints the timeline of each variant: where the time goes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +32,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenmill import keys  # noqa: E402
 from tokenmill.local_redis import LocalRedis, free_port  # noqa: E402
 
 
@@ -54,6 +60,34 @@ def make_dataset(path: Path, n: int) -> None:
                 json.dumps({"id": str(i), "prompt": f"Write about topic {i}. " + "context " * (40 + i % 60)})
                 + "\n"
             )
+
+
+def sample_timeline(url: str, client: redis.Redis, t0: float, stop: threading.Event) -> list[str]:
+    """Every 0.5 s: elapsed, sim running/queued/KV used, admission tokens held and slots."""
+    rows: list[str] = []
+    while not stop.wait(0.5):
+        try:
+            st = get_json(f"{url}/_sim/stats")
+            used = sorted(client.scan_iter(keys.admission_used("*")))
+            held = client.hget(used[0], "total") if used else 0
+            slots = client.zcard(used[0].decode().removesuffix(":used")) if used else 0
+        except Exception:
+            continue
+        rows.append(
+            f"{time.monotonic() - t0:6.1f}s run {st['running']:4d} queue {st['queued']:4d} "
+            f"kv {st['used_tokens']:6d} ratio {st['new_token_ratio']:.3f} "
+            f"retr {st['retracted_total']:4d} | adm held {int(held or 0):6d} slots {slots:4d}"
+        )
+    return rows
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_variant(
@@ -139,12 +173,24 @@ def run_variant(
                 )
             )
         client = redis.Redis.from_url(rds.url)
+        stop = threading.Event()
+        timeline: list[str] = []
+        if args.trace:
+            tracer = threading.Thread(
+                target=lambda: timeline.extend(sample_timeline(url, client, t0, stop)), daemon=True
+            )
+            tracer.start()
         wait(
             lambda: int(client.hget("tm:b:counts", "done|" + data.stem) or 0) == args.prompts,
             args.timeout,
             "the run to finish",
         )
         wall = time.monotonic() - t0
+        stop.set()
+        if args.trace:
+            tracer.join(5)
+            print("\n".join(timeline), flush=True)
+        cpu = {"worker_cpu_s": round(cpu_s(procs[-1].pid), 1), "sim_cpu_s": round(cpu_s(sim.pid), 1)}
         stats = get_json(f"{url}/_sim/stats")
         tokens = int(client.hget("tm:b:stats", "completion_tokens") or 0)
         return {
@@ -152,6 +198,7 @@ def run_variant(
             "retractions": stats.get("retracted_total", 0),
             "peak_kv": stats.get("peak_used_tokens"),
             "tokens": tokens,
+            **cpu,
         }
     finally:
         for p in reversed(procs):
@@ -175,15 +222,18 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--only", default="low,tuned,high,admission", help="variants to run, comma-separated")
+    ap.add_argument("--trace", action="store_true", help="print a 0.5 s timeline of each variant")
     args = ap.parse_args()
     # Hand-tuned the way it was done by hand: capacity / (prompt + typical output).
     tuned = max(1, args.kv // (90 + args.mean_output))
-    variants = [
-        (f"fixed {args.low} (too low)", False, args.low),
-        (f"fixed {tuned} (hand-tuned)", False, tuned),
-        (f"fixed {args.high} (too high)", False, args.high),
-        (f"admission (threads {args.high}, no tuning)", True, args.high),
-    ]
+    every = {
+        "low": (f"fixed {args.low} (too low)", False, args.low),
+        "tuned": (f"fixed {tuned} (hand-tuned)", False, tuned),
+        "high": (f"fixed {args.high} (too high)", False, args.high),
+        "admission": (f"admission (threads {args.high}, no tuning)", True, args.high),
+    }
+    variants = [every[k.strip()] for k in args.only.split(",")]
     results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="tm-bench-adm-") as tmp:
         work = Path(tmp)
@@ -198,8 +248,8 @@ def main() -> None:
         f"mean output {args.mean_output}, max_tokens {args.max_tokens}, median of {args.repeat}"
     )
     med = {n: statistics.median(r["wall_s"] for r in rs) for n, rs in results.items()}
-    best_fixed = min(v for n, v in med.items() if n.startswith("fixed"))
-    worst_fixed = max(v for n, v in med.items() if n.startswith("fixed"))
+    fixed = [v for n, v in med.items() if n.startswith("fixed")] or [float("nan")]
+    best_fixed, worst_fixed = min(fixed), max(fixed)
     print(f"{'variant':44} {'wall s':>8} {'tok/s':>8} {'retractions':>12} {'vs best fixed':>14}")
     for name, rs in results.items():
         tokens = statistics.median(r["tokens"] for r in rs)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import redis
 
 from tests.procs import wait_for
@@ -70,3 +73,50 @@ def test_estimate_uses_the_runs_mean_output_once_known(rclient: redis.Redis) -> 
     rclient.hset("tm:r2:counts", "done|P", 10)
     assert a.estimate("r2", request) == 104 + 100
     assert a.estimate("r2", {**request, "max_tokens": 50}) == 104 + 25
+
+
+def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rclient: redis.Redis) -> None:
+    line = adm(rclient).line
+    with contextlib.ExitStack() as first_stays:
+        first = first_stays.enter_context(line.join())
+        with line.join() as second:
+            assert first.first() and not second.first()
+            first_stays.close()  # the head leaves (admitted, or gave up)
+            assert second.first()
+    assert line.head() is None
+
+
+def test_a_released_slot_wakes_the_head_at_once_and_leaving_wakes_the_next(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    slot = a.try_admit("srv", 1000, 900, "short")
+    assert slot is not None
+    woken: list[str] = []
+    first_in = threading.Event()
+    next_in = threading.Event()
+
+    def head() -> None:
+        with a.line.join() as turn:
+            turn.arm()
+            assert a.try_admit("srv", 1000, 500, "short") is None
+            first_in.set()
+            turn.wait(60)  # a release here must wake it long before this timeout
+            woken.append("head")
+            next_in.wait(10)
+
+    def behind() -> None:
+        first_in.wait(10)
+        with a.line.join() as turn:
+            next_in.set()
+            while not turn.first():
+                turn.wait(60)  # the head leaving must wake it
+            woken.append("next")
+
+    threads = [threading.Thread(target=head), threading.Thread(target=behind)]
+    for t in threads:
+        t.start()
+    first_in.wait(10)
+    wait_for(lambda: next_in.is_set(), 10, "the second thread to stand in line")
+    a.release(slot)
+    wait_for(lambda: woken == ["head", "next"], 10, "the head, then the next thread, to be woken")
+    for t in threads:
+        t.join(10)

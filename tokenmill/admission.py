@@ -3,11 +3,16 @@
 Each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
 by the server manager, or read from ``/server_info``). A request holds ``prompt + factor x typical
 output`` tokens of it while it runs: the typical output is the run's mean completion length so
-far (capped by ``max_tokens``; a default until five jobs are done), and the factor (0.75 by
-default) reflects that a request's KV grows from its prompt to prompt + output while it runs, so
-on average it holds about half its output, plus a margin for the mix of lengths. Each queue may use at most
-``admission_queue_share`` of the budget, so long prompts cannot starve short ones or the
-reverse. Slots are leases renewed with the job's lease: a dead worker's slots expire.
+far (capped by ``max_tokens``; a default until five jobs are done), and the factor
+(``admission_output_factor``, 0.5 by default) reflects that a request's KV grows from its prompt
+to prompt + output while it runs, so on average it holds about half its output. A running
+request holds the larger of that and its prompt + generated tokens (resized at heartbeats).
+Each queue may use at most ``admission_queue_share`` of the budget, so long prompts cannot
+starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead worker's slots expire.
+
+Threads of one process that wait for room stand in a :class:`WaitLine`: only the first asks
+Redis (at once when this process frees a slot, every ``admission_wait_s`` for slots freed
+elsewhere), so hundreds of waiting threads cost one poll, not hundreds, and are served in order.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +51,61 @@ class Slot:
         return keys.admission(self.server), keys.admission_used(self.server), self.member
 
 
+class Turn:
+    """A thread's place in a :class:`WaitLine`."""
+
+    def __init__(self, line: WaitLine) -> None:
+        self._line = line
+        self._wake = threading.Event()
+
+    def first(self) -> bool:
+        """Whether this thread is at the head of the line (the one that asks for room)."""
+        return self._line.head() is self
+
+    def arm(self) -> None:
+        """Forget past wake-ups: call before asking for room, so that a slot freed while
+        asking is not missed by the wait that follows."""
+        self._wake.clear()
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until woken (head reached, or a slot freed here) or ``timeout_s``."""
+        self._wake.wait(timeout_s)
+
+
+class WaitLine:
+    """This process's threads waiting for admission, first come first served."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns: deque[Turn] = deque()
+
+    def head(self) -> Turn | None:
+        with self._lock:
+            return self._turns[0] if self._turns else None
+
+    def wake_head(self) -> None:
+        """Let the head ask again now (a slot was freed or shrank)."""
+        with self._lock:
+            if self._turns:
+                self._turns[0]._wake.set()
+
+    @contextmanager
+    def join(self) -> Iterator[Turn]:
+        """Stand in line until the block exits; leaving wakes the next thread."""
+        turn = Turn(self)
+        with self._lock:
+            self._turns.append(turn)
+            if len(self._turns) == 1:
+                turn._wake.set()
+        try:
+            yield turn
+        finally:
+            with self._lock:
+                self._turns.remove(turn)
+                if self._turns:
+                    self._turns[0]._wake.set()
+
+
 class Admission:
     """Take and give back admission slots; estimate what a request will hold."""
 
@@ -52,7 +115,7 @@ class Admission:
         self._admit = register(client, "admit")
         self._unadmit = register(client, "unadmit")
         self._means: dict[str, tuple[float, float | None]] = {}
-        self._freed = threading.Condition()
+        self.line = WaitLine()
 
     def budget(self, capacity: int | None) -> int | None:
         return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
@@ -106,13 +169,7 @@ class Admission:
     def release(self, slot: Slot) -> None:
         if slot.tokens:
             self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
-            with self._freed:
-                self._freed.notify_all()
-
-    def wait_for_room(self, timeout_s: float) -> None:
-        """Sleep until this process frees a slot, or ``timeout_s`` (other hosts free slots too)."""
-        with self._freed:
-            self._freed.wait(timeout_s)
+            self.line.wake_head()
 
 
 def admission_view(client: redis.Redis, server: str) -> dict[str, int]:

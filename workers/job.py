@@ -76,38 +76,47 @@ def _admit(
 ) -> tuple[ServerView, Slot] | None:
     """Wait for a ready server with room for this request in its budget (least loaded first).
 
-    While it waits the job holds a waiting lease, so that if this worker dies the job is
-    republished at once instead of when the broker's visibility timeout restores the message.
+    Waiting threads stand in this process's line: only the first asks Redis for room, at once
+    when a slot is freed here and every ``admission_wait_s`` for slots freed elsewhere. While
+    it waits the job holds a waiting lease, so that if this worker dies the job is republished
+    at once instead of when the broker's visibility timeout restores the message.
     """
-    adm = rt.admission
     s = rt.settings
     said = False
     held_at = 0.0
     try:
-        while not rt.stopping.is_set():
-            try:
-                if time.monotonic() - held_at > s.lease_ttl_s / 3:
-                    ledger.hold_waiting(job_id, s.lease_ttl_s)
-                    held_at = time.monotonic()
-                got = _try_servers(rt, ledger.run, request, queue)
-            except redis.RedisError as exc:
-                log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
-                rt.stopping.wait(1.0)
-                continue
-            if isinstance(got, tuple):
-                return got
-            if not said and not got:
-                log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
-                said = True
-            if got:
-                adm.wait_for_room(s.admission_wait_s * (0.5 + random.random()))
-            else:
-                rt.stopping.wait(s.admission_wait_s)
-        return None
+        with rt.admission.line.join() as turn:
+            while not rt.stopping.is_set():
+                try:
+                    if time.monotonic() - held_at > s.lease_ttl_s / 3:
+                        ledger.hold_waiting(job_id, s.lease_ttl_s)
+                        held_at = time.monotonic()
+                    if not turn.first():
+                        turn.wait(LINE_CHECK_S)
+                        continue
+                    turn.arm()
+                    got = _try_servers(rt, ledger.run, request, queue)
+                except redis.RedisError as exc:
+                    log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
+                    rt.stopping.wait(1.0)
+                    continue
+                if isinstance(got, tuple):
+                    return got
+                if not said and not got:
+                    log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
+                    said = True
+                if got:
+                    turn.wait(s.admission_wait_s * (0.5 + random.random()))
+                else:
+                    rt.stopping.wait(s.admission_wait_s)
+            return None
     finally:
         if held_at:
             with contextlib.suppress(redis.RedisError):
                 ledger.hold_waiting(job_id, s.lease_ttl_s, hold=False)
+
+
+LINE_CHECK_S = 0.5  # how often a thread behind the head looks at the stop flag
 
 
 def _try_servers(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | bool:
