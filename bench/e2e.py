@@ -17,6 +17,7 @@ the benchmark checks it. The sim is the bottleneck the way a GPU is (``--sim-ste
     .venv/bin/python bench/e2e.py                     # 600 prompts, A B A B: ~3 minutes
     .venv/bin/python bench/e2e.py --prompts 300 --rounds 1
     .venv/bin/python bench/e2e.py --per-token 300       # the stream path alone: CPU per token
+    .venv/bin/python bench/e2e.py --per-request 600     # what sending a request costs: CPU per request
 """
 
 from __future__ import annotations
@@ -416,6 +417,30 @@ def per_token(k: Knobs, n: int, rounds: int) -> None:
     print(f"_on_line on one content chunk: {on_line:.2f} µs, of which orjson.loads {loads:.2f} µs")
 
 
+def per_request(k: Knobs, n: int, rounds: int) -> None:
+    """What sending a request costs, side by side: the same stream path on requests cut to
+    2 tokens (``max_tokens`` 2), so the per-request work dominates: CPU per request."""
+    rows: dict[str, list[float]] = {"worker": [], "direct": []}
+    with workdir() as work, Children() as ch:
+        short = [r for r in direct_requests(write_dataset(work / "P.jsonl", k), k) if r["queue"] == "short"]
+        reqs = [{**r, "request": {**r["request"], "max_tokens": 2}} for r in short[:n]]
+        _, url = start_sim(ch, work, k.sim)
+        for _ in range(rounds):
+            for variant in rows:
+                cpu, _tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, variant == "worker"))
+                rows[variant].append(cpu / len(reqs))
+                each_ms = cpu / len(reqs) * 1e3
+                print(f"{variant:6}: {cpu:.2f} CPU s for {len(reqs)} requests, {each_ms:.2f} ms each")
+    direct = median(rows["direct"])
+    worker = median(rows["worker"])
+    where = f"{k.short_concurrency} at a time, one process, median of {rounds}"
+    print(f"\n{len(reqs)} requests of 2 tokens, {where}:")
+    worker_row = ["workers.stream.stream_chat on the worker's openai client", f"{worker * 1e3:.2f}",
+                  f"{worker / direct:.2f}x"]  # fmt: skip
+    direct_row = ["direct: aiohttp lines + orjson", f"{direct * 1e3:.2f}", "1.00x"]
+    print(table(["stream path", "CPU ms / request", "vs direct"], [worker_row, direct_row]))
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -435,6 +460,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     ap.add_argument(
         "--per-token", type=int, metavar="N", default=0, help="only the stream path: N requests, in process"
+    )
+    ap.add_argument(
+        "--per-request", type=int, metavar="N", default=0, help="only the request cost: N 2-token requests"
     )
     ap.add_argument("--direct-client", nargs=3, metavar=("URL", "REQUESTS", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -459,6 +487,9 @@ def main() -> None:
     print(f"sim: {' '.join(sim)}")
     if a.per_token:
         per_token(k, a.per_token, a.rounds)
+        return
+    if a.per_request:
+        per_request(k, a.per_request, a.rounds)
         return
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []

@@ -3,7 +3,10 @@
 The official ``openai`` client sends the request (auth, headers, error mapping), but its typed
 chunk objects cost ~5x the CPU of parsing the SSE line with orjson (see
 reference/streaming-costs.md), so the raw streaming response is read as bytes, split into
-``data:`` lines here, and parsed with orjson. Per chunk the work is: one ``orjson.loads``, two
+``data:`` lines here, and parsed with orjson. The request goes through the client's public
+``post`` with the body already dumped by orjson: ``chat.completions.create`` first walks the
+params through the SDK's typed transform, which cost about as much CPU per request as the
+rest of sending it (bench/e2e.py --per-request). Per chunk the work is: one ``orjson.loads``, two
 dict lookups, a list append and an integer increment. No Redis call, no allocation a buffer
 would avoid; checkpoints are taken by the job's watchdog task from the shared ``Progress``.
 """
@@ -17,7 +20,7 @@ from typing import Any, cast
 
 import httpx2
 import orjson
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, AsyncStream
 
 from tokenmill import errors
 from workers import taxonomy
@@ -27,6 +30,7 @@ _DATA = b"data: "
 # holds several (``--stream-interval``): a continuation's max_tokens depends on that count.
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 _DONE = b"[DONE]"
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(slots=True)
@@ -54,13 +58,17 @@ async def stream_chat(
     """Stream ``request`` and accumulate into ``progress``; raise a classified error on failure."""
     loop = asyncio.get_running_loop()
     try:
-        async with client.chat.completions.with_streaming_response.create(
-            **request,
+        body = orjson.dumps({**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS})
+        response = await client.post(
+            "/chat/completions",
+            cast_to=object,
+            content=body,
+            options={"headers": _JSON},
             stream=True,
-            # in extra_body: the SDK's typed stream_options would drop continuous_usage_stats
-            extra_body={**extra, "stream_options": STREAM_OPTIONS},
-        ) as response:
-            http = response.http_response
+            stream_cls=AsyncStream[Any],
+        )
+        try:
+            http = response.response
             # The transport's byte stream: skips openai's iter_bytes and httpx2's aiter_bytes and
             # aiter_raw on every chunk (bench/e2e.py --per-token). SGLang's SSE is not
             # content-encoded; should a proxy encode it, httpx2 decodes it as before.
@@ -80,6 +88,8 @@ async def stream_chat(
                         _on_line(line[6:], progress, loop)
             if buf.startswith(_DATA):
                 _on_line(buf[6:], progress, loop)
+        finally:
+            await response.close()
     except errors.GenerationError:
         raise
     except Exception as exc:  # classified in one place
