@@ -9,8 +9,10 @@ worker's thread pool is large) and lets the server's published capacity bound th
     python bench/admission.py [--prompts 400] [--kv 24000] [--repeat 1] [--only tuned,admission]
                               [--trace]
 
-``--trace`` samples the sim (running, queued, KV used) and the admission hash (tokens held,
-slots) every 0.5 s and prints the timeline of each variant: where the time goes.
+The summary gives the median wall time and retractions and the highest KV the sim used (its
+``--max-total-tokens`` is the limit). ``--trace`` samples the sim (running, queued, KV used) and
+the admission hash (tokens held, slots) every 0.5 s and prints the timeline of each variant:
+where the time goes.
 """
 
 from __future__ import annotations
@@ -250,12 +252,15 @@ def main() -> None:
     med = {n: statistics.median(r["wall_s"] for r in rs) for n, rs in results.items()}
     fixed = [v for n, v in med.items() if n.startswith("fixed")] or [float("nan")]
     best_fixed, worst_fixed = min(fixed), max(fixed)
-    print(f"{'variant':44} {'wall s':>8} {'tok/s':>8} {'retractions':>12} {'vs best fixed':>14}")
+    print(
+        f"{'variant':44} {'wall s':>8} {'tok/s':>8} {'retractions':>12} {'peak KV':>8} {'vs best fixed':>14}"
+    )
     for name, rs in results.items():
         tokens = statistics.median(r["tokens"] for r in rs)
         retr = statistics.median(r["retractions"] for r in rs)
+        peak = max(r["peak_kv"] or 0 for r in rs)
         ratio = med[name] / best_fixed
-        print(f"{name:44} {med[name]:8.1f} {tokens / med[name]:8.0f} {retr:12.0f} {ratio:14.3f}")
+        print(f"{name:44} {med[name]:8.1f} {tokens / med[name]:8.0f} {retr:12.0f} {peak:8d} {ratio:14.3f}")
     adm = med[variants[-1][0]]
     print(
         f"\nadmission / best fixed = {adm / best_fixed:.3f} (target <= 1.05); "

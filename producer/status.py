@@ -9,7 +9,7 @@ import redis
 
 from tokenmill import keys
 from tokenmill import servers as server_records
-from tokenmill.admission import admission_view
+from tokenmill.admission import admission_view, length_view
 from tokenmill.ledger import Ledger
 
 WINDOW_S = 60
@@ -20,7 +20,8 @@ def _i(v: Any) -> int:
 
 
 def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The ``status --json`` document of design.md, plus admission figures per server."""
+    """The ``status --json`` document of design.md, plus admission figures per server and the
+    run's completion-length curve admission projects from."""
     ledger = Ledger(client, run)
     k = keys.RunKeys(run)
     partitions = ledger.counts()
@@ -61,6 +62,7 @@ def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ())
         "stats": stats,
         "servers": servers,
         "admission": {name: admission_view(client, name) for name in names},
+        "lengths": length_view(client, run),
         "at": time.time(),
     }
 

@@ -17,6 +17,19 @@ def _eta(eta_s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
 
 
+def _lengths_line(lv: dict[str, Any]) -> str:
+    """What admission's projections rest on: the run's completion lengths so far."""
+    if not lv.get("ended") and not lv.get("running"):
+        return "completion lengths: none seen yet (each request projected to reach max_tokens)"
+    p50, p90 = lv.get("p50"), lv.get("p90")
+    return (
+        f"completion lengths: {lv['ended']} ended, {lv['running']} running; "
+        f"median {p50 if p50 is not None else '?'}, p90 {p90 if p90 is not None else '?'}, "
+        f"mean {lv.get('mean_known') or '?'}; "
+        f"{lv['unknown_tail']:.0%} beyond the data (projected to reach max_tokens)"
+    )
+
+
 def render(doc: dict[str, Any]) -> Group:
     """One screen: what a person watching a run needs, without reading logs."""
     t = doc["totals"]
@@ -65,7 +78,15 @@ def render(doc: dict[str, Any]) -> Group:
     admission = {n: a for n, a in (doc.get("admission") or {}).items() if a.get("budget")}
     if admission:
         adm = Table(
-            "admission", "in flight (tokens)", "budget", "short", "long", "slots", "refused", box=None
+            "admission",
+            "held (tokens)",
+            "budget",
+            "short",
+            "long",
+            "last asked s/l",
+            "slots",
+            "refused",
+            box=None,
         )
         for name, a in sorted(admission.items()):
             adm.add_row(
@@ -74,8 +95,10 @@ def render(doc: dict[str, Any]) -> Group:
                 str(a["budget"]),
                 f"{a.get('short', 0)}/{a.get('cap:short', '-')}",
                 f"{a.get('long', 0)}/{a.get('cap:long', '-')}",
+                f"{a.get('asked:short', '-')}/{a.get('asked:long', '-')}",
                 str(a.get("slots", 0)),
                 str(a.get("refused", 0)),
             )
         items.append(adm)
+        items.append(Text(_lengths_line(doc.get("lengths") or {})))
     return Group(*items)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 
 import redis
 
 from tests.procs import wait_for
-from tokenmill.admission import Admission, admission_view
+from tokenmill.admission import Admission, LengthTracker, admission_view, length_view
+from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
 from tokenmill.settings import Settings
 
 
@@ -65,14 +67,85 @@ def test_unknown_capacity_is_not_limited(rclient: redis.Redis) -> None:
     assert slot is not None and slot.tokens == 0
 
 
-def test_estimate_uses_the_runs_mean_output_once_known(rclient: redis.Redis) -> None:
-    a = adm(rclient, admission_default_output_tokens=1000, admission_output_factor=0.5)
+def curve(lengths: list[int], running: list[int] = (), max_tokens: int = 100_000) -> Survival:
+    """The survival curve a run reports after ``lengths`` ended and ``running`` reached so far."""
+    reached_n: Counter[int] = Counter()
+    ended_n: Counter[int] = Counter()
+    for n in lengths:
+        reached_n.update(reached(-1, min(n, max_tokens)))
+        ended_n[bin_of(min(n, max_tokens))] += 1
+    for g in running:
+        reached_n.update(reached(-1, g))
+    return Survival.from_counts(reached_n, ended_n)
+
+
+def test_length_bins_tile_the_token_line_and_are_at_most_an_eighth_wide() -> None:
+    for b in range(120):
+        lo, hi = edge(b), edge(b + 1)
+        assert bin_of(lo) == b and bin_of(hi - 1) == b
+        assert hi - lo <= max(16, lo // 8)
+    assert reached(-1, 0) == [0] and reached(-1, 40) == [0, 1, 2] and reached(40, 47) == []
+
+
+def test_before_any_request_ends_each_one_is_projected_to_reach_max_tokens() -> None:
+    # Given no data, or requests that are running but none ended (the prior)
+    for c in (Survival(), curve([], running=[300, 900])):
+        # Then a new request, and one past every length seen, holds prompt + max_tokens
+        assert c.hold(100, 4096) == 4196 and c.tail == 1.0
+    assert curve([], running=[300, 900]).hold(100, 4096, 950) == 4196
+    assert curve([400] * 5, running=[600] * 15).hold(100, 4096, 2000) == 4196
+
+
+def test_a_known_length_distribution_projects_the_expected_peak_not_the_sum_of_maxima() -> None:
+    # Given lengths spread evenly over 375..2625 (mean 1,500), all seen to the end
+    c = curve(list(range(375, 2626, 5)))
+    # Then a new request of prompt 100 holds max_x (100 + x) P(L >= x) = 825 (+ at most 1/8 for
+    # rounding x up to its bin's edge), not 100 + 1,500 per request: requests started together
+    # free their KV as they end, so they never all peak at once
+    assert 825 <= c.hold(100, 4096) <= 825 * 1.125
+    # And the hold follows a running request: (100 + x) P(L >= x | L >= 1262) peaks at x = 1262
+    assert 1362 <= c.hold(100, 4096, 1262) <= 1362 * 1.125
+    assert 2700 <= c.hold(100, 4096, 2600) <= 100 + edge(bin_of(2600) + 1)
+    assert c.hold(100, 4096, 5000) == 5100  # past max_tokens: what it holds
+    assert 1500 <= (c.mean_known() or 0) <= 1530 and c.tail == 0.0
+
+
+def test_requests_still_running_keep_the_first_short_completions_from_biasing_it_low() -> None:
+    # Given 20 requests started together: the 5 shortest ended at ~400, 15 are still at 600
+    ended_only = curve([400] * 5)
+    with_running = curve([400] * 5, running=[600] * 15)
+    # Then counting only the ended ones would project ~500; the survivors keep 75% of the mass
+    # beyond the data, projected to max_tokens
+    assert ended_only.hold(100, 4096) <= 550
+    assert with_running.tail == 0.75
+    assert with_running.hold(100, 4096) == int(0.75 * 4196 + 0.999)
+
+
+def test_requests_cut_at_max_tokens_hold_all_of_it() -> None:
+    c = curve([5000] * 50, max_tokens=1000)  # every request truncated at max_tokens
+    assert c.hold(100, 1000) == 1100 and c.hold(100, 1000, 500) == 1100
+
+
+def test_estimate_uses_the_runs_length_curve_from_redis(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_default_output_tokens=1000)
     request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 5000}
-    assert a.estimate("r", request) == 104 + 500
-    rclient.hset("tm:r2:stats", "completion_tokens", 2000)
-    rclient.hset("tm:r2:counts", "done|P", 10)
-    assert a.estimate("r2", request) == 104 + 100
-    assert a.estimate("r2", {**request, "max_tokens": 50}) == 104 + 25
+    assert a.estimate("r", request) == 104 + 5000  # nothing known: max_tokens
+    assert a.estimate("r", {"messages": request["messages"]}) == 104 + 1000  # no max_tokens: the default
+    # When 40 requests of the run end at 200 tokens (reported as a worker does)
+    ledger_fields: Counter[str] = Counter()
+    for _ in range(40):
+        tracker = LengthTracker(lambda g: 0, 0)
+        for update in (tracker.update(64), tracker.update(150)):
+            ledger_fields.update(reached_field(b) for b in update.reached)
+        report = tracker.finish(200)
+        ledger_fields.update([ended_field(report.ended), *map(reached_field, report.reached)])
+    rclient.hset("tm:r2:lengths", mapping=dict(ledger_fields))
+    # Then a request of that run is projected to hold its prompt plus ~200
+    assert 104 + 200 <= a.estimate("r2", request) <= 104 + edge(bin_of(200) + 1)
+    assert a.held("r2", request, 190) == a.estimate("r2", request)
+    view = length_view(rclient, "r2")
+    assert view["ended"] == 40 and view["running"] == 0 and view["unknown_tail"] == 0
+    assert view["p50"] == edge(bin_of(200) + 1) and view["mean_known"] == 200
 
 
 def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rclient: redis.Redis) -> None:

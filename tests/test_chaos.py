@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server_mgr.sim.textgen import expected_completion
+from server_mgr.sim.textgen import Completion, expected_completion
 from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.procs import RedisServer, wait_for, worker_env
@@ -175,28 +175,53 @@ def test_continued_text_is_byte_exact_when_the_server_streams_several_tokens_per
     assert a.problems() == [], "\n".join(a.problems())
 
 
-def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted_finish_and_usage(
-    cluster: MakeCluster, tmp_path: Path
-) -> None:
-    # Given jobs whose worker streamed every token max_tokens allows (some ended by themselves,
-    # some were cut at the limit), checkpointed them all, and died before committing
-    c = cluster("--reasoning-parser", "qwen3", "--sim-mean-output-tokens", "40")
-    wl = streams("fullckpt", 16, mean=40, max_tokens=40)
-    c.enqueue(wl)
+SHORT = ("--reasoning-parser", "qwen3", "--sim-mean-output-tokens", "40")
+
+
+def _die_after_checkpointing(
+    c: Cluster, wl: Workload, partial: Callable[[Completion], Checkpoint]
+) -> set[str]:
+    """Claim every job of ``wl`` as a worker that checkpointed ``partial(its expected output)``
+    and died before committing; returns the finish reasons the uninterrupted outputs have."""
     ledger = Ledger(c.client, wl.run)
     finishes = set()
     for job_id in chaos.all_job_ids(c.client, wl.run):
         claim = ledger.claim(job_id, "ghost", LEASE_TTL_S)
         assert isinstance(claim, Claim), claim
         want = expected_completion(
-            claim.spec["request"]["messages"], max_tokens=wl.max_tokens, reasoning=True, mean_output_tokens=40
+            claim.spec["request"]["messages"],
+            max_tokens=wl.max_tokens,
+            reasoning=True,
+            mean_output_tokens=wl.mean_output_tokens,
         )
         finishes.add(want.finish_reason)
-        full = Checkpoint(want.content, want.reasoning_content or "", want.completion_tokens)
         verdict = ledger.release(
-            claim, JobError("worker_lost", "died"), delay_s=0, burn=False, max_attempts=8, checkpoint=full
+            claim,
+            JobError("worker_lost", "died"),
+            delay_s=0,
+            burn=False,
+            max_attempts=8,
+            checkpoint=partial(want),
         )
         assert verdict == "queued", verdict
+    return finishes
+
+
+def _first_tokens(want: Completion, k: int) -> Checkpoint:
+    """The checkpoint a worker takes after the first ``k`` tokens of ``want``."""
+    split = want.reasoning_tokens
+    return Checkpoint("".join(want.tokens[split:k]), "".join(want.tokens[: min(k, split)]), k)
+
+
+def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted_finish_and_usage(
+    cluster: MakeCluster, tmp_path: Path
+) -> None:
+    # Given jobs whose worker streamed every token max_tokens allows (some ended by themselves,
+    # some were cut at the limit), checkpointed them all, and died before committing
+    c = cluster(*SHORT)
+    wl = streams("fullckpt", 16, mean=40, max_tokens=40)
+    c.enqueue(wl)
+    finishes = _die_after_checkpointing(c, wl, lambda want: _first_tokens(want, want.completion_tokens))
     assert finishes == {"stop", "length"}
 
     # When a worker takes them up
@@ -205,6 +230,40 @@ def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted
     # Then each ends with the text, finish reason and token counts of an uninterrupted run
     a = assert_exactly_once(c, wl, tmp_path / "out")
     assert a.continued_jobs == a.prompts
+
+
+def test_a_checkpoint_the_server_refuses_to_continue_is_started_over_and_the_result_says_so(
+    cluster: MakeCluster, tmp_path: Path
+) -> None:
+    # Given jobs whose checkpoint is not a prefix of what the model says (the server answers 400)
+    c = cluster(*SHORT)
+    wl = streams("refused", 8, mean=40, max_tokens=40)
+    c.enqueue(wl)
+    _die_after_checkpointing(c, wl, lambda want: Checkpoint("not what this model would say", "", 6))
+
+    # When a worker takes them up
+    c.start_workers(1)
+
+    # Then each starts over, ends byte-exact, and records that it restarted
+    a = assert_exactly_once(c, wl, tmp_path / "out")
+    assert a.restarted == a.prompts and a.continued_jobs == 0
+
+
+def test_with_continuation_turned_off_a_checkpoint_is_started_over_and_the_result_says_so(
+    cluster: MakeCluster, tmp_path: Path
+) -> None:
+    # Given workers with continue_partial off, and jobs checkpointed half way
+    c = cluster(*SHORT, continue_partial="false")
+    wl = streams("nocontinue", 8, mean=40, max_tokens=40)
+    c.enqueue(wl)
+    _die_after_checkpointing(c, wl, lambda want: _first_tokens(want, want.completion_tokens // 2))
+
+    # When a worker takes them up
+    c.start_workers(1)
+
+    # Then each starts over, ends byte-exact, and records that it restarted
+    a = assert_exactly_once(c, wl, tmp_path / "out")
+    assert a.restarted == a.prompts and a.continued_jobs == 0
 
 
 # --- 3. Redis SIGKILL ----------------------------------------------------------------------------

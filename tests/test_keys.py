@@ -18,6 +18,7 @@ def test_run_keys_have_one_shape() -> None:
     assert k.failures() == "tm:synth:failures"
     assert k.stats() == "tm:synth:stats"
     assert k.throughput() == "tm:synth:tput"
+    assert k.lengths() == "tm:synth:lengths"
 
 
 def test_shared_keys_live_under_the_shared_prefix() -> None:

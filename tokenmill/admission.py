@@ -1,14 +1,15 @@
 """Capacity-aware admission: a global limiter in Redis, shared by every worker on every host.
 
 Each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
-by the server manager, or read from ``/server_info``). A request holds ``prompt + factor x typical
-output`` tokens of it while it runs: the typical output is the run's mean completion length so
-far (capped by ``max_tokens``; a default until five jobs are done), and the factor
-(``admission_output_factor``, 0.5 by default) reflects that a request's KV grows from its prompt
-to prompt + output while it runs, so on average it holds about half its output. A running
-request holds the larger of that and its prompt + generated tokens (resized at heartbeats).
+by the server manager, or read from ``/server_info``). A request holds its *projected peak* KV
+while it runs: the peak over future lengths x of ``(prompt + x) * P(L >= x | L >= generated)``,
+from the run's completion-length survival curve (:mod:`tokenmill.lengths`; before anything has
+ended, every request is assumed to reach ``max_tokens``). The hold shrinks as the run's lengths
+become known and is recomputed at every heartbeat, so it follows the request as it grows; since
+requests that end free their KV, requests started together do not all count at their maximum.
 Each queue may use at most ``admission_queue_share`` of the budget, so long prompts cannot
-starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead worker's slots expire.
+starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead
+worker's slots expire.
 
 Threads of one process that wait for room stand in a :class:`WaitLine`: only the first asks
 Redis (at once when this process frees a slot, every ``admission_wait_s`` for slots freed
@@ -21,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +30,12 @@ from typing import Any
 import redis
 
 from tokenmill import keys
-from tokenmill.ledger import register
+from tokenmill.ledger import LengthReport, SlotUpdate, register
+from tokenmill.lengths import Survival, bin_of, parse_counts, reached
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
 
-STATS_TTL_S = 5.0
+STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,27 @@ class Slot:
     def ref(self) -> tuple[str, str, str]:
         """(slots key, used key, member): what a claim carries to renew and resize the slot."""
         return keys.admission(self.server), keys.admission_used(self.server), self.member
+
+
+class LengthTracker:
+    """One attempt's reports: its hold and the length bins it reached since the last report."""
+
+    def __init__(self, held: Callable[[int], int], base_tokens: int) -> None:
+        self._held = held
+        # a continued attempt's earlier bins were reported by the attempt before it
+        self._reported = base_tokens if base_tokens > 0 else -1
+
+    def update(self, generated: int) -> SlotUpdate:
+        """The slot's new size and the bins newly reached (for a heartbeat)."""
+        bins = reached(self._reported, generated)
+        self._reported = max(self._reported, generated)
+        return SlotUpdate(self._held(generated), tuple(bins))
+
+    def finish(self, completion_tokens: int) -> LengthReport:
+        """The bins still to report and the bin the request ended in (for the commit)."""
+        bins = reached(self._reported, completion_tokens)
+        self._reported = max(self._reported, completion_tokens)
+        return LengthReport(tuple(bins), bin_of(completion_tokens))
 
 
 class Turn:
@@ -114,38 +137,34 @@ class Admission:
         self.s = settings
         self._admit = register(client, "admit")
         self._unadmit = register(client, "unadmit")
-        self._means: dict[str, tuple[float, float | None]] = {}
+        self._curves: dict[str, tuple[float, Survival]] = {}
         self.line = WaitLine()
 
     def budget(self, capacity: int | None) -> int | None:
         return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
 
     def estimate(self, run: str, request: dict[str, Any]) -> int:
-        """Tokens a request is expected to hold on the server: prompt + expected output."""
-        prompt = estimate_prompt_tokens(request["messages"])
-        max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
-        mean = self._mean_output(run)
-        typical = min(max_tokens, self.s.admission_default_output_tokens if mean is None else mean)
-        return prompt + int(max(typical * self.s.admission_output_factor, 16))
+        """Tokens a request that has not started is projected to hold at its peak."""
+        return self.held(run, request, 0)
 
     def held(self, run: str, request: dict[str, Any], generated: int) -> int:
-        """What a running request holds now: its estimate, or more once it outgrew it."""
-        return max(self.estimate(run, request), estimate_prompt_tokens(request["messages"]) + generated)
+        """What a request that has generated ``generated`` tokens is projected to hold at most."""
+        max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
+        return self.survival(run).hold(estimate_prompt_tokens(request["messages"]), max_tokens, generated)
 
-    def _mean_output(self, run: str) -> float | None:
+    def survival(self, run: str) -> Survival:
+        """The run's completion-length curve (cached for ``STATS_TTL_S``)."""
         now = time.monotonic()
-        cached = self._means.get(run)
-        if cached and now - cached[0] < (STATS_TTL_S if cached[1] is not None else STATS_TTL_S / 10):
+        cached = self._curves.get(run)
+        if cached and now - cached[0] < STATS_TTL_S:
             return cached[1]
-        k = keys.RunKeys(run)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hget(k.stats(), "completion_tokens")
-        pipe.hgetall(k.counts())
-        tokens, counts = pipe.execute()
-        done = sum(int(v) for f, v in counts.items() if f.startswith(b"done|"))
-        mean = int(tokens) / done if tokens and done >= 5 else None
-        self._means[run] = (now, mean)
-        return mean
+        curve = Survival.from_counts(*parse_counts(self.r.hgetall(keys.RunKeys(run).lengths())))
+        self._curves[run] = (now, curve)
+        return curve
+
+    def tracker(self, run: str, request: dict[str, Any], base_tokens: int) -> LengthTracker:
+        """What a running request reports at heartbeats and commit (hold, length bins reached)."""
+        return LengthTracker(lambda generated: self.held(run, request, generated), base_tokens)
 
     def load(self, server: str) -> int:
         """Tokens currently admitted on ``server``."""
@@ -182,3 +201,17 @@ def admission_view(client: redis.Redis, server: str) -> dict[str, int]:
             out[name] = int(v)
     out["slots"] = int(client.zcard(keys.admission(server)))
     return out
+
+
+def length_view(client: redis.Redis, run: str) -> dict[str, Any]:
+    """The run's completion-length curve behind the projections (for status)."""
+    curve = Survival.from_counts(*parse_counts(client.hgetall(keys.RunKeys(run).lengths())))
+    mean = curve.mean_known()
+    return {
+        "ended": curve.ended,
+        "running": curve.running,
+        "unknown_tail": round(curve.tail, 3),
+        "p50": curve.quantile(0.5),
+        "p90": curve.quantile(0.9),
+        "mean_known": round(mean) if mean is not None else None,
+    }

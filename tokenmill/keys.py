@@ -161,6 +161,11 @@ class RunKeys:
         """Hash: run totals (``completion_tokens``, ``prompt_tokens``, ``continued``, ...)."""
         return f"{self.prefix}:stats"
 
+    def lengths(self) -> str:
+        """Hash: completion-length bin → requests that reached it (``r<bin>``) and ended in it
+        (``e<bin>``); admission's survival curve (:mod:`tokenmill.lengths`)."""
+        return f"{self.prefix}:lengths"
+
     def throughput(self) -> str:
         """Hash: unix second → completion tokens committed in that second (trimmed)."""
         return f"{self.prefix}:tput"

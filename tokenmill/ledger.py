@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from tokenmill import keys
 from tokenmill.jobspec import JobSpec
+from tokenmill.lengths import ended_field, reached_field
 from tokenmill.messages import task_message
 
 SCRIPT_NAMES = (
@@ -76,6 +77,20 @@ class Claim:
     slot: tuple[str, str, str] | None = (
         None  # admission (slots key, used key, member), renewed with the lease
     )
+
+
+class SlotUpdate(NamedTuple):
+    """At a heartbeat: the tokens the admission slot holds now, and the length bins reached."""
+
+    tokens: int
+    reached: tuple[int, ...] = ()
+
+
+class LengthReport(NamedTuple):
+    """At a commit: the length bins reached since the last heartbeat, and the bin it ended in."""
+
+    reached: tuple[int, ...]
+    ended: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,24 +205,28 @@ class Ledger:
             self._scripts["heartbeat"](*heartbeat_args(self.k, claim, lease_ttl_s, checkpoint, new_tokens))
         )
 
-    def commit(self, claim: Claim, result: dict[str, Any], new_tokens: int) -> str:
-        """Record the result: ``ok``, ``done`` (already) or ``stale``."""
+    def commit(
+        self, claim: Claim, result: dict[str, Any], new_tokens: int, lengths: LengthReport | None = None
+    ) -> str:
+        """Record the result: ``ok``, ``done`` (already) or ``stale``. With ``lengths``, the run's
+        length curve learns how long the completion was."""
         k = self.k
         usage = result.get("usage") or {}
-        res = self._scripts["commit"](
-            [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()],
-            [
-                claim.job_id,
-                claim.token,
-                orjson.dumps(result),
-                int(usage.get("completion_tokens") or 0),
-                int(usage.get("prompt_tokens") or 0),
-                int(result.get("continued_tokens") or 0),
-                new_tokens,
-                1 if result.get("finish_reason") == "length" else 0,
-            ],
-        )
-        return _s(res)
+        script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()]
+        args: list[Any] = [
+            claim.job_id,
+            claim.token,
+            orjson.dumps(result),
+            int(usage.get("completion_tokens") or 0),
+            int(usage.get("prompt_tokens") or 0),
+            int(result.get("continued_tokens") or 0),
+            new_tokens,
+            1 if result.get("finish_reason") == "length" else 0,
+        ]
+        if lengths is not None:
+            script_keys.append(k.lengths())
+            args += [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        return _s(self._scripts["commit"](script_keys, args))
 
     def fail(self, claim: Claim, error: JobError) -> str:
         """End the job ``failed``: ``ok``, ``done``/``failed`` (already) or ``stale``."""
@@ -424,7 +443,7 @@ def heartbeat_args(
     lease_ttl_s: float,
     checkpoint: Checkpoint | None,
     new_tokens: int,
-    slot_tokens: int | None = None,
+    slot: SlotUpdate | None = None,
 ) -> tuple[list[str], list[Any]]:
     ck = checkpoint
     script_keys = [k.job(claim.job_id), k.leases(), k.throughput()]
@@ -439,8 +458,10 @@ def heartbeat_args(
         new_tokens,
     ]
     if claim.slot is not None:
-        script_keys += [claim.slot[0], claim.slot[1]]
-        args += [claim.slot[2], slot_tokens if slot_tokens is not None else ""]
+        script_keys += [claim.slot[0], claim.slot[1], k.lengths()]
+        args += [claim.slot[2], slot.tokens if slot is not None else ""]
+        if slot is not None:
+            args += map(reached_field, slot.reached)
     return script_keys, args
 
 
@@ -456,10 +477,10 @@ class AsyncHeartbeat:
         lease_ttl_s: float,
         checkpoint: Checkpoint | None,
         new_tokens: int,
-        slot_tokens: int | None = None,
+        slot: SlotUpdate | None = None,
     ) -> bool:
         k = keys.RunKeys(claim.run)
-        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot_tokens)
+        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot)
         return bool(await self.script(script_keys, args))
 
 

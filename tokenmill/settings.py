@@ -61,8 +61,7 @@ class Settings:
     admission: bool = True
     admission_fraction: float = 0.9
     admission_queue_share: float = 0.75
-    admission_default_output_tokens: int = 1024
-    admission_output_factor: float = 0.5
+    admission_default_output_tokens: int = 1024  # max_tokens assumed for a request without one
     admission_wait_s: float = 0.1
     max_queued: int = 20000
     server_wait_s: float = 1.0

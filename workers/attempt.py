@@ -19,7 +19,7 @@ import redis
 from openai import AsyncOpenAI
 
 from tokenmill import errors
-from tokenmill.ledger import AsyncHeartbeat, Checkpoint, Claim
+from tokenmill.ledger import AsyncHeartbeat, Checkpoint, Claim, SlotUpdate
 from tokenmill.settings import Settings
 from workers.stream import Progress, stream_chat
 
@@ -42,7 +42,8 @@ class AttemptState:
     base: Checkpoint
     progress: Progress
     reported_tokens: int = 0
-    slot_tokens: Callable[[int], int] | None = None  # generated tokens -> admission tokens held
+    # generated tokens -> the admission slot's new size and the length bins reached
+    slot_tokens: Callable[[int], SlotUpdate] | None = None
 
     def checkpoint(self) -> Checkpoint:
         p = self.progress

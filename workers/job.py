@@ -140,10 +140,11 @@ def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str,
         return claim
     base = claim.checkpoint if s.continue_partial else Checkpoint()
     state = AttemptState(base=base, progress=Progress())
+    tracker = None
     if slot.tokens:
         claim.slot = slot.ref()
-        request = claim.spec["request"]
-        state.slot_tokens = lambda generated: rt.admission.held(run, request, generated)
+        tracker = rt.admission.tracker(run, claim.spec["request"], base.tokens)
+        state.slot_tokens = tracker.update
     try:
         outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:
@@ -153,7 +154,10 @@ def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str,
         log.warning("%s", exc)
         return "stale"
     outcome.result["server"] = url
-    verdict = durable(lambda: ledger.commit(claim, outcome.result, outcome.new_tokens))
+    if claim.checkpoint and not s.continue_partial:
+        outcome.result["restarted"] = True  # a checkpoint existed; continue_partial is off
+    lengths = tracker.finish(outcome.result["usage"]["completion_tokens"]) if tracker else None
+    verdict = durable(lambda: ledger.commit(claim, outcome.result, outcome.new_tokens, lengths))
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", run, job_id, verdict)
     return "done" if verdict == "ok" else verdict

@@ -3,7 +3,7 @@
 -- Post: on success the slot holds ARGV tokens until released or expired; the used-tokens hash
 --       (total and per queue) grows by them. With nothing admitted, one request is always let
 --       in, so a request bigger than the budget cannot starve. The figures behind the decision
---       (budget, cap, used) are recorded in the used hash for status.
+--       (budget, cap, tokens asked) are recorded in the used hash for status.
 -- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, slot:<member> -> tokens
 --       and queue), 3 unused.
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue cap, 6 ttl ms, 7 the other queue.
@@ -27,7 +27,7 @@ local other = ARGV[7]
 local other_used = tonumber(redis.call('HGET', KEYS[2], other) or '0')
 local other_wanted = tonumber(redis.call('HGET', KEYS[2], 'wanted:' .. other) or '0')
 if other_used <= 0 and now_ms - other_wanted > 2000 then cap = budget end
-redis.call('HSET', KEYS[2], 'budget', budget, 'cap:' .. queue, cap)
+redis.call('HSET', KEYS[2], 'budget', budget, 'cap:' .. queue, cap, 'asked:' .. queue, tokens)
 if redis.call('ZSCORE', KEYS[1], member) then
   redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
   return 1

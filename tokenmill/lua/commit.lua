@@ -1,10 +1,12 @@
 -- commit: record a finished generation. `done` is final.
 -- Pre:  the job is `running` under ARGV token (or already `done`: a no-op).
 -- Post: the job is `done` with its result; the checkpoint and lease are gone; counts move
---       running -> done; run totals and the throughput bucket grow.
--- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput.
+--       running -> done; run totals and the throughput bucket grow. With KEYS 6, the run's
+--       lengths hash counts one more request ended in ARGV 9's bin and reached ARGV 10...'s.
+-- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, [6 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
---       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1).
+--       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
+--       [9 lengths field ended in (e<bin>), 10... lengths fields reached (r<bin>)].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition')
 if f[1] == 'done' then return 'done' end
@@ -24,6 +26,9 @@ if tonumber(ARGV[6]) > 0 then
   redis.call('HINCRBY', KEYS[4], 'continued_tokens', ARGV[6])
 end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[4], 'truncated', 1) end
+if KEYS[6] then
+  for i = 9, #ARGV do redis.call('HINCRBY', KEYS[6], ARGV[i], 1) end
+end
 local n = tonumber(ARGV[7])
 if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end
 return 'ok'

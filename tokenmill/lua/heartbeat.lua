@@ -3,11 +3,14 @@
 -- Post: the lease is extended by the ttl; with a checkpoint, the partial content, reasoning and
 --       token count replace the previous checkpoint; ARGV new tokens are added to the run's
 --       throughput bucket for this second. A stale token changes nothing.
---       With an admission slot (KEYS 4-5, ARGV 9-10) the slot's lease is extended too, and the
---       tokens it holds are set to ARGV 10 (the request's current estimate).
--- KEYS: 1 job, 2 leases, 3 throughput, [4 admission slots, 5 admission used].
+--       With an admission slot (KEYS 4-6, ARGV 9-) the slot's lease is extended too, the
+--       tokens it holds are set to ARGV 10 (the request's current projection), and each length
+--       bin it reached since the last report (ARGV 11...) counts one more request in the run's
+--       lengths hash.
+-- KEYS: 1 job, 2 leases, 3 throughput, [4 admission slots, 5 admission used, 6 run lengths].
 -- ARGV: 1 job id, 2 token, 3 ttl ms, 4 has checkpoint (0|1), 5 content, 6 reasoning,
---       7 checkpoint tokens, 8 new tokens since the last report, [9 slot member, 10 slot tokens].
+--       7 checkpoint tokens, 8 new tokens since the last report, [9 slot member, 10 slot tokens,
+--       11... lengths fields reached (r<bin>)].
 -- Returns 1, or 0 when the claim is stale.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token')
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 0 end
@@ -27,6 +30,7 @@ if KEYS[4] then
       redis.call('HINCRBY', KEYS[5], held[2], delta)
     end
   end
+  for i = 11, #ARGV do redis.call('HINCRBY', KEYS[6], ARGV[i], 1) end
 end
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[5], 'ckpt_reasoning', ARGV[6],
