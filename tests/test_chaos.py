@@ -232,31 +232,33 @@ def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted
     assert a.continued_jobs == a.prompts
 
 
-def test_a_checkpoint_the_server_refuses_to_continue_is_started_over_and_the_result_says_so(
-    cluster: MakeCluster, tmp_path: Path
+def _not_a_prefix(want: Completion) -> Checkpoint:
+    return Checkpoint("not what this model would say", "", 6)
+
+
+def _half(want: Completion) -> Checkpoint:
+    return _first_tokens(want, want.completion_tokens // 2)
+
+
+@pytest.mark.parametrize(
+    ("why", "settings", "partial"),
+    [
+        ("refused", {}, _not_a_prefix),  # the server answers 400: not a prefix of its output
+        ("nocontinue", {"continue_partial": "false"}, _half),  # a valid partial, continuation off
+    ],
+)
+def test_a_checkpoint_that_cannot_be_continued_is_started_over_and_the_result_says_so(
+    cluster: MakeCluster,
+    tmp_path: Path,
+    why: str,
+    settings: dict[str, str],
+    partial: Callable[[Completion], Checkpoint],
 ) -> None:
-    # Given jobs whose checkpoint is not a prefix of what the model says (the server answers 400)
-    c = cluster(*SHORT)
-    wl = streams("refused", 8, mean=40, max_tokens=40)
+    # Given jobs checkpointed by a worker that died, which this cluster cannot continue
+    c = cluster(*SHORT, **settings)
+    wl = streams(why, 8, mean=40, max_tokens=40)
     c.enqueue(wl)
-    _die_after_checkpointing(c, wl, lambda want: Checkpoint("not what this model would say", "", 6))
-
-    # When a worker takes them up
-    c.start_workers(1)
-
-    # Then each starts over, ends byte-exact, and records that it restarted
-    a = assert_exactly_once(c, wl, tmp_path / "out")
-    assert a.restarted == a.prompts and a.continued_jobs == 0
-
-
-def test_with_continuation_turned_off_a_checkpoint_is_started_over_and_the_result_says_so(
-    cluster: MakeCluster, tmp_path: Path
-) -> None:
-    # Given workers with continue_partial off, and jobs checkpointed half way
-    c = cluster(*SHORT, continue_partial="false")
-    wl = streams("nocontinue", 8, mean=40, max_tokens=40)
-    c.enqueue(wl)
-    _die_after_checkpointing(c, wl, lambda want: _first_tokens(want, want.completion_tokens // 2))
+    _die_after_checkpointing(c, wl, partial)
 
     # When a worker takes them up
     c.start_workers(1)

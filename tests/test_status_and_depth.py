@@ -15,14 +15,21 @@ from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import ROOT, Proc, start_sim, start_worker, wait_for, worker_env
 
 
-def test_max_queued_bounds_the_broker_and_the_feeder_publishes_the_rest(
-    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
-) -> None:
+def _enqueue_bounded(
+    tmp_path: Path, redis_url: str, procs: list[Proc]
+) -> tuple[dict[str, str], subprocess.CompletedProcess[str]]:
+    """A sim, and 300 prompts enqueued as run ``r`` with at most 25 messages in the broker."""
     sim, url = start_sim(tmp_path, "--sim-mean-output-tokens", "10")
     procs.append(sim)
     env = worker_env(redis_url, url, max_queued=25)
     data = write_jsonl(tmp_path / "P.jsonl", [{"prompt": f"q{i}"} for i in range(300)])
-    res = cli("enqueue", str(data), "--run", "r", "--max-queued", "25", env=env)
+    return env, cli("enqueue", str(data), "--run", "r", "--max-queued", "25", env=env)
+
+
+def test_max_queued_bounds_the_broker_and_the_feeder_publishes_the_rest(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    env, res = _enqueue_bounded(tmp_path, redis_url, procs)
     assert "300 new" in res.stdout and "275 held in the ledger's backlog" in res.stdout
     assert rclient.llen("short") == 25
     depth: list[int] = []
@@ -40,11 +47,7 @@ def test_resume_keeps_the_broker_bounded_and_leaves_waiting_jobs_to_the_feeder(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given 300 jobs enqueued with at most 25 messages in the broker (275 on the backlog)
-    sim, url = start_sim(tmp_path, "--sim-mean-output-tokens", "10")
-    procs.append(sim)
-    env = worker_env(redis_url, url, max_queued=25)
-    data = write_jsonl(tmp_path / "P.jsonl", [{"prompt": f"q{i}"} for i in range(300)])
-    cli("enqueue", str(data), "--run", "r", "--max-queued", "25", env=env)
+    env, _ = _enqueue_bounded(tmp_path, redis_url, procs)
 
     # When the broker list is lost and the run resumed
     rclient.delete("short")
