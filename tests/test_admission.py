@@ -159,6 +159,25 @@ def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rcl
     assert line.head() is None
 
 
+def test_interrupted_jobs_wait_ahead_of_new_ones_in_arrival_order(rclient: redis.Redis) -> None:
+    line = adm(rclient).line
+    stays: dict[object, contextlib.ExitStack] = {}
+
+    def join(ahead: bool) -> object:
+        stack = contextlib.ExitStack()
+        turn = stack.enter_context(line.join(ahead=ahead))
+        stays[turn] = stack
+        return turn
+
+    new1, new2 = join(False), join(False)
+    cut1, cut2 = join(True), join(True)  # e.g. reaped after their worker died
+    order = []
+    while (head := line.head()) is not None:  # each leaves once it is the head
+        order.append(head)
+        stays[head].close()
+    assert order == [cut1, cut2, new1, new2]
+
+
 def test_a_released_slot_wakes_the_head_at_once_and_leaving_wakes_the_next(rclient: redis.Redis) -> None:
     a = adm(rclient)
     slot = a.try_admit("srv", 1000, 900, "short")

@@ -77,9 +77,10 @@ class LengthTracker:
 class Turn:
     """A thread's place in a :class:`WaitLine`."""
 
-    def __init__(self, line: WaitLine) -> None:
+    def __init__(self, line: WaitLine, ahead: bool = False) -> None:
         self._line = line
         self._wake = threading.Event()
+        self.ahead = ahead
 
     def first(self) -> bool:
         """Whether this thread is at the head of the line (the one that asks for room)."""
@@ -113,12 +114,17 @@ class WaitLine:
                 self._turns[0]._wake.set()
 
     @contextmanager
-    def join(self) -> Iterator[Turn]:
-        """Stand in line until the block exits; leaving wakes the next thread."""
-        turn = Turn(self)
+    def join(self, ahead: bool = False) -> Iterator[Turn]:
+        """Stand in line until the block exits; leaving wakes the next thread. With ``ahead``
+        (a job whose earlier attempt was cut), stand behind the other such jobs only: work that
+        was interrupted resumes before new work starts."""
+        turn = Turn(self, ahead)
         with self._lock:
-            self._turns.append(turn)
-            if len(self._turns) == 1:
+            at = len(self._turns)
+            if ahead:
+                at = next((i for i, t in enumerate(self._turns) if not t.ahead), at)
+            self._turns.insert(at, turn)
+            if at == 0:
                 turn._wake.set()
         try:
             yield turn

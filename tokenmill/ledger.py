@@ -364,12 +364,13 @@ class Ledger:
             yield from zip(ids, pipe.execute(), strict=True)
             start += batch
 
-    def peek(self, job_id: str) -> tuple[str, dict[str, Any], str] | None:
-        """``(state, spec, queue)`` of a job without claiming it, or None when it does not exist."""
-        state, spec, queue = self.r.hmget(self.k.job(job_id), "state", "spec", "queue")
+    def peek(self, job_id: str) -> Peek | None:
+        """A job's state, spec, queue and attempts so far, without claiming it; None when it does
+        not exist."""
+        state, spec, queue, attempts = self.r.hmget(self.k.job(job_id), "state", "spec", "queue", "attempts")
         if state is None or spec is None:
             return None
-        return _s(state), orjson.loads(spec), _s(queue or b"short")
+        return Peek(_s(state), orjson.loads(spec), _s(queue or b"short"), int(attempts or 0))
 
     def hold_waiting(self, job_id: str, lease_ttl_s: float, hold: bool = True) -> None:
         """Renew (or drop) the waiting lease of a delivered, not yet claimed job."""
@@ -428,6 +429,15 @@ class Ledger:
         for q in keys.QUEUES:
             ids.update(_s(x) for x in self.r.lrange(k.backlog(q), 0, -1))
         return ids
+
+
+class Peek(NamedTuple):
+    """What a worker reads of a delivered job before it waits for admission."""
+
+    state: str
+    spec: dict[str, Any]
+    queue: str
+    attempts: int  # > 0: an earlier attempt was cut (a dead worker, a server crash, a retry)
 
 
 class Republished(NamedTuple):

@@ -36,10 +36,9 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     peeked = durable(lambda: ledger.peek(job_id))
     if peeked is None:
         return "missing"
-    state, spec, queue = peeked
-    if state in ("done", "failed"):
-        return state
-    admitted = _admit(rt, ledger, job_id, spec["request"], queue)
+    if peeked.state in ("done", "failed"):
+        return peeked.state
+    admitted = _admit(rt, ledger, job_id, peeked.spec["request"], peeked.queue, ahead=peeked.attempts > 0)
     if admitted is None:
         return "stopping"
     server, slot = admitted
@@ -72,12 +71,13 @@ def durable(fn: Callable[[], T]) -> T:
 
 
 def _admit(
-    rt: Runtime, ledger: Ledger, job_id: str, request: dict, queue: str
+    rt: Runtime, ledger: Ledger, job_id: str, request: dict, queue: str, ahead: bool = False
 ) -> tuple[ServerView, Slot] | None:
     """Wait for a ready server with room for this request in its budget (least loaded first).
 
     Waiting threads stand in this process's line: only the first asks Redis for room, at once
-    when a slot is freed here and every ``admission_wait_s`` for slots freed elsewhere. While
+    when a slot is freed here and every ``admission_wait_s`` for slots freed elsewhere. A job
+    whose earlier attempt was cut (``ahead``) goes before the jobs that never ran. While
     it waits the job holds a waiting lease, so that if this worker dies the job is republished
     at once instead of when the broker's visibility timeout restores the message; a job
     admitted at once never needs one (two Redis calls fewer per job).
@@ -93,7 +93,7 @@ def _admit(
             held_at = time.monotonic()
 
     try:
-        with rt.admission.line.join() as turn:
+        with rt.admission.line.join(ahead) as turn:
             while not rt.stopping.is_set():
                 try:
                     if not turn.first():
