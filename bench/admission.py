@@ -23,31 +23,18 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import redis
+from _common import ROOT, Children, proc_cpu_s, start_sim, start_worker, wait_for, workdir
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tokenmill import keys
 
-from tokenmill import keys  # noqa: E402
-from tokenmill.local_redis import LocalRedis, free_port  # noqa: E402
-
-
-def wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except Exception:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting for {what}")
+RUN = "b"
+RUN_KEYS = keys.RunKeys(RUN)
 
 
 def get_json(url: str) -> dict:
@@ -70,9 +57,9 @@ def sample_timeline(url: str, client: redis.Redis, t0: float, stop: threading.Ev
     while not stop.wait(0.5):
         try:
             st = get_json(f"{url}/_sim/stats")
-            used = sorted(client.scan_iter(keys.admission_used("*")))
-            held = client.hget(used[0], "total") if used else 0
-            slots = client.zcard(used[0].decode().removesuffix(":used")) if used else 0
+            # an unmanaged server's admission is kept under its URL
+            held = client.hget(keys.admission_used(url), "total")
+            slots = client.zcard(keys.admission(url))
         except Exception:
             continue
         rows.append(
@@ -83,97 +70,28 @@ def sample_timeline(url: str, client: redis.Redis, t0: float, stop: threading.Ev
     return rows
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process (all its threads), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_variant(
     work: Path, data: Path, args: argparse.Namespace, *, admission: bool, concurrency: int
 ) -> dict:
-    rds = LocalRedis(work / f"redis-{time.monotonic_ns()}").start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        sim = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server_mgr.sim",
-                "--port",
-                str(port),
-                "--max-total-tokens",
-                str(args.kv),
-                "--sim-startup-delay-s",
-                "0",
-                "--sim-warmup-s",
-                "0",
-                "--sim-health-latency-s",
-                "0.01",
-                "--sim-mean-output-tokens",
-                str(args.mean_output),
-                "--sim-step-ms",
-                str(args.step_ms),
-                "--sim-step-ms-per-req",
-                str(args.step_ms_per_req),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        procs.append(sim)
-        wait(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 30, "the sim")
+    with Children() as children:
+        rds = children.redis(work / f"redis-{time.monotonic_ns()}")
+        knobs = [
+            "--max-total-tokens", str(args.kv), "--sim-mean-output-tokens", str(args.mean_output),
+            "--sim-step-ms", str(args.step_ms), "--sim-step-ms-per-req", str(args.step_ms_per_req),
+        ]  # fmt: skip
+        sim, url = start_sim(children, work, knobs)
         env = {
-            **os.environ,
             "TOKENMILL_REDIS_URL": rds.url,
             "TOKENMILL_SERVER_URL": url,
             "TOKENMILL_ADMISSION": "true" if admission else "false",
         }
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tokenmill.cli",
-                "enqueue",
-                str(data),
-                "--run",
-                "b",
-                "--short-max-tokens",
-                str(args.max_tokens),
-                "--long-prompt-tokens",
-                "100000",
-            ],
-            env=env,
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
-        log = work / f"worker-{time.monotonic_ns()}.log"
-        t0 = time.monotonic()
-        with log.open("wb") as fh:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "tokenmill.cli",
-                        "worker",
-                        "--queue",
-                        "short",
-                        "--concurrency",
-                        str(concurrency),
-                    ],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        enqueue = [
+            sys.executable, "-m", "tokenmill.cli", "enqueue", str(data), "--run", RUN,
+            "--short-max-tokens", str(args.max_tokens), "--long-prompt-tokens", "100000",
+        ]  # fmt: skip
+        subprocess.run(enqueue, env={**os.environ, **env}, cwd=ROOT, check=True, capture_output=True)
+        t0 = time.monotonic()  # the worker's start-up counts, in every variant alike
+        worker = start_worker(children, work, "short", concurrency, env)
         client = redis.Redis.from_url(rds.url)
         stop = threading.Event()
         timeline: list[str] = []
@@ -182,8 +100,8 @@ def run_variant(
                 target=lambda: timeline.extend(sample_timeline(url, client, t0, stop)), daemon=True
             )
             tracer.start()
-        wait(
-            lambda: int(client.hget("tm:b:counts", "done|" + data.stem) or 0) == args.prompts,
+        wait_for(
+            lambda: int(client.hget(RUN_KEYS.counts(), "done|" + data.stem) or 0) == args.prompts,
             args.timeout,
             "the run to finish",
         )
@@ -192,24 +110,15 @@ def run_variant(
         if args.trace:
             tracer.join(5)
             print("\n".join(timeline), flush=True)
-        cpu = {"worker_cpu_s": round(cpu_s(procs[-1].pid), 1), "sim_cpu_s": round(cpu_s(sim.pid), 1)}
         stats = get_json(f"{url}/_sim/stats")
-        tokens = int(client.hget("tm:b:stats", "completion_tokens") or 0)
         return {
             "wall_s": wall,
             "retractions": stats.get("retracted_total", 0),
             "peak_kv": stats.get("peak_used_tokens"),
-            "tokens": tokens,
-            **cpu,
+            "tokens": int(client.hget(RUN_KEYS.stats(), "completion_tokens") or 0),
+            "worker_cpu_s": round(proc_cpu_s(worker.pid), 1),
+            "sim_cpu_s": round(proc_cpu_s(sim.pid), 1),
         }
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        rds.stop()
 
 
 def main() -> None:
@@ -237,8 +146,7 @@ def main() -> None:
     }
     variants = [every[k.strip()] for k in args.only.split(",")]
     results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
-    with tempfile.TemporaryDirectory(prefix="tm-bench-adm-") as tmp:
-        work = Path(tmp)
+    with workdir(prefix="tm-bench-adm-") as work:
         data = work / "P.jsonl"
         make_dataset(data, args.prompts)
         for _ in range(args.repeat):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from server_mgr.cli import server
 from server_mgr.quality import compare, load_prompts, words
@@ -40,22 +40,13 @@ def prompts(tmp_path: Path) -> Path:
     return path
 
 
+def _invoke(reference: Path, candidate: Path, prompts: Path, *extra: str) -> Result:
+    args = ["check-quality", "--reference", str(reference), "--candidate", str(candidate)]
+    return CliRunner().invoke(server, [*args, "--prompts", str(prompts), *extra])
+
+
 def _check(reference: Path, candidate: Path, prompts: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(
-        server,
-        [
-            "check-quality",
-            "--reference",
-            str(reference),
-            "--candidate",
-            str(candidate),
-            "--prompts",
-            str(prompts),
-            "--max-tokens",
-            "24",
-            "--json",
-        ],
-    )
+    result = _invoke(reference, candidate, prompts, "--max-tokens", "24", "--json")
     return result.exit_code, result.output
 
 
@@ -85,18 +76,7 @@ def test_a_lossy_candidate_is_refused_before_anything_is_launched(tmp_path: Path
     table = sim_server(tmp_path)
     reference = write_config(tmp_path / "ref.toml", table)
     candidate = write_config(tmp_path / "cand.toml", {**table, "kv_cache_dtype": "fp8_e4m3"})
-    result = CliRunner().invoke(
-        server,
-        [
-            "check-quality",
-            "--reference",
-            str(reference),
-            "--candidate",
-            str(candidate),
-            "--prompts",
-            str(prompts),
-        ],
-    )
+    result = _invoke(reference, candidate, prompts)
     assert result.exit_code != 0
     assert "degrades output quality" in str(result.exception)
     assert not (tmp_path / "logs").exists()

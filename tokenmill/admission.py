@@ -164,7 +164,7 @@ class Admission:
         cached = self._curves.get(run)
         if cached and now - cached[0] < STATS_TTL_S:
             return cached[1]
-        curve = Survival.from_counts(*parse_counts(self.r.hgetall(keys.RunKeys(run).lengths())))
+        curve = read_survival(self.r, run)
         self._curves[run] = (now, curve)
         return curve
 
@@ -209,9 +209,14 @@ def admission_view(client: redis.Redis, server: str) -> dict[str, int]:
     return out
 
 
+def read_survival(client: redis.Redis, run: str) -> Survival:
+    """The run's completion-length curve, from its lengths hash."""
+    return Survival.from_counts(*parse_counts(client.hgetall(keys.RunKeys(run).lengths())))
+
+
 def length_view(client: redis.Redis, run: str) -> dict[str, Any]:
     """The run's completion-length curve behind the projections (for status)."""
-    curve = Survival.from_counts(*parse_counts(client.hgetall(keys.RunKeys(run).lengths())))
+    curve = read_survival(client, run)
     mean = curve.mean_known()
     return {
         "ended": curve.ended,

@@ -400,14 +400,18 @@ class Ledger:
         for start in range(0, len(ids), 1000):
             chunk = ids[start : start + 1000]
             read = self.r.pipeline(transaction=False)
+            for q in keys.QUEUES:
+                read.llen(keys.broker_queue(q))
             for job_id in chunk:
                 read.hmget(self.k.job(job_id), "state", "partition", "queue")
+            replies = read.execute()
+            depths, fields = replies[: len(keys.QUEUES)], replies[len(keys.QUEUES) :]
             room = {
-                q: len(chunk) if max_depth is None else max_depth - int(self.r.llen(keys.broker_queue(q)))
-                for q in keys.QUEUES
+                q: len(chunk) if max_depth is None else max_depth - int(depth)
+                for q, depth in zip(keys.QUEUES, depths, strict=True)
             }
             write = self.r.pipeline(transaction=False)
-            for job_id, (state, part, queue) in zip(chunk, read.execute(), strict=True):
+            for job_id, (state, part, queue) in zip(chunk, fields, strict=True):
                 if state != b"queued" or not queue:
                     continue
                 q = _s(queue)
@@ -424,11 +428,11 @@ class Ledger:
 
     def parked(self) -> set[str]:
         """Queued jobs that wait without a message by design: delayed retries and the backlogs."""
-        k = self.k
-        ids = {_s(x) for x in self.r.zrange(k.delayed(), 0, -1)}
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrange(self.k.delayed(), 0, -1)
         for q in keys.QUEUES:
-            ids.update(_s(x) for x in self.r.lrange(k.backlog(q), 0, -1))
-        return ids
+            pipe.lrange(self.k.backlog(q), 0, -1)
+        return {_s(x) for ids in pipe.execute() for x in ids}
 
 
 class Peek(NamedTuple):

@@ -43,7 +43,7 @@ class AttemptState:
     progress: Progress
     reported_tokens: int = 0
     # generated tokens -> the admission slot's new size and the length bins reached
-    slot_tokens: Callable[[int], SlotUpdate] | None = None
+    slot_update: Callable[[int], SlotUpdate] | None = None
 
     def checkpoint(self) -> Checkpoint:
         p = self.progress
@@ -171,7 +171,7 @@ async def _watchdog(
             total = state.base.tokens + tokens
             new = max(0, total - state.base.tokens - state.reported_tokens)
             try:
-                held = state.slot_tokens(total) if state.slot_tokens else None
+                held = state.slot_update(total) if state.slot_update else None
                 alive = await heartbeat(claim, s.lease_ttl_s, ck, new, held)
             except redis.RedisError as exc:
                 # Redis is restarting or paused: keep streaming; the next tick tries again.

@@ -102,14 +102,13 @@ def _admit(
                         continue
                     turn.arm()
                     got = _try_servers(rt, ledger.run, request, queue)
-                    if not isinstance(got, tuple):
-                        hold()
+                    if isinstance(got, tuple):
+                        return got
+                    hold()
                 except redis.RedisError as exc:
                     log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
                     rt.stopping.wait(1.0)
                     continue
-                if isinstance(got, tuple):
-                    return got
                 if not said and not got:
                     log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
                     said = True
@@ -152,7 +151,7 @@ def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str,
     if slot.tokens:
         claim.slot = slot.ref()
         tracker = rt.admission.tracker(run, claim.spec["request"], base.tokens)
-        state.slot_tokens = tracker.update
+        state.slot_update = tracker.update
     try:
         outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:

@@ -60,7 +60,7 @@ def pump_once(
     client: redis.Redis, settings: Settings, reconciler: Reconciler | None = None
 ) -> dict[str, int]:
     """One pass over every run with unfinished jobs; returns what it did."""
-    did = {"reaped": 0, "promoted": 0, "fed": 0, "republished": 0}
+    did = {"reaped": 0, "promoted": 0, "abandoned": 0, "fed": 0, "republished": 0}
     for raw in client.smembers(keys.runs()):
         run = raw.decode()
         ledger = Ledger(client, run)
@@ -69,7 +69,7 @@ def pump_once(
             log.warning("run %s: requeued %d job(s) whose lease expired", run, len(reaped))
         did["reaped"] += len(reaped)
         did["promoted"] += ledger.promote_due()
-        did["abandoned"] = did.get("abandoned", 0) + ledger.requeue_abandoned()
+        did["abandoned"] += ledger.requeue_abandoned()
         for queue in keys.QUEUES:
             did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
         if reconciler is not None:
