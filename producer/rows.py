@@ -27,9 +27,14 @@ KNOWN_FIELDS = frozenset(
 _SHOW_CHARS = 60
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Row:
-    """One validated request: chat messages plus the row's own options and metadata."""
+    """One validated request: chat messages plus the row's own options and metadata.
+
+    ``messages_json`` (sorted keys) and ``metadata_json`` are the two serialized once here, as the
+    check that they can be stored; the job spec is assembled from them without dumping again.
+    Not frozen, like :class:`~tokenmill.jobspec.JobSpec` (one per row); treat it as a value.
+    """
 
     messages: list[dict[str, Any]]
     record_id: str | None = None
@@ -38,19 +43,36 @@ class Row:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    messages_json: bytes = field(default=b"", compare=False, repr=False)
+    metadata_json: bytes = field(default=b"{}", compare=False, repr=False)
 
 
 def normalize_row(source: str, data: dict[str, Any]) -> Row:
-    """Validate ``data`` and return its :class:`Row`; a bad row raises :class:`InputError`."""
-    row = {k: v for k, v in data.items() if v is not None}
+    """Validate ``data`` and return its :class:`Row`; a bad row raises :class:`InputError`.
+
+    This runs once per row of every enqueue, so absent options cost a dictionary lookup each,
+    not a call.
+    """
+    row = _without_nulls(data)
+    messages = _messages(source, row)
+    get = row.get
+    record_id, max_tokens = get("id"), get("max_tokens")
+    if record_id is not None:
+        record_id = _record_id(source, record_id)
+    if max_tokens is not None:
+        max_tokens = _max_tokens(source, max_tokens)
+    metadata = _metadata(source, row) if len(row) > 1 else {}
+    temperature, top_p, seed = get("temperature"), get("top_p"), get("seed")
     return Row(
-        messages=_messages(source, row),
-        record_id=_record_id(source, row.get("id")),
-        max_tokens=_max_tokens(source, row.get("max_tokens")),
-        metadata=_metadata(source, row),
-        temperature=_temperature(source, row.get("temperature")),
-        top_p=_top_p(source, row.get("top_p")),
-        seed=_seed(source, row.get("seed")),
+        messages,
+        record_id,
+        max_tokens,
+        metadata,
+        temperature if temperature is None else _temperature(source, temperature),
+        top_p if top_p is None else _top_p(source, top_p),
+        seed if seed is None else _seed(source, seed),
+        _to_json(source, "messages", messages, orjson.OPT_SORT_KEYS),
+        _to_json(source, "metadata", metadata) if metadata else b"{}",
     )
 
 
@@ -77,42 +99,42 @@ def _messages(source: str, row: dict[str, Any]) -> list[dict[str, Any]]:
         raise InputError(source, f'"messages" must be a list of messages, got {kind}')
     if not messages:
         raise InputError(source, '"messages" is an empty list')
-    out = [_message(source, i, m) for i, m in enumerate(messages)]
-    _check_json(source, "messages", out)
-    return out
+    return [_message(source, i, m) for i, m in enumerate(messages)]
 
 
 def _prompt(source: str, prompt: Any) -> str:
     if not isinstance(prompt, str):
         raise InputError(source, f'"prompt" must be a string, got {json_kind(prompt)}')
-    if not prompt.strip():
+    if _blank(prompt):
         raise InputError(source, '"prompt" is empty')
     return prompt
 
 
 def _message(source: str, index: int, message: Any) -> dict[str, Any]:
     """One validated message, null-valued keys dropped, extra keys kept."""
-    where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise InputError(source, f"{where} must be an object, got {json_kind(message)}")
-    out = {k: v for k, v in message.items() if v is not None}
+        raise InputError(source, f"messages[{index}] must be an object, got {json_kind(message)}")
+    out = _without_nulls(message)
     role = out.get("role")
-    if role is None:
-        raise InputError(source, f'{where} has no "role"')
     if role not in ROLES:
+        where = f"messages[{index}]"
+        if role is None:
+            raise InputError(source, f'{where} has no "role"')
         raise InputError(
             source, f"{where} has unknown role {_show(role)}; expected one of {', '.join(ROLES)}"
         )
-    if "content" not in out:
-        raise InputError(source, f'{where} ({role}) has no "content"')
-    out["content"] = _content(source, f"{where} ({role})", out["content"])
+    content = out.get("content")
+    if not isinstance(content, str) or _blank(content):  # the common case skips the call
+        out = {**out, "content": _content(source, f"messages[{index}] ({role})", content)}
     return out
 
 
 def _content(source: str, where: str, content: Any) -> str | list[dict[str, Any]]:
     """A non-blank string, or a non-empty list of text parts (kept as a list)."""
+    if content is None:
+        raise InputError(source, f'{where} has no "content"')
     if isinstance(content, str):
-        if not content.strip():
+        if _blank(content):
             raise InputError(source, f"{where} has empty content")
         return content
     if isinstance(content, list):
@@ -123,14 +145,26 @@ def _content(source: str, where: str, content: Any) -> str | list[dict[str, Any]
     raise InputError(source, problem)
 
 
+def _without_nulls(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` without its null-valued keys; ``obj`` itself (not copied) when it has none."""
+    if None in obj.values():
+        return {k: v for k, v in obj.items() if v is not None}
+    return obj
+
+
+def _blank(text: str) -> bool:
+    """Empty or only whitespace, without copying the text as ``strip()`` would."""
+    return not text or text.isspace()
+
+
 def _text_part(source: str, where: str, part: Any) -> dict[str, Any]:
     if not isinstance(part, dict):
         raise InputError(source, f"{where} must be an object, got {json_kind(part)}")
-    out = {k: v for k, v in part.items() if v is not None}
+    out = _without_nulls(part)
     if out.get("type") != "text":
         raise InputError(source, f"{where} has type {_show(out.get('type'))}; only text parts are accepted")
     text = out.get("text")
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str) or _blank(text):
         raise InputError(source, f"{where} has empty text")
     return out
 
@@ -143,7 +177,7 @@ def _record_id(source: str, value: Any) -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise InputError(source, f'"id" must be a string or an integer, got {_show(value)}')
-    if isinstance(value, str) and not value.strip():
+    if isinstance(value, str) and _blank(value):
         raise InputError(source, '"id" is an empty string')
     return str(value)
 
@@ -203,15 +237,13 @@ def _metadata(source: str, row: dict[str, Any]) -> dict[str, Any]:
                 source,
                 f'field {name!r} is both a top-level field and a key of "metadata"; rename one',
             )
-    merged = {**given, **extra}
-    _check_json(source, "metadata", merged)
-    return merged
+    return {**given, **extra} if extra else given
 
 
-def _check_json(source: str, what: str, value: Any) -> None:
+def _to_json(source: str, what: str, value: Any, option: int = 0) -> bytes:
     """Jobs are stored as JSON: refuse values that cannot be (bytes, decimals...) now, by row."""
     try:
-        orjson.dumps(value)
+        return orjson.dumps(value, option=option)
     except TypeError as exc:
         raise InputError(source, f"{what} cannot be stored as JSON: {exc}") from None
 

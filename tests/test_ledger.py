@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import orjson
 import pytest
 import redis
@@ -81,6 +83,24 @@ def test_enqueue_beyond_max_depth_parks_ids_on_the_backlog_and_feed_publishes_th
     rclient.delete("short")
     assert ledger.feed_backlog("short", 2) == 2
     assert rclient.llen("short") == 2 and rclient.llen(keys.RunKeys(RUN).backlog("short")) == 1
+
+
+def test_messages_and_backlogged_ids_leave_in_enqueue_order(ledger: Ledger, rclient: redis.Redis) -> None:
+    jobs = [spec(i, queue="long" if i % 3 == 0 else "short") for i in range(12)]
+    ledger.enqueue_batch("P", jobs[:5], 3)
+    ledger.enqueue_batch("P", jobs[5:], 3)
+
+    def next_job(queue: str) -> str:
+        body = orjson.loads(rclient.rpop(queue))["body"]  # workers take from the right (BRPOP)
+        return orjson.loads(base64.b64decode(body))[0][2]
+
+    short = [j.job_id for j in jobs if j.queue == "short"]
+    long = [j.job_id for j in jobs if j.queue == "long"]
+    assert [next_job("short") for _ in range(3)] == short[:3]
+    assert [next_job("long") for _ in range(3)] == long[:3]
+    backlog = keys.RunKeys(RUN).backlog
+    assert [x.decode() for x in rclient.lrange(backlog("short"), 0, -1)] == short[3:]
+    assert [x.decode() for x in rclient.lrange(backlog("long"), 0, -1)] == long[3:]
 
 
 def test_claim_moves_queued_to_running_with_a_fencing_token(ledger: Ledger) -> None:

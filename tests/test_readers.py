@@ -408,3 +408,12 @@ def test_json_kind_names_json_types() -> None:
         "null",
         "a bytes",
     ]
+
+
+def test_a_one_line_json_array_is_refused_with_the_same_hint(tmp_path: Path) -> None:
+    path = tmp_path / "array.jsonl"
+    path.write_bytes(orjson.dumps([{"prompt": "a"}, {"prompt": "b"}]) + b"\n")
+
+    with pytest.raises(InputError, match=r"looks like a JSON array, not JSON Lines") as info:
+        list(iter_records(path))
+    assert info.value.source == f"{path}:1"

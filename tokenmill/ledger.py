@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from tokenmill import keys
 from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, reached_field
-from tokenmill.messages import task_message
+from tokenmill.messages import task_message, task_messages
 
 SCRIPT_NAMES = (
     "enqueue",
@@ -161,17 +161,11 @@ class Ledger:
             k.backlog("long"),
         ]
         args: list[Any] = [self.run, partition, max_depth]
-        run = self.run
-        for job in jobs:
-            script_keys.append(k.job(job.job_id))
-            args += (
-                job.job_id,
-                job.digest,
-                job.source,
-                job.queue,
-                job.to_json(),
-                task_message(run, partition, job.job_id, job.queue),
-            )
+        messages = task_messages(self.run, partition, [(job.job_id, job.queue) for job in jobs])
+        job_key = k.job
+        for job, message in zip(jobs, messages, strict=True):
+            script_keys.append(job_key(job.job_id))
+            args += (job.job_id, job.digest, job.source, job.queue, job.to_json(), message)
         return script_keys, args
 
     # -- worker side ------------------------------------------------------------------------

@@ -10,11 +10,12 @@ base64 of the body (the per-row cost of a bulk enqueue).
 
 from __future__ import annotations
 
-import base64
 import itertools
 import os
 import socket
 import uuid
+from binascii import b2a_base64
+from collections.abc import Sequence
 
 import orjson
 
@@ -87,32 +88,37 @@ class _TaskIds:
         self.prefix = ""
         self.counter = itertools.count()
 
-    def next(self) -> bytes:
+    def take(self, n: int) -> list[bytes]:
+        """``n`` new task ids, each as a JSON string (quoted)."""
         if self.pid != os.getpid():
             self.pid = os.getpid()
             self.prefix = str(uuid.uuid4())[:24]
             self.counter = itertools.count()
-        return f"{self.prefix}{next(self.counter):012x}".encode()
+        prefix, counter = self.prefix, self.counter
+        return [f'"{prefix}{next(counter):012x}"'.encode() for _ in range(n)]
 
 
 _ids = _TaskIds()
+_QUEUE_JSON = {q: orjson.dumps(q) for q in ("short", "long")}
 
 
 def task_message(run: str, partition: str, job_id: str, queue: str) -> bytes:
     """The raw broker message that runs ``tokenmill.generate(run, partition, job_id)`` on ``queue``."""
-    task_id = _ids.next()
-    args = [run, partition, job_id]
-    body = base64.b64encode(b"[" + orjson.dumps(args) + b",{}," + _EMBED + b"]")
-    p = _PIECES
-    return b"".join(
-        (
-            p[0], b'"', body, b'"',
-            p[1], b'"', task_id, b'"',
-            p[2], b'"', task_id, b'"',
-            p[3], orjson.dumps(repr(args)),
-            p[4], b'"', task_id, b'"',
-            p[5], orjson.dumps(queue),
-            p[6], b'"', task_id, b'"',
-            p[7],
-        )
-    )  # fmt: skip
+    return task_messages(run, partition, [(job_id, queue)])[0]
+
+
+def task_messages(run: str, partition: str, jobs: Sequence[tuple[str, str]]) -> list[bytes]:
+    """:func:`task_message` for each ``(job_id, queue)`` of one partition, in one pass: what is
+    common to the batch (the run, the partition, the envelope) is rendered once."""
+    args_head = orjson.dumps([run, partition])[:-1] + b","  # '["run","partition",'
+    repr_head = repr([run, partition])[:-1] + ", "  # "['run', 'partition', "
+    p0, p1, p2, p3, p4, p5, p6, p7 = _PIECES
+    out = []
+    for (job_id, queue), tid in zip(jobs, _ids.take(len(jobs)), strict=True):
+        args = b"".join((b"[", args_head, orjson.dumps(job_id), b"],{},", _EMBED, b"]"))
+        body = b2a_base64(args, newline=False)
+        argsrepr = orjson.dumps(f"{repr_head}{job_id!r}]")
+        queue_json = _QUEUE_JSON.get(queue) or orjson.dumps(queue)
+        parts = (p0, b'"', body, b'"', p1, tid, p2, tid, p3, argsrepr, p4, tid, p5, queue_json, p6, tid, p7)
+        out.append(b"".join(parts))
+    return out

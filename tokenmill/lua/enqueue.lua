@@ -13,6 +13,11 @@ local broker = {short = KEYS[5], long = KEYS[6]}
 local backlog = {short = KEYS[7], long = KEYS[8]}
 local out = {}
 local ids = {}
+-- Messages (and backlogged ids) are pushed with one call per queue after the loop: one
+-- redis.call per message cost about 9 us of Redis CPU each, half of the whole enqueue. LPUSH of
+-- m1..mn leaves the order n single pushes leave, so workers still take them first in, first out.
+local messages = {short = {}, long = {}}
+local parked = {short = {}, long = {}}
 for i = 9, #KEYS do
   local a = 4 + (i - 9) * 6
   local job, hash, queue = KEYS[i], ARGV[a + 1], ARGV[a + 3]
@@ -28,13 +33,23 @@ for i = 9, #KEYS do
       'hash', hash, 'source', ARGV[a + 2], 'spec', ARGV[a + 4])
     ids[#ids + 1] = ARGV[a]
     if depth[queue] < max_depth then
-      redis.call('LPUSH', broker[queue], ARGV[a + 5])
+      local pending = messages[queue]
+      pending[#pending + 1] = ARGV[a + 5]
       depth[queue] = depth[queue] + 1
       out[#out + 1] = 'new'
     else
-      redis.call('RPUSH', backlog[queue], ARGV[a])
+      local waiting = parked[queue]
+      waiting[#waiting + 1] = ARGV[a]
       out[#out + 1] = 'backlog'
     end
+  end
+end
+for queue, pending in pairs(messages) do
+  if #pending > 0 then
+    redis.call('LPUSH', broker[queue], unpack(pending))
+  end
+  if #parked[queue] > 0 then
+    redis.call('RPUSH', backlog[queue], unpack(parked[queue]))
   end
 end
 if #ids > 0 then
