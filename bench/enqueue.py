@@ -5,7 +5,7 @@ variants; every variant leaves one broker message per row (checked):
 
 - tokenmill, in process: ``producer.enqueue.Enqueuer`` over the JSONL file (read, validate,
   route, content-hash ids, ledger create-if-absent with dedup, Celery messages pushed inside
-  the enqueue script, 1,000 rows per script call);
+  the enqueue script, 200 rows per script call, two calls in flight on one connection);
 - tokenmill, CLI: ``tokenmill enqueue FILE`` as a subprocess, end to end (interpreter start,
   imports, the durability check), with its max RSS from ``wait4``;
 - tokenmill, re-enqueue: the same file again, every row a dedup hit (nothing written);

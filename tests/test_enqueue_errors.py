@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import orjson
@@ -31,6 +32,24 @@ def test_malformed_json_line_stops_enqueue_naming_file_and_line(
         "1 new" in skipped.stdout and "1 invalid" in skipped.stdout and "2 already queued" in skipped.stdout
     )
     assert f"{f}:3" in skipped.stderr
+
+
+def test_a_bad_row_after_many_batches_in_flight_keeps_every_row_before_it_in_file_order(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
+    rows = [orjson.dumps({"id": i, "prompt": f"row {i}"}) for i in range(1, 1001)]
+    rows[949] = b'{"prompt": oops}'  # line 950, after several batches were sent and not yet read
+    f = tmp_path / "P.jsonl"
+    f.write_bytes(b"\n".join(rows) + b"\n")
+
+    res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": redis_url}, check=False)
+
+    assert res.returncode == 2 and f"{f}:950: invalid JSON" in res.stderr
+    assert totals(rclient, "r")["queued"] == 949
+    published = []
+    while (raw := rclient.rpop("short")) is not None:  # workers take from the right
+        published.append(orjson.loads(base64.b64decode(orjson.loads(raw)["body"]))[0][2])
+    assert published == [f"P:{i}" for i in range(1, 950)]
 
 
 def test_each_invalid_row_is_rejected_naming_the_row(tmp_path: Path, redis_url: str) -> None:

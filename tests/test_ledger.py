@@ -103,6 +103,16 @@ def test_messages_and_backlogged_ids_leave_in_enqueue_order(ledger: Ledger, rcli
     assert [x.decode() for x in rclient.lrange(backlog("long"), 0, -1)] == long[3:]
 
 
+def test_an_abandoned_enqueue_stream_leaves_no_reply_for_the_next_command(ledger: Ledger) -> None:
+    with pytest.raises(RuntimeError), ledger.enqueue_stream() as stream:
+        stream.send("P", [spec(1), spec(2)], 100)
+        stream.send("P", [spec(3)], 100)
+        raise RuntimeError("the producer stopped with two batches unread")
+
+    assert ledger.enqueue_batch("P", [spec(4)], 100) == ["new"]
+    assert counts(ledger)["queued"] == 4
+
+
 def test_claim_moves_queued_to_running_with_a_fencing_token(ledger: Ledger) -> None:
     job = spec(1)
     ledger.enqueue_batch("P", [job], 100)

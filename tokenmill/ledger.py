@@ -9,7 +9,8 @@ script, so status is O(partitions).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple
@@ -19,9 +20,10 @@ import redis
 import redis.asyncio as aioredis
 
 from tokenmill import keys
+from tokenmill.bulk import EnqueueStream
 from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, reached_field
-from tokenmill.messages import task_message, task_messages
+from tokenmill.messages import task_message
 
 SCRIPT_NAMES = (
     "enqueue",
@@ -113,60 +115,27 @@ class Ledger:
 
     def enqueue_batch(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> list[str]:
         """Create-if-absent and publish ``jobs`` (all of ``partition``); one outcome per job."""
-        return self.enqueue_send(partition, jobs, max_depth)()
+        with self.enqueue_stream() as stream:
+            stream.send(partition, jobs, max_depth)
+            return stream.read()[1]
 
-    def enqueue_send(
-        self, partition: str, jobs: Sequence[JobSpec], max_depth: int
-    ) -> Callable[[], list[str]]:
-        """Send the enqueue script for ``jobs`` now and return the function that reads its
-        outcomes, so the producer builds the next batch while Redis runs this one."""
-        if not jobs:
-            return list
-        script_keys, args = self._enqueue_args(partition, jobs, max_depth)
+    @contextmanager
+    def enqueue_stream(self) -> Iterator[EnqueueStream]:
+        """An :class:`~tokenmill.bulk.EnqueueStream` on a connection of its own for a bulk
+        enqueue; the connection goes back to the pool once every reply is read (closed if not)."""
         script = self._scripts["enqueue"]
         if not self._enqueue_loaded:
             self.r.script_load(script.script)
             self._enqueue_loaded = True
         pool = self.r.connection_pool
         conn = pool.get_connection()
+        stream = EnqueueStream(self.r, conn, script, self.k)
         try:
-            conn.send_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
-        except BaseException:
+            yield stream
+        finally:
+            if len(stream):  # replies left unread would be read as the next command's
+                conn.disconnect()
             pool.release(conn)
-            raise
-
-        def read() -> list[str]:
-            try:
-                outcomes = conn.read_response()
-            except redis.exceptions.NoScriptError:  # Redis restarted since: run it the slow way
-                outcomes = script(script_keys, args)
-            finally:
-                pool.release(conn)
-            return [_s(x) for x in outcomes]
-
-        return read
-
-    def _enqueue_args(
-        self, partition: str, jobs: Sequence[JobSpec], max_depth: int
-    ) -> tuple[list[str], list[Any]]:
-        k = self.k
-        script_keys = [
-            keys.runs(),
-            k.partitions(),
-            k.counts(),
-            k.jobs(partition),
-            keys.broker_queue("short"),
-            keys.broker_queue("long"),
-            k.backlog("short"),
-            k.backlog("long"),
-        ]
-        args: list[Any] = [self.run, partition, max_depth]
-        messages = task_messages(self.run, partition, [(job.job_id, job.queue) for job in jobs])
-        job_key = k.job
-        for job, message in zip(jobs, messages, strict=True):
-            script_keys.append(job_key(job.job_id))
-            args += (job.job_id, job.digest, job.source, job.queue, job.to_json(), message)
-        return script_keys, args
 
     # -- worker side ------------------------------------------------------------------------
 
