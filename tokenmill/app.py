@@ -12,11 +12,10 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from tokenmill import keys, kombu_patch
+from tokenmill.messages import TASK_NAME as TASK_NAME  # the task's name, re-exported
 from tokenmill.serializer import NAME as SERIALIZER
 from tokenmill.serializer import register_orjson
 from tokenmill.settings import Settings
-
-TASK_NAME = "tokenmill.generate"
 
 register_orjson()
 kombu_patch.apply()

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from tokenmill.app import TASK_NAME
-
+TASK_NAME = "tokenmill.generate"  # tokenmill.app registers the task under this name
 _EMBED = b'{"callbacks":null,"errbacks":null,"chain":null,"chord":null}'
 _ID = "\x00id\x00"
 _BODY = "\x00body\x00"
