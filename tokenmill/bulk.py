@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import hiredis
 import redis
 from redis.commands.core import Script
 from redis.connection import AbstractConnection
@@ -62,7 +63,10 @@ class EnqueueStream:
     def send(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> None:
         """Send the enqueue script for ``jobs`` (all of ``partition``) without waiting for it."""
         script_keys, args = enqueue_args(self.k, partition, jobs, max_depth)
-        self.conn.send_command("EVALSHA", self.script.sha, len(script_keys), *script_keys, *args)
+        # Packed by hiredis directly: redis-py's packer first re-checks every argument in Python,
+        # ~1 us a row of the producer's ~15 (measured on 200-row batches of bench/enqueue.py's rows).
+        command = ("EVALSHA", self.script.sha, len(script_keys), *script_keys, *args)
+        self.conn.send_packed_command([hiredis.pack_command(command)])
         self.sent.append((jobs, script_keys, args))
 
     def read(self) -> tuple[Sequence[JobSpec], list[str]]:
