@@ -60,8 +60,8 @@ def job_id_for(partition: str, record_id: str | None, digest: str) -> str:
 class JobSpec:
     """Everything the worker needs to run a job, and where it came from.
 
-    Not frozen: the producer builds one per row, and a frozen dataclass's ``__init__`` (one
-    ``object.__setattr__`` per field) cost about 1 us of the ~20 us a row takes. Treat it as a value.
+    Not frozen: the producer builds one per row, and a frozen dataclass's ``__init__`` sets each
+    of the ten fields through ``object.__setattr__`` (+0.26 us for three). Treat it as a value.
     """
 
     job_id: str
