@@ -113,6 +113,22 @@ def test_an_abandoned_enqueue_stream_leaves_no_reply_for_the_next_command(ledger
     assert counts(ledger)["queued"] == 4
 
 
+def test_an_enqueue_stream_survives_a_script_cache_flush_with_batches_in_flight(
+    ledger: Ledger, rclient: redis.Redis
+) -> None:
+    ledger.enqueue_batch("P", [spec(0)], 100)  # the script is loaded once, then forgotten by Redis
+    rclient.script_flush()
+
+    with ledger.enqueue_stream() as stream:
+        stream.send("P", [spec(1), spec(2)], 100)
+        stream.send("P", [spec(3), spec(1)], 100)
+        outcomes = [stream.read()[1], stream.read()[1]]
+
+    assert outcomes == [["new", "new"], ["new", "queued"]]
+    listed = rclient.lrange(keys.RunKeys(RUN).jobs("P"), 0, -1)
+    assert [x.decode() for x in listed] == [spec(i).job_id for i in range(4)]
+
+
 def test_claim_moves_queued_to_running_with_a_fencing_token(ledger: Ledger) -> None:
     job = spec(1)
     ledger.enqueue_batch("P", [job], 100)

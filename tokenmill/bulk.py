@@ -75,7 +75,7 @@ class EnqueueStream:
         jobs, script_keys, args = self.sent.popleft()
         try:
             outcomes = self.conn.read_response()
-        except redis.exceptions.NoScriptError:  # Redis restarted since the load: the slow way
+        except redis.exceptions.NoScriptError:  # script cache flushed since the load: the slow way
             outcomes = self.script(script_keys, args, client=self.client)
         return jobs, [x.decode() if isinstance(x, bytes) else str(x) for x in outcomes]
 
