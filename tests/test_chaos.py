@@ -313,6 +313,10 @@ def test_workers_survive_redis_crashes_while_their_tasks_finish(cluster: MakeClu
         assert c.broken_workers() == []
 
     assert_exactly_once(c, wl, tmp_path / "out")
+    # and its log tells what happened to the tasks that were running, without tracebacks
+    log = "\n".join(w.output() for w in c.workers)
+    assert "a thread cannot be stopped, so it carries on" in log
+    assert "Terminating it instead" not in log and "NotImplementedError" not in log
 
 
 def test_resume_requeues_and_republishes_after_a_crash_of_redis_and_every_worker(

@@ -12,6 +12,7 @@ from celery.signals import worker_ready, worker_shutting_down
 from tokenmill import redis_conn
 from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
+from workers import celery_logs
 from workers.job import run_job
 from workers.pump import Pump
 from workers.runtime import current, get_runtime
@@ -41,6 +42,7 @@ def _stop_consuming(task: Task) -> None:
 
 @worker_ready.connect
 def _on_worker_ready(**_: Any) -> None:
+    celery_logs.install()
     rt = get_runtime(app_settings)
     redis_conn.warn_durability(rt.redis)
     if "pump" not in _pump:
