@@ -25,25 +25,31 @@ LAZY = {"sim": ("server_mgr.sim.cli:sim", "Run the SGLang-compatible simulator (
 STALE_AFTER_S = 30.0
 
 _config_option = click.option(
-    "--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="TOML file with one or more [[server]] tables.")
-_redis_option = click.option("--redis-url", default=None,
-                             help="Redis URL [env TOKENMILL_REDIS_URL].")
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="TOML file with one or more [[server]] tables.",
+)
+_redis_option = click.option("--redis-url", default=None, help="Redis URL [env TOKENMILL_REDIS_URL].")
 
 
 class ServerGroup(LazyGroup):
     """The root's lazy group, with each subcommand's own short help (the lazy ones from LAZY)."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, LAZY[name][1] if name in LAZY else
-                 self.commands[name].get_short_help_str(limit=70))
-                for name in self.list_commands(ctx)]
+        rows = [
+            (name, LAZY[name][1] if name in LAZY else self.commands[name].get_short_help_str(limit=70))
+            for name in self.list_commands(ctx)
+        ]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
 
-@click.group(cls=ServerGroup, lazy={name: target for name, (target, _) in LAZY.items()},
-             context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=ServerGroup,
+    lazy={name: target for name, (target, _) in LAZY.items()},
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 def server() -> None:
     """Launch, supervise and inspect SGLang (or sim) servers."""
 
@@ -51,8 +57,9 @@ def server() -> None:
 @server.command()
 @_config_option
 @_redis_option
-@click.option("--no-pause-consumers", is_flag=True,
-              help="Do not pause the workers' consumers while no server is ready.")
+@click.option(
+    "--no-pause-consumers", is_flag=True, help="Do not pause the workers' consumers while no server is ready."
+)
 def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool) -> None:
     """Launch and supervise the servers of --config.
 
@@ -92,12 +99,24 @@ def status(as_json: bool, redis_url: str | None) -> None:
 @click.option("--name", "names", multiple=True, help="A server name (repeatable).")
 @click.option("--all", "stop_all", is_flag=True, help="Every published server.")
 @click.option("--now", is_flag=True, help="Do not wait for in-flight requests.")
-@click.option("--timeout", "timeout_s", type=float, default=None,
-              help="Seconds to wait for the servers to be down [drain_grace_s + stop_grace_s + 60].")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    help="Seconds to wait for the servers to be down [drain_grace_s + stop_grace_s + 60].",
+)
 @click.option("--no-wait", is_flag=True, help="Leave the stop request and return.")
 @_redis_option
-def stop(config_path: Path | None, names: tuple[str, ...], stop_all: bool, now: bool,
-         timeout_s: float | None, no_wait: bool, redis_url: str | None) -> None:
+def stop(
+    config_path: Path | None,
+    names: tuple[str, ...],
+    stop_all: bool,
+    now: bool,
+    timeout_s: float | None,
+    no_wait: bool,
+    redis_url: str | None,
+) -> None:
     """Drain and stop servers (from any host).
 
     Leaves a stop request in Redis that each server's supervisor obeys, then waits for `down`.
@@ -113,8 +132,13 @@ def stop(config_path: Path | None, names: tuple[str, ...], stop_all: bool, now: 
         raise click.UsageError("give --config, --name or --all")
     if timeout_s is None:
         timeout_s = max([c.drain_grace_s + c.stop_grace_s for c in configs] or [600.0]) + 60
-    ok = stop_servers(client, list(dict.fromkeys(wanted)), drain=not now,
-                      timeout_s=None if no_wait else timeout_s, echo=click.echo)
+    ok = stop_servers(
+        client,
+        list(dict.fromkeys(wanted)),
+        drain=not now,
+        timeout_s=None if no_wait else timeout_s,
+        echo=click.echo,
+    )
     sys.exit(0 if ok else 1)
 
 
@@ -128,27 +152,57 @@ def command(config_path: Path | None, show_secrets: bool) -> None:
 
 
 @server.command("check-quality")
-@click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Config of the reference server (launched, then stopped).")
-@click.option("--candidate", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Config of the candidate server (launched, then stopped).")
+@click.option(
+    "--reference",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Config of the reference server (launched, then stopped).",
+)
+@click.option(
+    "--candidate",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Config of the candidate server (launched, then stopped).",
+)
 @click.option("--reference-url", help="A running reference server instead of --reference.")
 @click.option("--candidate-url", help="A running candidate server instead of --candidate.")
-@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              required=True, help="JSONL with 'prompt' or 'messages' per line.")
-@click.option("--threshold", type=click.FloatRange(0, 1), default=0.95, show_default=True,
-              help="Minimum mean shared-prefix fraction to pass.")
+@click.option(
+    "--prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="JSONL with 'prompt' or 'messages' per line.",
+)
+@click.option(
+    "--threshold",
+    type=click.FloatRange(0, 1),
+    default=0.95,
+    show_default=True,
+    help="Minimum mean shared-prefix fraction to pass.",
+)
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
-              help="Requests at a time (1 keeps batches, hence greedy outputs, reproducible).")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Requests at a time (1 keeps batches, hence greedy outputs, reproducible).",
+)
 @click.option("--api-key", default=None, help="For --*-url servers [env TOKENMILL_API_KEY].")
 @click.option("--model", default=None, help="Model name for --*-url servers [env TOKENMILL_MODEL].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check_quality(reference: Path | None, candidate: Path | None, reference_url: str | None,
-                  candidate_url: str | None, prompts: Path, threshold: float, max_tokens: int,
-                  seed: int, concurrency: int, api_key: str | None, model: str | None,
-                  as_json: bool) -> None:
+def check_quality(
+    reference: Path | None,
+    candidate: Path | None,
+    reference_url: str | None,
+    candidate_url: str | None,
+    prompts: Path,
+    threshold: float,
+    max_tokens: int,
+    seed: int,
+    concurrency: int,
+    api_key: str | None,
+    model: str | None,
+    as_json: bool,
+) -> None:
     """Compare a candidate config's greedy outputs with a reference's.
 
     Exit code 0 when the mean shared-prefix fraction reaches --threshold, 1 when it does not.
@@ -157,10 +211,21 @@ def check_quality(reference: Path | None, candidate: Path | None, reference_url:
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     settings = Settings.load(api_key=api_key, model=model)
-    sides = [_side(label, path, url, settings) for label, path, url in
-             (("reference", reference, reference_url), ("candidate", candidate, candidate_url))]
-    result = quality.run_check(*sides, quality.load_prompts(prompts), threshold=threshold,
-                               max_tokens=max_tokens, seed=seed, concurrency=concurrency)
+    sides = [
+        _side(label, path, url, settings)
+        for label, path, url in (
+            ("reference", reference, reference_url),
+            ("candidate", candidate, candidate_url),
+        )
+    ]
+    result = quality.run_check(
+        *sides,
+        quality.load_prompts(prompts),
+        threshold=threshold,
+        max_tokens=max_tokens,
+        seed=seed,
+        concurrency=concurrency,
+    )
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
@@ -199,8 +264,20 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         click.echo("no servers published")
         return
-    header = ("NAME", "ENGINE", "STATE", "URL", "PID", "RESTARTS", "KV TOKENS", "CONTEXT",
-              "RUNNING", "QUEUED", "USAGE", "LAST ERROR")
+    header = (
+        "NAME",
+        "ENGINE",
+        "STATE",
+        "URL",
+        "PID",
+        "RESTARTS",
+        "KV TOKENS",
+        "CONTEXT",
+        "RUNNING",
+        "QUEUED",
+        "USAGE",
+        "LAST ERROR",
+    )
     table = [header] + [_table_row(r) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
@@ -212,10 +289,20 @@ def _table_row(row: dict[str, Any]) -> tuple[str, ...]:
     live = row["live"]
     age = time.time() - row["updated_at"]
     state = row["state"] + (f" (stale {age:.0f}s)" if row["stale"] else "")
-    return (row["name"], row["engine"], state, row["url"], _cell(row["pid"]), str(row["restarts"]),
-            _cell(row["max_total_num_tokens"]), _cell(row["context_length"]),
-            _cell(live.get("running_req")), _cell(live.get("queue_req")),
-            _cell(live.get("token_usage")), row["last_error"][:80])
+    return (
+        row["name"],
+        row["engine"],
+        state,
+        row["url"],
+        _cell(row["pid"]),
+        str(row["restarts"]),
+        _cell(row["max_total_num_tokens"]),
+        _cell(row["context_length"]),
+        _cell(live.get("running_req")),
+        _cell(live.get("queue_req")),
+        _cell(live.get("token_usage")),
+        row["last_error"][:80],
+    )
 
 
 def _cell(value: Any) -> str:
@@ -235,9 +322,12 @@ def _print_quality(result: Any, sides: list[Any]) -> None:
     click.echo(f"exact match:             {n - result.diverged}/{n} ({result.exact_match_rate:.1%})")
     click.echo(f"mean shared prefix:      {result.mean_prefix_fraction:.3f}")
     if result.median_divergence is not None:
-        click.echo(f"median first divergence: word {result.median_divergence:g} "
-                   f"(over the {result.diverged} outputs that differ)")
+        click.echo(
+            f"median first divergence: word {result.median_divergence:g} "
+            f"(over the {result.diverged} outputs that differ)"
+        )
     verdict = "PASS" if result.passed else "FAIL"
     op = ">=" if result.passed else "<"
-    click.echo(f"{verdict}: mean shared prefix {result.mean_prefix_fraction:.3f} {op} "
-               f"threshold {result.threshold:g}")
+    click.echo(
+        f"{verdict}: mean shared prefix {result.mean_prefix_fraction:.3f} {op} threshold {result.threshold:g}"
+    )

@@ -27,8 +27,9 @@ def launch_argv(config: ServerConfig, *, redact: bool = False) -> list[str]:
     return [*config.launcher, *server_flags(config, redact=redact)]
 
 
-def server_flags(config: ServerConfig, *, redact: bool = False,
-                 skip: frozenset[str] = frozenset()) -> list[str]:
+def server_flags(
+    config: ServerConfig, *, redact: bool = False, skip: frozenset[str] = frozenset()
+) -> list[str]:
     """The SGLang flags for ``config`` in a fixed order (minus ``skip``), then ``extra_args``."""
     c = config
     pairs: list[tuple[str, object]] = [
@@ -73,8 +74,10 @@ def launch_env(config: ServerConfig) -> dict[str, str]:
 
 def display_command(config: ServerConfig, *, show_secrets: bool = False) -> str:
     """The launch command as one shell line: ``ENV=value ... argv`` (secrets as ``***``)."""
-    env = [f"{k}={v if show_secrets or not _SECRET_ENV_RE.search(k) else REDACTED}"
-           for k, v in config.env.items()]
+    env = [
+        f"{k}={v if show_secrets or not _SECRET_ENV_RE.search(k) else REDACTED}"
+        for k, v in config.env.items()
+    ]
     return shlex.join([*env, *launch_argv(config, redact=not show_secrets)])
 
 

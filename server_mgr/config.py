@@ -168,8 +168,9 @@ def _server(table: dict[str, Any], where: str, env: typing.Mapping[str, str]) ->
     return config
 
 
-def _typed(cls: type, table: dict[str, Any], where: str, *, nested: tuple[str, ...] = (),
-           prefix: str = "") -> dict[str, Any]:
+def _typed(
+    cls: type, table: dict[str, Any], where: str, *, nested: tuple[str, ...] = (), prefix: str = ""
+) -> dict[str, Any]:
     """``table``'s values converted to ``cls``'s field types; unknown keys are refused.
 
     Keys in ``nested`` are sub-tables the caller reads itself.
@@ -190,8 +191,10 @@ def _typed(cls: type, table: dict[str, Any], where: str, *, nested: tuple[str, .
 _SCALARS: dict[type, tuple[str, typing.Callable[[Any], bool]]] = {
     bool: ("true or false", lambda v: isinstance(v, bool)),
     int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)
-            and math.isfinite(v)),
+    float: (
+        "a number",
+        lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+    ),
     str: ("a string", lambda v: isinstance(v, str)),
 }
 
@@ -226,7 +229,7 @@ def _coerce_tuple(value: Any, args: tuple[Any, ...], where: str, key: str) -> tu
 
 def _coerce_env(value: Any, where: str, key: str) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise _bad(where, key, f"must be a table of NAME = \"value\", got {value!r}")
+        raise _bad(where, key, f'must be a table of NAME = "value", got {value!r}')
     out: dict[str, str] = {}
     for name, item in value.items():
         if not _ENV_RE.match(name):
@@ -259,7 +262,7 @@ def _validate(c: ServerConfig, table: dict[str, Any], where: str) -> None:
     if problem:
         raise _bad(where, "extra_args", problem)
     if c.engine != "sim" and "sim" in table:
-        raise _bad(where, "sim", "[server.sim] is only for engine = \"sim\"")
+        raise _bad(where, "sim", '[server.sim] is only for engine = "sim"')
     _validate_sim(c.sim, where)
 
 
@@ -275,21 +278,27 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
         ("port", 1 <= c.port <= 65535, "must be between 1 and 65535"),
         ("host", bool(c.host.strip()), "must not be empty"),
         ("model_path", c.engine == "sim" or bool(c.model_path), "is required for engine sglang"),
-        ("served_model_name", c.served_model_name is None or (
-            bool(c.served_model_name) and ":" not in c.served_model_name),
-         "must be non-empty and may not contain ':' (SGLang refuses it: it reads 'a:b' as a "
-         "LoRA adapter)"),
+        (
+            "served_model_name",
+            c.served_model_name is None or (bool(c.served_model_name) and ":" not in c.served_model_name),
+            "must be non-empty and may not contain ':' (SGLang refuses it: it reads 'a:b' as a LoRA adapter)",
+        ),
         ("url", not c.url or c.url.startswith(("http://", "https://")), "must be an http(s) URL"),
         ("tp_size", c.tp_size >= 1, "must be at least 1"),
         ("dp_size", c.dp_size >= 1, "must be at least 1"),
         ("hicache_size", c.hicache_size is None or c.hicache_size >= 0, "must be >= 0 (GB)"),
-        ("hicache_size", c.hicache_size is None or c.enable_hierarchical_cache,
-         "needs enable_hierarchical_cache = true"),
+        (
+            "hicache_size",
+            c.hicache_size is None or c.enable_hierarchical_cache,
+            "needs enable_hierarchical_cache = true",
+        ),
         ("context_length", _positive(c.context_length), "must be positive"),
         ("max_running_requests", _positive(c.max_running_requests), "must be positive"),
-        ("reasoning_parser", c.reasoning_parser is None
-         or c.reasoning_parser in sglang_flags.REASONING_PARSERS,
-         f"must be one of {', '.join(sglang_flags.REASONING_PARSERS)}"),
+        (
+            "reasoning_parser",
+            c.reasoning_parser is None or c.reasoning_parser in sglang_flags.REASONING_PARSERS,
+            f"must be one of {', '.join(sglang_flags.REASONING_PARSERS)}",
+        ),
         ("launcher", bool(c.launcher), "must not be empty"),
         ("max_restarts", c.max_restarts >= 0, "must be >= 0"),
         ("restart_window_s", c.restart_window_s > 0, "must be positive"),
@@ -306,8 +315,12 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
 
 def _validate_kv_cache(c: ServerConfig, where: str) -> None:
     if c.kv_cache_dtype not in sglang_flags.KV_CACHE_DTYPES:
-        raise _bad(where, "kv_cache_dtype", f"must be one of {', '.join(sglang_flags.KV_CACHE_DTYPES)} "
-                   f"(sglang 0.5.23's choices), got {c.kv_cache_dtype!r}")
+        raise _bad(
+            where,
+            "kv_cache_dtype",
+            f"must be one of {', '.join(sglang_flags.KV_CACHE_DTYPES)} "
+            f"(sglang 0.5.23's choices), got {c.kv_cache_dtype!r}",
+        )
     if sglang_flags.is_lossy_kv_cache(c.kv_cache_dtype) and not c.allow_lossy_kv_cache:
         raise LossyKvCacheError(
             f"{where}: key 'kv_cache_dtype': {c.kv_cache_dtype!r} quantizes the KV cache, which "
@@ -320,15 +333,20 @@ def _validate_kv_cache(c: ServerConfig, where: str) -> None:
 def _validate_fraction(c: ServerConfig, where: str) -> None:
     low, high = c.mem_fraction_bounds
     if not 0 < low < high < 1:
-        raise _bad(where, "mem_fraction_bounds", f"must be [low, high] with 0 < low < high < 1, got "
-                   f"{list(c.mem_fraction_bounds)}")
+        raise _bad(
+            where,
+            "mem_fraction_bounds",
+            f"must be [low, high] with 0 < low < high < 1, got {list(c.mem_fraction_bounds)}",
+        )
     if not 0 < c.mem_fraction_step < high - low:
-        raise _bad(where, "mem_fraction_step", f"must be positive and below high - low, got "
-                   f"{c.mem_fraction_step}")
+        raise _bad(
+            where, "mem_fraction_step", f"must be positive and below high - low, got {c.mem_fraction_step}"
+        )
     fraction = c.mem_fraction_static
     if fraction is not None and not low <= fraction <= high:
-        raise _bad(where, "mem_fraction_static", f"must lie within mem_fraction_bounds {[low, high]}, "
-                   f"got {fraction}")
+        raise _bad(
+            where, "mem_fraction_static", f"must lie within mem_fraction_bounds {[low, high]}, got {fraction}"
+        )
 
 
 def _validate_sim(sim: SimKnobs, where: str) -> None:

@@ -42,17 +42,21 @@ def paused_reason(client: redis.Redis) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def pause_consumers(client: redis.Redis, control: Any, reason: str,
-                    inspect_timeout_s: float = 1.0) -> None:
+def pause_consumers(client: redis.Redis, control: Any, reason: str, inspect_timeout_s: float = 1.0) -> None:
     """Record ``reason`` in the worker control hash and cancel every worker's queue consumers."""
     active = _active_consumers(control, inspect_timeout_s)
     known = _saved_consumers(client)
     for queue, workers in active.items():
         known[queue] = sorted(set(known.get(queue, [])) | set(workers))
-    client.hset(keys.worker_control(), mapping={
-        PAUSED: reason, "paused_at": str(time.time()),
-        "paused_by": f"{socket.gethostname()}:{os.getpid()}", CONSUMERS: orjson.dumps(known),
-    })
+    client.hset(
+        keys.worker_control(),
+        mapping={
+            PAUSED: reason,
+            "paused_at": str(time.time()),
+            "paused_by": f"{socket.gethostname()}:{os.getpid()}",
+            CONSUMERS: orjson.dumps(known),
+        },
+    )
     for queue in keys.QUEUES:
         control.cancel_consumer(queue)
     log.warning("paused the workers' consumers: %s", reason)
@@ -68,8 +72,10 @@ def resume_consumers(client: redis.Redis, control: Any) -> None:
     for queue, workers in known.items():
         if workers:
             control.add_consumer(queue, destination=workers)
-    log.warning("resumed the workers' consumers: %s",
-                ", ".join(f"{q} on {len(w)} worker(s)" for q, w in known.items()) or "none known")
+    log.warning(
+        "resumed the workers' consumers: %s",
+        ", ".join(f"{q} on {len(w)} worker(s)" for q, w in known.items()) or "none known",
+    )
 
 
 class ConsumerGate:
@@ -79,8 +85,15 @@ class ConsumerGate:
     again every ``rebroadcast_s`` so a worker that (re)started meanwhile stops too.
     """
 
-    def __init__(self, client: redis.Redis, control: Any, *, stale_after_s: float = 60.0,
-                 rebroadcast_s: float = 30.0, inspect_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        control: Any,
+        *,
+        stale_after_s: float = 60.0,
+        rebroadcast_s: float = 30.0,
+        inspect_timeout_s: float = 1.0,
+    ) -> None:
         self.client = client
         self.control = control
         self.stale_after_s = stale_after_s
@@ -114,8 +127,9 @@ class ConsumerGate:
 def _reason(records: list[servers.ServerRecord]) -> str:
     if not records:
         return "no server is published"
-    states = "; ".join(f"{r.name} {r.state}" + (f" ({r.last_error})" if r.last_error else "")
-                       for r in records)
+    states = "; ".join(
+        f"{r.name} {r.state}" + (f" ({r.last_error})" if r.last_error else "") for r in records
+    )
     return f"no server is ready: {states}"[:500]
 
 

@@ -37,28 +37,55 @@ class Crash:
 
 # (kind, pattern, remedy, explanation prefix); the first match in the log wins.
 _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
-    ("oom_fraction_too_low", re.compile(r"Not enough memory.*mem-fraction-static", re.I),
-     RAISE_FRACTION, "mem_fraction_static too low"),
-    ("oom_fraction_too_high", re.compile(r"Capture .*graph failed.*out of memory", re.I),
-     LOWER_FRACTION, "mem_fraction_static too high (CUDA-graph capture ran out of memory)"),
-    ("hicache_host_memory", re.compile(r"Not enough host memory available"),
-     GIVE_UP, "not enough host RAM for hicache_size"),
-    ("invalid_arguments", re.compile(r"served_model_name cannot contain|error: argument |"
-                                     r"error: unrecognized arguments"),
-     GIVE_UP, "SGLang refused its arguments"),
-    ("port_in_use", re.compile(r"address already in use|Errno 98", re.I),
-     RESTART, "the HTTP port is taken"),
+    (
+        "oom_fraction_too_low",
+        re.compile(r"Not enough memory.*mem-fraction-static", re.I),
+        RAISE_FRACTION,
+        "mem_fraction_static too low",
+    ),
+    (
+        "oom_fraction_too_high",
+        re.compile(r"Capture .*graph failed.*out of memory", re.I),
+        LOWER_FRACTION,
+        "mem_fraction_static too high (CUDA-graph capture ran out of memory)",
+    ),
+    (
+        "hicache_host_memory",
+        re.compile(r"Not enough host memory available"),
+        GIVE_UP,
+        "not enough host RAM for hicache_size",
+    ),
+    (
+        "invalid_arguments",
+        re.compile(
+            r"served_model_name cannot contain|error: argument |"
+            r"error: unrecognized arguments"
+        ),
+        GIVE_UP,
+        "SGLang refused its arguments",
+    ),
+    ("port_in_use", re.compile(r"address already in use|Errno 98", re.I), RESTART, "the HTTP port is taken"),
     ("watchdog_timeout", re.compile(r"watchdog timeout", re.I), RESTART, "a forward step hung"),
-    ("gpu_memory_unbalanced", re.compile(r"memory capacity is unbalanced"),
-     RESTART, "another process holds GPU memory"),
+    (
+        "gpu_memory_unbalanced",
+        re.compile(r"memory capacity is unbalanced"),
+        RESTART,
+        "another process holds GPU memory",
+    ),
     ("warmup_failed", re.compile(r"warmup error"), RESTART, "the warmup request failed"),
-    ("scheduler_exception", re.compile(r"Scheduler hit an exception"),
-     RESTART, "a scheduler raised"),
-    ("subprocess_crashed", re.compile(r"Subprocess .* crashed with exit code"),
-     RESTART, "a child process died"),
-    ("scheduler_killed", re.compile(r"scheduler died during initialization \(exit code: -9\)"),
-     RESTART, "a scheduler was SIGKILLed during startup (the kernel OOM killer is one cause; "
-     "check dmesg)"),
+    ("scheduler_exception", re.compile(r"Scheduler hit an exception"), RESTART, "a scheduler raised"),
+    (
+        "subprocess_crashed",
+        re.compile(r"Subprocess .* crashed with exit code"),
+        RESTART,
+        "a child process died",
+    ),
+    (
+        "scheduler_killed",
+        re.compile(r"scheduler died during initialization \(exit code: -9\)"),
+        RESTART,
+        "a scheduler was SIGKILLed during startup (the kernel OOM killer is one cause; check dmesg)",
+    ),
 )
 _CUDA_OOM_RE = re.compile(r"(Prefill|Decode) out of memory|OutOfMemoryError|CUDA out of memory")
 
@@ -86,9 +113,13 @@ def _by_exit_code(lines: list[str], returncode: int | None) -> Crash:
     error = _last_error(lines)
     said = f"; last error line: {error}" if error else ""
     if returncode in (-9, 137):
-        return Crash("killed", "SIGKILLed with no crash reason in the log (an operator, a parent, "
-                     "or the kernel OOM killer: check dmesg; exit 137 alone does not say which)"
-                     + said, RESTART, returncode)
+        return Crash(
+            "killed",
+            "SIGKILLed with no crash reason in the log (an operator, a parent, "
+            "or the kernel OOM killer: check dmesg; exit 137 alone does not say which)" + said,
+            RESTART,
+            returncode,
+        )
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else "?"
         return Crash("signaled", f"killed by {name}{said}", RESTART, returncode)
@@ -106,7 +137,7 @@ def _detail(lines: list[str], hit: int) -> str:
     """The matched line, or for a traceback banner the exception line that follows it."""
     line = lines[hit]
     if "hit an exception" in line:
-        follow = [s for s in lines[hit + 1:hit + 200] if _EXCEPTION_RE.match(s)]
+        follow = [s for s in lines[hit + 1 : hit + 200] if _EXCEPTION_RE.match(s)]
         line = follow[-1] if follow else line
     return line[:300]
 

@@ -30,8 +30,15 @@ METRIC_NAMES = {
     "sglang:num_retractions": "retractions",
 }
 # Figures that add up across data-parallel ranks (the others are averaged).
-_SUMMED = {"running_req", "queue_req", "num_used_tokens", "gen_throughput", "retracted_reqs",
-           "retractions", "kv_available_tokens"}
+_SUMMED = {
+    "running_req",
+    "queue_req",
+    "num_used_tokens",
+    "gen_throughput",
+    "retracted_reqs",
+    "retractions",
+    "kv_available_tokens",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +119,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {name: sum(v) if name in _SUMMED else sum(v) / len(v) for name, v in values.items()}
 
 
-def in_flight(base_url: str, api_key: str | None, timeout_s: float, *,
-              metrics_enabled: bool = False) -> int | None:
+def in_flight(
+    base_url: str, api_key: str | None, timeout_s: float, *, metrics_enabled: bool = False
+) -> int | None:
     """Running plus waiting requests: ``/v1/loads`` (0.5.10+), else ``/metrics`` when enabled.
 
     None when neither answers (0.5.5 without metrics): the caller falls back to the log.
@@ -123,8 +131,11 @@ def in_flight(base_url: str, api_key: str | None, timeout_s: float, *,
     except (OSError, ValueError):
         loads = None
     if isinstance(loads, list):
-        return sum(int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
-                   for item in loads if isinstance(item, dict))
+        return sum(
+            int(item.get("num_running_reqs", 0)) + int(item.get("num_waiting_reqs", 0))
+            for item in loads
+            if isinstance(item, dict)
+        )
     if not metrics_enabled:
         return None
     try:

@@ -117,7 +117,6 @@ class LiveFigures:
             self.figures["retractions"] = float(self.retractions)
             self.changed = True
 
-
     def quiet_for(self) -> float:
         """Seconds since the last batch line (infinite when there was none)."""
         return time.monotonic() - self.last_batch_at if self.last_batch_at else float("inf")

@@ -55,8 +55,11 @@ class RestartPolicy:
             self.crashes.popleft()
         count = len(self.crashes)
         if count > c.max_restarts:
-            return Decision(FAIL, f"crash loop: {count} crashes within {c.restart_window_s:g} s "
-                                  f"(max_restarts = {c.max_restarts}); last: {crash.describe()}")
+            return Decision(
+                FAIL,
+                f"crash loop: {count} crashes within {c.restart_window_s:g} s "
+                f"(max_restarts = {c.max_restarts}); last: {crash.describe()}",
+            )
         delay = min(c.backoff_max_s, c.backoff_initial_s * 2 ** (count - 1))
         return Decision(RELAUNCH, crash.describe(), delay_s=delay)
 
@@ -68,17 +71,22 @@ class RestartPolicy:
         if fraction is None:
             fraction = low if direction > 0 else high
         if self.last_step == -direction:
-            return Decision(FAIL, f"no mem_fraction_static fits: {fraction:g} is too {too}, but "
-                                  f"the previous step found the other side too {_other(too)}; "
-                                  f"last: {crash.describe()}")
+            return Decision(
+                FAIL,
+                f"no mem_fraction_static fits: {fraction:g} is too {too}, but "
+                f"the previous step found the other side too {_other(too)}; "
+                f"last: {crash.describe()}",
+            )
         new = round(fraction + direction * c.mem_fraction_step, 4)
         if not low <= new <= high:
-            return Decision(FAIL, f"mem_fraction_static {fraction:g} is too {too} and {new:g} "
-                                  f"would leave mem_fraction_bounds [{low:g}, {high:g}]; "
-                                  f"last: {crash.describe()}")
+            return Decision(
+                FAIL,
+                f"mem_fraction_static {fraction:g} is too {too} and {new:g} "
+                f"would leave mem_fraction_bounds [{low:g}, {high:g}]; "
+                f"last: {crash.describe()}",
+            )
         self.last_step = direction
-        return Decision(RELAUNCH, f"{crash.kind}: mem_fraction_static {fraction:g} -> {new:g}",
-                        fraction=new)
+        return Decision(RELAUNCH, f"{crash.kind}: mem_fraction_static {fraction:g} -> {new:g}", fraction=new)
 
 
 def _other(too: str) -> str:

@@ -67,8 +67,13 @@ def launch(argv: list[str], env: Mapping[str, str], log_path: Path, banner: str)
         fh.flush()
         offset = fh.tell()
         proc = subprocess.Popen(
-            argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
+            argv,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
         )
     engine = Engine(proc=proc, log_path=log_path, log_offset=offset, started_at=time.time())
     engine.remember_members()
@@ -105,7 +110,8 @@ def ensure_gone(pgid: int, seen: Mapping[int, int], timeout_s: float = 15.0) -> 
             return []
         if time.monotonic() >= deadline:
             return [f"pid {p} still alive" for p in left] + [
-                f"pid {p} still holds GPU memory" for p in holders]
+                f"pid {p} still holds GPU memory" for p in holders
+            ]
         for pid in left:
             _signal_pid(pid, signal.SIGKILL)
         _signal_group(pgid, signal.SIGKILL)
@@ -190,8 +196,11 @@ def is_stale_server(pid: int, port: int) -> bool:
 
 def stop_orphan(pid: int, grace_s: float) -> list[str]:
     """Stop a server left by an earlier manager (not our child): SIGTERM, grace, SIGKILL group."""
-    seen = {p: st.start for p in {pid, *group_members(pid), *descendants(pid)}
-            if (st := _read_stat(p)) is not None}
+    seen = {
+        p: st.start
+        for p in {pid, *group_members(pid), *descendants(pid)}
+        if (st := _read_stat(p)) is not None
+    }
     _signal_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while is_alive(pid) and time.monotonic() < deadline:
@@ -201,8 +210,9 @@ def stop_orphan(pid: int, grace_s: float) -> list[str]:
 
 
 def _nvidia_smi(*args: str) -> str:
-    return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20,
-                          check=True).stdout
+    return subprocess.run(
+        ["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True
+    ).stdout
 
 
 def _proc_table() -> dict[int, _Stat]:
@@ -228,7 +238,7 @@ def _read_stat(pid: int) -> _Stat | None:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return _Stat(fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
 
 

@@ -60,10 +60,15 @@ class Comparison:
         return self.mean_prefix_fraction >= self.threshold
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts, "exact_match_rate": self.exact_match_rate,
-                "mean_prefix_fraction": self.mean_prefix_fraction,
-                "median_first_divergence_words": self.median_divergence,
-                "diverged": self.diverged, "threshold": self.threshold, "passed": self.passed}
+        return {
+            "prompts": self.prompts,
+            "exact_match_rate": self.exact_match_rate,
+            "mean_prefix_fraction": self.mean_prefix_fraction,
+            "median_first_divergence_words": self.median_divergence,
+            "diverged": self.diverged,
+            "threshold": self.threshold,
+            "passed": self.passed,
+        }
 
 
 def words(text: str) -> list[str]:
@@ -97,10 +102,12 @@ def compare(reference: list[str], candidate: list[str], threshold: float) -> Com
             divergences.append(common)
     n = len(reference)
     return Comparison(
-        prompts=n, exact_match_rate=exact / n if n else 1.0,
+        prompts=n,
+        exact_match_rate=exact / n if n else 1.0,
         mean_prefix_fraction=sum(fractions) / n if n else 1.0,
         median_divergence=statistics.median(divergences) if divergences else None,
-        diverged=len(divergences), threshold=threshold,
+        diverged=len(divergences),
+        threshold=threshold,
     )
 
 
@@ -129,16 +136,34 @@ def _messages(row: Any, source: str) -> list[dict[str, Any]]:
     raise InputError(source, "expected an object with 'messages' (a list) or 'prompt' (a string)")
 
 
-def run_check(reference: Side, candidate: Side, prompts: list[list[dict[str, Any]]], *,
-              threshold: float, max_tokens: int, seed: int = 0, concurrency: int = 1,
-              startup_timeout_s: float | None = None) -> Comparison:
+def run_check(
+    reference: Side,
+    candidate: Side,
+    prompts: list[list[dict[str, Any]]],
+    *,
+    threshold: float,
+    max_tokens: int,
+    seed: int = 0,
+    concurrency: int = 1,
+    startup_timeout_s: float | None = None,
+) -> Comparison:
     """Answer ``prompts`` on each side in turn (launching and stopping configs), then compare."""
     outputs = []
     for side in (reference, candidate):
         with _serving(side, startup_timeout_s) as url:
-            outputs.append(asyncio.run(generate_all(
-                url, side.api_key, side.model, prompts, max_tokens=max_tokens, seed=seed,
-                concurrency=concurrency)))
+            outputs.append(
+                asyncio.run(
+                    generate_all(
+                        url,
+                        side.api_key,
+                        side.model,
+                        prompts,
+                        max_tokens=max_tokens,
+                        seed=seed,
+                        concurrency=concurrency,
+                    )
+                )
+            )
     return compare(outputs[0], outputs[1], threshold)
 
 
@@ -155,8 +180,10 @@ def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
         timeout = startup_timeout_s or side.config.startup_timeout_s
         state = supervisor.wait_for((servers.READY, servers.FAILED), timeout)
         if state != servers.READY:
-            raise ServerStartError(f"the {side.label} server {side.config.name!r} did not become "
-                                   f"ready: {supervisor.record.last_error or state}")
+            raise ServerStartError(
+                f"the {side.label} server {side.config.name!r} did not become "
+                f"ready: {supervisor.record.last_error or state}"
+            )
         yield side.config.probe_url
     finally:
         supervisor.hurry.set()
@@ -164,9 +191,16 @@ def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
         thread.join(timeout=side.config.stop_grace_s + 30)
 
 
-async def generate_all(base_url: str, api_key: str | None, model: str,
-                       prompts: list[list[dict[str, Any]]], *, max_tokens: int, seed: int,
-                       concurrency: int) -> list[str]:
+async def generate_all(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    prompts: list[list[dict[str, Any]]],
+    *,
+    max_tokens: int,
+    seed: int,
+    concurrency: int,
+) -> list[str]:
     """Greedy completions of every prompt (reasoning text, if separated, comes first)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max(1, concurrency))
@@ -180,10 +214,22 @@ async def generate_all(base_url: str, api_key: str | None, model: str,
         return list(await asyncio.gather(*(one(m) for m in prompts)))
 
 
-async def _complete(session: aiohttp.ClientSession, base_url: str, model: str,
-                    messages: list[dict[str, Any]], max_tokens: int, seed: int) -> str:
-    body = {"model": model, "messages": messages, "temperature": 0, "seed": seed,
-            "max_tokens": max_tokens, "stream": False}
+async def _complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    seed: int,
+) -> str:
+    body = {
+        "model": model,
+        "messages": messages,
+        "temperature": 0,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "stream": False,
+    }
     async with session.post(f"{base_url}/v1/chat/completions", json=body) as resp:
         text = await resp.text()
         if resp.status >= 400:

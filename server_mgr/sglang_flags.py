@@ -8,7 +8,14 @@ from __future__ import annotations
 
 # --kv-cache-dtype choices of 0.5.23 (0.5.10 had fp4_e2m1 instead of mxfp8/nvfp4/fp4_mx_block16).
 KV_CACHE_DTYPES = (
-    "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16",
+    "auto",
+    "fp8_e5m2",
+    "fp8_e4m3",
+    "mxfp8",
+    "bf16",
+    "bfloat16",
+    "nvfp4",
+    "fp4_mx_block16",
 )
 # Quantized KV caches measurably change greedy outputs (the workload this project was born from
 # had to roll FP8 KV back), so they need an explicit opt-in.
@@ -16,10 +23,27 @@ LOSSLESS_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 
 # --reasoning-parser: the 0.5.10 choices plus the 0.5.23 additions the contract names.
 REASONING_PARSERS = (
-    "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2", "mimo", "qwen3",
-    "qwen3-thinking", "minimax", "minimax-append-think", "step3", "step3p5", "mistral",
-    "nemotron_3", "interns1",
-    "auto", "deepseek-v4", "hunyuan", "kimi_k3", "gemma4",
+    "deepseek-r1",
+    "deepseek-v3",
+    "glm45",
+    "gpt-oss",
+    "kimi",
+    "kimi_k2",
+    "mimo",
+    "qwen3",
+    "qwen3-thinking",
+    "minimax",
+    "minimax-append-think",
+    "step3",
+    "step3p5",
+    "mistral",
+    "nemotron_3",
+    "interns1",
+    "auto",
+    "deepseek-v4",
+    "hunyuan",
+    "kimi_k3",
+    "gemma4",
 )
 
 # Flags the config owns: giving them in extra_args would duplicate or contradict a config key
@@ -58,15 +82,38 @@ REFUSED_FLAGS: dict[str, str] = {
 
 # Other flags of the 0.5.x parsers (contract §1.2), used to catch abbreviations of real flags.
 OTHER_FLAGS = (
-    "--tokenizer-path", "--base-gpu-id", "--gpu-id-step", "--hicache-ratio", "--max-queued-requests",
-    "--max-total-tokens", "--chunked-prefill-size", "--stream-interval", "--admin-api-key",
-    "--watchdog-timeout", "--soft-watchdog-timeout", "--log-level", "--log-level-http",
-    "--decode-log-interval", "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill",
-    "--cuda-graph-config", "--disable-cuda-graph", "--disable-decode-cuda-graph",
-    "--disable-prefill-cuda-graph", "--schedule-policy", "--random-seed", "--skip-server-warmup",
-    "--trust-remote-code", "--allow-auto-truncate", "--enable-cache-report",
-    "--stream-response-default-include-usage", "--incremental-streaming-output",
-    "--attn-dp-size", "--enable-dp-attention", "--tool-call-parser", "--tokenizer-worker-num",
+    "--tokenizer-path",
+    "--base-gpu-id",
+    "--gpu-id-step",
+    "--hicache-ratio",
+    "--max-queued-requests",
+    "--max-total-tokens",
+    "--chunked-prefill-size",
+    "--stream-interval",
+    "--admin-api-key",
+    "--watchdog-timeout",
+    "--soft-watchdog-timeout",
+    "--log-level",
+    "--log-level-http",
+    "--decode-log-interval",
+    "--cuda-graph-max-bs-decode",
+    "--cuda-graph-max-bs-prefill",
+    "--cuda-graph-config",
+    "--disable-cuda-graph",
+    "--disable-decode-cuda-graph",
+    "--disable-prefill-cuda-graph",
+    "--schedule-policy",
+    "--random-seed",
+    "--skip-server-warmup",
+    "--trust-remote-code",
+    "--allow-auto-truncate",
+    "--enable-cache-report",
+    "--stream-response-default-include-usage",
+    "--incremental-streaming-output",
+    "--attn-dp-size",
+    "--enable-dp-attention",
+    "--tool-call-parser",
+    "--tokenizer-worker-num",
 )
 
 

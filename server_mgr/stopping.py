@@ -19,8 +19,14 @@ STALE_AFTER_S = 30.0
 _FINAL = (servers.DOWN, servers.FAILED)
 
 
-def stop_servers(client: redis.Redis, names: list[str], *, drain: bool, timeout_s: float | None,
-                 echo: Callable[[str], None]) -> bool:
+def stop_servers(
+    client: redis.Redis,
+    names: list[str],
+    *,
+    drain: bool,
+    timeout_s: float | None,
+    echo: Callable[[str], None],
+) -> bool:
     """Ask every server in ``names`` to stop; with a timeout, wait for each to be down.
 
     Returns False when a server is unknown or did not stop in time.
@@ -35,8 +41,10 @@ def stop_servers(client: redis.Redis, names: list[str], *, drain: bool, timeout_
         elif record.state in _FINAL and not record.is_fresh(STALE_AFTER_S):
             echo(f"{name}: already {record.state}")
         elif not record.is_fresh(STALE_AFTER_S):
-            echo(f"{name}: {record.state}, but no supervisor has refreshed it for "
-                 f"{time.time() - record.updated_at:.0f} s; nothing to stop")
+            echo(
+                f"{name}: {record.state}, but no supervisor has refreshed it for "
+                f"{time.time() - record.updated_at:.0f} s; nothing to stop"
+            )
             ok = False
         else:
             request_stop(client, name, drain=drain)
@@ -47,8 +55,7 @@ def stop_servers(client: redis.Redis, names: list[str], *, drain: bool, timeout_
     return _wait_down(client, pending, timeout_s, echo) and ok
 
 
-def _wait_down(client: redis.Redis, names: list[str], timeout_s: float,
-               echo: Callable[[str], None]) -> bool:
+def _wait_down(client: redis.Redis, names: list[str], timeout_s: float, echo: Callable[[str], None]) -> bool:
     """Wait until each supervisor took its request and published down (or failed)."""
     deadline = time.monotonic() + timeout_s
     waiting = list(names)

@@ -47,16 +47,23 @@ class Outcome:
 class Supervisor:
     """Runs one server until it is stopped or given up on."""
 
-    def __init__(self, config: ServerConfig, sink: Sink, *, stop_event: threading.Event | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        sink: Sink,
+        *,
+        stop_event: threading.Event | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.sink = sink
         self.stop_event = stop_event or threading.Event()
         self.hurry = threading.Event()
         self.on_change = on_change or (lambda: None)
         self.policy = RestartPolicy(config)
-        self.record = ServerRecord(name=config.name, url=config.public_url, state=servers.DOWN,
-                                   engine=config.engine)
+        self.record = ServerRecord(
+            name=config.name, url=config.public_url, state=servers.DOWN, engine=config.engine
+        )
         self.changed = threading.Condition()
         self.live = logparse.LiveFigures()
         self._tail: logparse.LogTail | None = None
@@ -94,16 +101,23 @@ class Supervisor:
             if decision.action == FAIL:
                 return self._fail(decision.reason)
             if decision.fraction is not None:
-                self._event("oom_step", decision.reason, previous=self.config.mem_fraction_static,
-                            fraction=decision.fraction)
+                self._event(
+                    "oom_step",
+                    decision.reason,
+                    previous=self.config.mem_fraction_static,
+                    fraction=decision.fraction,
+                )
                 self.config = self.config.with_mem_fraction(decision.fraction)
             if self._sleep_unless_stopped(decision.delay_s):
                 self._set_state(servers.DOWN)
                 self._event("stopped", "server stopped (it was down, waiting to restart)")
                 return servers.DOWN
             self.record.restarts += 1
-            self._event("restart", f"relaunch #{self.record.restarts} after {decision.reason}",
-                        delay_s=decision.delay_s)
+            self._event(
+                "restart",
+                f"relaunch #{self.record.restarts} after {decision.reason}",
+                delay_s=decision.delay_s,
+            )
 
     def _run_once(self) -> Outcome:
         outcome = self._before_launch()
@@ -130,8 +144,10 @@ class Supervisor:
             if self._stop_wanted():
                 return Outcome("stopped")
             if time.monotonic() >= deadline:
-                return Outcome("crashed", Crash(
-                    "port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART))
+                return Outcome(
+                    "crashed",
+                    Crash("port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART),
+                )
             time.sleep(0.2)
         return None
 
@@ -144,10 +160,15 @@ class Supervisor:
         # The old figures read 0 until the new process logs its own (Redis keeps every field).
         self.live = logparse.LiveFigures(figures={k: 0.0 for k in self.record.live})
         self._tail = logparse.LogTail(c.log_path, engine.log_offset)
-        extra = {"command": shown, "log_path": str(c.log_path), "host": socket.gethostname(),
-                 "mem_fraction_static": c.mem_fraction_static}
-        self._set_state(servers.STARTING, pid=engine.pid, max_total_num_tokens=None,
-                        context_length=None, extra=extra)
+        extra = {
+            "command": shown,
+            "log_path": str(c.log_path),
+            "host": socket.gethostname(),
+            "mem_fraction_static": c.mem_fraction_static,
+        }
+        self._set_state(
+            servers.STARTING, pid=engine.pid, max_total_num_tokens=None, context_length=None, extra=extra
+        )
         self._event("launch", f"pid {engine.pid}: {shown}", pid=engine.pid)
         return engine
 
@@ -165,9 +186,14 @@ class Supervisor:
             if self._stop_wanted():
                 return Outcome("stopped")
             if time.monotonic() >= deadline:
-                return Outcome("crashed", Crash(
-                    "startup_timeout", f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
-                    RESTART))
+                return Outcome(
+                    "crashed",
+                    Crash(
+                        "startup_timeout",
+                        f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
+                        RESTART,
+                    ),
+                )
             if probe is not None and probe.done():
                 if probe.result().ok:
                     return None
@@ -182,10 +208,14 @@ class Supervisor:
         c = self.config
         total, context = self._capacity(engine)
         self._set_state(servers.READY, max_total_num_tokens=total, context_length=context)
-        self._event("ready", f"up after {time.time() - engine.started_at:.1f} s: "
-                             f"max_total_num_tokens={total}, context_length={context}",
-                    max_total_num_tokens=total, context_length=context,
-                    mem_fraction_static=c.mem_fraction_static)
+        self._event(
+            "ready",
+            f"up after {time.time() - engine.started_at:.1f} s: "
+            f"max_total_num_tokens={total}, context_length={context}",
+            max_total_num_tokens=total,
+            context_length=context,
+            mem_fraction_static=c.mem_fraction_static,
+        )
 
     def _capacity(self, engine: process.Engine) -> tuple[int | None, int | None]:
         c = self.config
@@ -193,9 +223,14 @@ class Supervisor:
             return health.capacity(health.server_info(c.probe_url, c.api_key, c.health_timeout_s))
         except (OSError, ValueError) as exc:
             log.warning("[%s] /server_info failed (%s); capacity from the log", c.name, exc)
-        summary = next((logparse.capacity_line(line) for line in
-                        logparse.read_since(c.log_path, engine.log_offset).splitlines()
-                        if logparse.capacity_line(line)), None)
+        summary = next(
+            (
+                logparse.capacity_line(line)
+                for line in logparse.read_since(c.log_path, engine.log_offset).splitlines()
+                if logparse.capacity_line(line)
+            ),
+            None,
+        )
         return summary if summary else (None, None)
 
     # --- watching a ready server ---------------------------------------------------------------
@@ -210,17 +245,23 @@ class Supervisor:
             self._read_log()
             code = engine.returncode()
             if code is not None:
-                return Outcome("crashed", self._classify(
-                    engine, code, first_prefill=self.live.decode_lines == 0))
+                return Outcome(
+                    "crashed", self._classify(engine, code, first_prefill=self.live.decode_lines == 0)
+                )
             if self._stop_wanted():
                 self._drain(engine)
                 return Outcome("stopped")
             if probe is not None and probe.done():
                 failures = self._count_probe(probe.result(), failures)
                 if failures >= c.health_failures:
-                    return Outcome("crashed", Crash(
-                        "health_failed", f"{failures} /health probes failed in a row "
-                        f"(last: {probe.result().error})", RESTART))
+                    return Outcome(
+                        "crashed",
+                        Crash(
+                            "health_failed",
+                            f"{failures} /health probes failed in a row (last: {probe.result().error})",
+                            RESTART,
+                        ),
+                    )
                 probe = None
             if probe is None and time.monotonic() >= next_probe:
                 probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
@@ -231,8 +272,9 @@ class Supervisor:
     def _count_probe(self, result: health.Probe, failures: int) -> int:
         if result.ok:
             return 0
-        log.warning("[%s] health probe failed (%d in a row): %s", self.config.name, failures + 1,
-                    result.error)
+        log.warning(
+            "[%s] health probe failed (%d in a row): %s", self.config.name, failures + 1, result.error
+        )
         return failures + 1
 
     def _periodic(self, engine: process.Engine) -> None:
@@ -272,8 +314,7 @@ class Supervisor:
         pid = self.sink.previous_pid(c.name)
         if pid is None or not process.is_stale_server(pid, c.port):
             return
-        self._event("orphan", f"pid {pid} of an earlier run still serves port {c.port}; stopping it",
-                    pid=pid)
+        self._event("orphan", f"pid {pid} of an earlier run still serves port {c.port}; stopping it", pid=pid)
         left = process.stop_orphan(pid, c.stop_grace_s)
         if left:
             log.error("[%s] the earlier server is still there: %s", c.name, "; ".join(left))
@@ -292,14 +333,19 @@ class Supervisor:
         """State ``draining`` (consumers pause), then wait up to drain_grace_s for in-flight work."""
         c = self.config
         self._set_state(servers.DRAINING)
-        self._event("drain", f"draining (up to {c.drain_grace_s:g} s), requested by "
-                             f"{self._stop.get('by', '?') if self._stop else '?'}")
+        self._event(
+            "drain",
+            f"draining (up to {c.drain_grace_s:g} s), requested by "
+            f"{self._stop.get('by', '?') if self._stop else '?'}",
+        )
         deadline = time.monotonic() + c.drain_grace_s
         busy = self._in_flight()
         while busy and not self.hurry.is_set() and engine.returncode() is None:
             if time.monotonic() >= deadline:
-                self._event("drain_timeout", f"{busy} request(s) still in flight after "
-                                             f"{c.drain_grace_s:g} s; stopping anyway")
+                self._event(
+                    "drain_timeout",
+                    f"{busy} request(s) still in flight after {c.drain_grace_s:g} s; stopping anyway",
+                )
                 return
             time.sleep(max(TICK_S, 0.25))
             self._read_log()
@@ -308,8 +354,9 @@ class Supervisor:
     def _in_flight(self) -> int:
         """Running plus queued requests: from the server, else from the log's batch lines."""
         c = self.config
-        count = health.in_flight(c.probe_url, c.api_key, min(c.health_timeout_s, 5.0),
-                                 metrics_enabled=c.enable_metrics)
+        count = health.in_flight(
+            c.probe_url, c.api_key, min(c.health_timeout_s, 5.0), metrics_enabled=c.enable_metrics
+        )
         if count is not None:
             return count
         if self.live.quiet_for() >= LOG_QUIET_S:  # an idle server logs no batch lines
@@ -321,8 +368,12 @@ class Supervisor:
         c = self.config
         if outcome.crash is not None:
             self._set_state(servers.DOWN, last_error=outcome.crash.describe())
-            self._event("crash", outcome.crash.describe(), crash_class=outcome.crash.kind,
-                        returncode=outcome.crash.returncode)
+            self._event(
+                "crash",
+                outcome.crash.describe(),
+                crash_class=outcome.crash.kind,
+                returncode=outcome.crash.returncode,
+            )
         # A wedged server may still drain on SIGTERM; a dead one has nothing left to drain.
         graceful = outcome.crash is None or outcome.crash.kind == "health_failed"
         code = process.stop(engine, c.stop_grace_s, graceful=graceful and not self.hurry.is_set())
