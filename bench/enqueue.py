@@ -223,8 +223,9 @@ def main() -> None:
         rounds = []
         for i in range(a.repeat):
             rounds.append(measure(client, server.url, data, a.rows, apply_rows, work))
-            done = ", ".join(f"{k} {v:,.0f} rows/s" for k, v in rates(rounds[-1]).items())
-            print(f"round {i + 1}: {done}")
+            r = rates(rounds[-1])
+            done = ", ".join(f"{k} {v:,.0f} rows/s" for k, v in r.items())
+            print(f"round {i + 1}: {done}; tokenmill / apply_async {r['tokenmill'] / r['apply_async']:.1f}x")
         rss_line = measure_rss(client, server.url, work, a.rss_rows) if a.rss_rows else None
         print(load.line())
     report(rounds, a.rows, apply_rows, rss_line)
