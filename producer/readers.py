@@ -148,9 +148,11 @@ def _iter_jsonl(p: Path, *, gzipped: bool) -> Iterator[Record]:
                         continue
                     record = Record(f"{name}:{lineno}", None, _describe_bad_line(line, exc))
                 else:
-                    record = Record(f"{name}:{lineno}", value)
-                    if type(value) is not dict:
-                        record.data, record.error = None, f"expected a JSON object, got {json_kind(value)}"
+                    if type(value) is dict:
+                        record = Record(f"{name}:{lineno}", value)
+                    else:
+                        problem = f"expected a JSON object, got {json_kind(value)}"
+                        record = Record(f"{name}:{lineno}", None, problem)
                 if first and record.error and line.lstrip().startswith(b"["):
                     raise InputError(record.source, _JSON_ARRAY)
                 first = False

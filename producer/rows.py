@@ -169,12 +169,10 @@ def _text_part(source: str, where: str, part: Any) -> dict[str, Any]:
     return out
 
 
-# --- scalar fields -------------------------------------------------------------------------------
+# --- scalar fields (called only for values present: absent ones cost no call) -------------------
 
 
-def _record_id(source: str, value: Any) -> str | None:
-    if value is None:
-        return None
+def _record_id(source: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise InputError(source, f'"id" must be a string or an integer, got {_show(value)}')
     if isinstance(value, str) and _blank(value):
@@ -182,33 +180,25 @@ def _record_id(source: str, value: Any) -> str | None:
     return str(value)
 
 
-def _max_tokens(source: str, value: Any) -> int | None:
-    if value is None:
-        return None
+def _max_tokens(source: str, value: Any) -> int:
     if not _is_int(value) or value <= 0:
         raise InputError(source, f'"max_tokens" must be a positive integer, got {_show(value)}')
     return int(value)
 
 
-def _temperature(source: str, value: Any) -> float | None:
-    if value is None:
-        return None
+def _temperature(source: str, value: Any) -> float:
     if not _is_number(value) or value < 0:
         raise InputError(source, f'"temperature" must be a number >= 0, got {_show(value)}')
     return float(value)
 
 
-def _top_p(source: str, value: Any) -> float | None:
-    if value is None:
-        return None
+def _top_p(source: str, value: Any) -> float:
     if not _is_number(value) or not 0 < value <= 1:
         raise InputError(source, f'"top_p" must be a number in (0, 1], got {_show(value)}')
     return float(value)
 
 
-def _seed(source: str, value: Any) -> int | None:
-    if value is None:
-        return None
+def _seed(source: str, value: Any) -> int:
     if not _is_int(value):
         raise InputError(source, f'"seed" must be an integer, got {_show(value)}')
     return int(value)

@@ -63,15 +63,16 @@ class LengthTracker:
 
     def update(self, generated: int) -> SlotUpdate:
         """The slot's new size and the bins newly reached (for a heartbeat)."""
-        bins = reached(self._reported, generated)
-        self._reported = max(self._reported, generated)
-        return SlotUpdate(self._held(generated), tuple(bins))
+        return SlotUpdate(self._held(generated), self._newly_reached(generated))
 
     def finish(self, completion_tokens: int) -> LengthReport:
         """The bins still to report and the bin the request ended in (for the commit)."""
-        bins = reached(self._reported, completion_tokens)
-        self._reported = max(self._reported, completion_tokens)
-        return LengthReport(tuple(bins), bin_of(completion_tokens))
+        return LengthReport(self._newly_reached(completion_tokens), bin_of(completion_tokens))
+
+    def _newly_reached(self, tokens: int) -> tuple[int, ...]:
+        bins = reached(self._reported, tokens)
+        self._reported = max(self._reported, tokens)
+        return tuple(bins)
 
 
 class Turn:
@@ -95,6 +96,9 @@ class Turn:
         """Sleep until woken (head reached, or a slot freed here) or ``timeout_s``."""
         self._wake.wait(timeout_s)
 
+    def wake(self) -> None:
+        self._wake.set()
+
 
 class WaitLine:
     """This process's threads waiting for admission, first come first served."""
@@ -108,10 +112,10 @@ class WaitLine:
             return self._turns[0] if self._turns else None
 
     def wake_head(self) -> None:
-        """Let the head ask again now (a slot was freed or shrank)."""
+        """Let the head ask again now (a slot was freed or shrank, or the head left)."""
         with self._lock:
             if self._turns:
-                self._turns[0]._wake.set()
+                self._turns[0].wake()
 
     @contextmanager
     def join(self, ahead: bool = False) -> Iterator[Turn]:
@@ -124,15 +128,14 @@ class WaitLine:
             if ahead:
                 at = next((i for i, t in enumerate(self._turns) if not t.ahead), at)
             self._turns.insert(at, turn)
-            if at == 0:
-                turn._wake.set()
+        if at == 0:
+            turn.wake()
         try:
             yield turn
         finally:
             with self._lock:
                 self._turns.remove(turn)
-                if self._turns:
-                    self._turns[0]._wake.set()
+            self.wake_head()
 
 
 class Admission:

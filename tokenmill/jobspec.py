@@ -8,7 +8,7 @@ enqueued twice, from any file, is one job.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -70,10 +70,10 @@ class JobSpec:
     source: str
     digest: str
     request: dict[str, Any]
-    metadata: dict[str, Any] = field(default_factory=dict)
-    record_id: str | None = None
-    request_json: bytes = b""
-    metadata_json: bytes = b""
+    metadata: dict[str, Any]
+    record_id: str | None
+    request_json: bytes  # canonical(request)
+    metadata_json: bytes
 
     @classmethod
     def build(
@@ -103,10 +103,11 @@ class JobSpec:
 
     def to_json(self) -> bytes:
         """What the ledger stores under the job's ``spec`` field (the request is dumped once)."""
-        request = self.request_json or canonical(self.request)
-        metadata = self.metadata_json or orjson.dumps(self.metadata)
         record_id = b"null" if self.record_id is None else orjson.dumps(self.record_id)
-        parts = (b'{"request":', request, b',"metadata":', metadata, b',"record_id":', record_id, b"}")
+        parts = (
+            b'{"request":', self.request_json, b',"metadata":', self.metadata_json,
+            b',"record_id":', record_id, b"}",
+        )  # fmt: skip
         return b"".join(parts)
 
 

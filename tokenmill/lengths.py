@@ -22,6 +22,7 @@ from dataclasses import dataclass
 FINE_UNTIL = 128  # bins of FINE_WIDTH below this
 FINE_WIDTH = 16
 PER_DOUBLING = 8
+_REACHED, _ENDED = "r", "e"  # lengths-hash field prefixes: r<bin>, e<bin>
 _FINE_BINS = FINE_UNTIL // FINE_WIDTH
 _FIRST_OCTAVE = FINE_UNTIL.bit_length() - 1
 
@@ -120,7 +121,7 @@ def parse_counts(raw: Mapping[bytes | str, bytes | str | int]) -> tuple[dict[int
     ended_n: dict[int, int] = {}
     for f, v in raw.items():
         name = f.decode() if isinstance(f, bytes) else f
-        target = reached_n if name[0] == "r" else ended_n if name[0] == "e" else None
+        target = reached_n if name[0] == _REACHED else ended_n if name[0] == _ENDED else None
         if target is not None and name[1:].isdigit():
             target[int(name[1:])] = int(v)
     return reached_n, ended_n
@@ -128,9 +129,9 @@ def parse_counts(raw: Mapping[bytes | str, bytes | str | int]) -> tuple[dict[int
 
 def reached_field(b: int) -> str:
     """The lengths-hash field counting requests that reached bin ``b``."""
-    return f"r{b}"
+    return f"{_REACHED}{b}"
 
 
 def ended_field(b: int) -> str:
     """The lengths-hash field counting requests that ended in bin ``b``."""
-    return f"e{b}"
+    return f"{_ENDED}{b}"

@@ -26,6 +26,7 @@ from workers.stream import Progress
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
+LINE_CHECK_S = 0.5  # how often a thread behind the head looks at the stop flag
 
 
 def run_job(rt: Runtime, run: str, job_id: str) -> str:
@@ -121,9 +122,6 @@ def _admit(
         if held_at:
             with contextlib.suppress(redis.RedisError):
                 ledger.hold_waiting(job_id, s.lease_ttl_s, hold=False)
-
-
-LINE_CHECK_S = 0.5  # how often a thread behind the head looks at the stop flag
 
 
 def _try_servers(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | bool:
