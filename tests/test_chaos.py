@@ -232,30 +232,28 @@ def test_a_checkpoint_that_already_holds_every_token_ends_with_the_uninterrupted
     assert a.continued_jobs == a.prompts
 
 
-def _not_a_prefix(want: Completion) -> Checkpoint:
-    return Checkpoint("not what this model would say", "", 6)
-
-
 def _half(want: Completion) -> Checkpoint:
     return _first_tokens(want, want.completion_tokens // 2)
 
 
 @pytest.mark.parametrize(
-    ("why", "settings", "partial"),
+    ("why", "sim_flags", "settings", "partial"),
     [
-        ("refused", {}, _not_a_prefix),  # the server answers 400: not a prefix of its output
-        ("nocontinue", {"continue_partial": "false"}, _half),  # a valid partial, continuation off
+        # the server answers 400 to a continuation (a chat template that cannot continue)
+        ("refused", ("--sim-refuse-continuations",), {}, _half),
+        ("nocontinue", (), {"continue_partial": "false"}, _half),  # a valid partial, continuation off
     ],
 )
 def test_a_checkpoint_that_cannot_be_continued_is_started_over_and_the_result_says_so(
     cluster: MakeCluster,
     tmp_path: Path,
     why: str,
+    sim_flags: tuple[str, ...],
     settings: dict[str, str],
     partial: Callable[[Completion], Checkpoint],
 ) -> None:
     # Given jobs checkpointed by a worker that died, which this cluster cannot continue
-    c = cluster(*SHORT, **settings)
+    c = cluster(*SHORT, *sim_flags, **settings)
     wl = streams(why, 8, mean=40, max_tokens=40)
     c.enqueue(wl)
     _die_after_checkpointing(c, wl, partial)

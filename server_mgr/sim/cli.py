@@ -27,7 +27,7 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
 @click.option(
     "--max-total-tokens", type=int, default=200000, show_default=True, help="KV pool capacity in tokens."
 )
-@click.option("--context-length", type=int, default=32768, show_default=True)
+@click.option("--context-length", type=int, default=None, help="Default: the model's own.")
 @click.option("--max-running-requests", type=int, default=1024, show_default=True)
 @click.option("--max-queued-requests", type=int, default=None, help="Default: unbounded.")
 @click.option("--api-key", default=None)
@@ -91,6 +91,22 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
 )
 @click.option("--sim-mean-output-tokens", "mean_output_tokens", type=int, default=200, show_default=True)
 @click.option(
+    "--sim-model-context-length",
+    "model_context_length",
+    type=int,
+    default=32768,
+    show_default=True,
+    help="The model's own context length (its config.json), used without --context-length.",
+)
+@click.option(
+    "--sim-crash-diagnostics-s",
+    "crash_diagnostics_s",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="After a child process dies: how long /health hangs before the tree is killed.",
+)
+@click.option(
     "--sim-crash-after-requests",
     "crash_after_requests",
     type=int,
@@ -133,6 +149,12 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
     callback=_unit,
     show_default=True,
     help="Probability that an output token is swapped.",
+)
+@click.option(
+    "--sim-refuse-continuations",
+    "refuse_continuations",
+    is_flag=True,
+    help="Answer 400 to continue_final_message, as a server whose chat template cannot continue.",
 )
 @click.option("--sim-seed", "seed", type=int, default=0, show_default=True)
 def sim(**options: object) -> None:

@@ -1,7 +1,7 @@
 """The sim's settings: SGLang's own flags plus the sim-only ``--sim-*`` knobs.
 
 Derived limits follow SGLang 0.5.23 (``reference/sglang-contract.md`` §4.2): a request may hold at
-most ``max_req_len = min(context_length - 1, max_total_tokens - 1)`` tokens, and its input at most
+most ``max_req_len = min(context_len - 1, max_total_tokens - 1)`` tokens, and its input at most
 ``max_req_len - 5``.
 """
 
@@ -29,7 +29,7 @@ class SimConfig:
     model_path: str = "sim-model"
     served_model_name: str | None = None
     max_total_tokens: int = 200000
-    context_length: int = 32768
+    context_length: int | None = None  # --context-length as given; None: the model's
     max_running_requests: int = 1024
     max_queued_requests: int | None = None
     api_key: str | None = None
@@ -53,6 +53,9 @@ class SimConfig:
     step_ms_per_req: float = 0.05
     prefill_tokens_per_ms: float = 200.0
     mean_output_tokens: int = 200
+    model_context_length: int = 32768  # what the model's config.json says
+    crash_diagnostics_s: float = 5.0
+    refuse_continuations: bool = False
     crash_after_requests: int | None = None
     error_every: int | None = None
     stall_every: int | None = None
@@ -67,9 +70,14 @@ class SimConfig:
         return self.served_model_name or self.model_path
 
     @property
+    def context_len(self) -> int:
+        """The context length in force: ``--context-length``, else the model's own."""
+        return self.context_length or self.model_context_length
+
+    @property
     def max_req_len(self) -> int:
         """Most tokens (input + output) one request may hold."""
-        return min(self.context_length - 1, self.max_total_tokens - 1)
+        return min(self.context_len - 1, self.max_total_tokens - 1)
 
     @property
     def max_req_input_len(self) -> int:
@@ -88,8 +96,9 @@ class SimConfig:
                 "served_model_name cannot contain a colon (':') character. "
                 f"Invalid value: {self.model_name!r}"
             )
-        for name in ("max_total_tokens", "context_length", "max_running_requests"):
+        for name in ("max_total_tokens", "context_len", "max_running_requests"):
             if getattr(self, name) < 1:
+                name = "context_length" if name == "context_len" else name
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.stream_interval < 1 or self.decode_log_interval < 1 or self.tp_size < 1:
             raise ValueError("--stream-interval, --decode-log-interval and --tp-size must be >= 1")

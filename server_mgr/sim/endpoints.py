@@ -192,7 +192,7 @@ def _model_card(state: SimState) -> dict[str, Any]:
         "owned_by": "sglang",
         "root": name,
         "parent": None,
-        "max_model_len": state.cfg.context_length,
+        "max_model_len": state.cfg.context_len,
     }
 
 

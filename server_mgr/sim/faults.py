@@ -18,9 +18,10 @@ _SGLANG = "/usr/local/lib/python3.12/dist-packages/sglang/srt"
 
 
 def die(log: SimLog) -> NoReturn:
-    """The main process's SIGQUIT path: log, then SIGKILL the whole (one-process) tree."""
+    """The main process's SIGQUIT path: log, then SIGKILL itself; the kernel SIGKILLs the
+    children (they asked for it with PR_SET_PDEATHSIG, as SGLang's do)."""
     pid = os.getpid()
-    log.error("Received sigquit from a child process. It usually means the child failed.")
+    log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
     log.error(f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}")
     log.stream.flush()
     os.kill(pid, signal.SIGKILL)

@@ -6,6 +6,9 @@
    /health, /health_generate and /ready answer 503.
 3. *Up*: after the warmup request, ``The server is fired up and ready to roll!``.
 
+Children: ``sglang::scheduler`` and ``sglang::detokenizer`` stand-ins (:mod:`.children`); when
+one dies, /health hangs and streams stop for ``--sim-crash-diagnostics-s``, then the tree dies.
+
 SIGTERM: /health turns 503, in-flight requests finish (new ones are still accepted, as in
 SGLang), ``Gracefully exiting...`` every ``--sim-drain-poll-s``, then exit 0 (0.5.23).
 SIGINT: stop at once, exit 0; a second SIGINT exits 130 immediately.
@@ -21,7 +24,7 @@ import traceback
 
 from aiohttp import web
 
-from server_mgr.sim import faults, logs
+from server_mgr.sim import children, faults, logs
 from server_mgr.sim.app import build_app
 from server_mgr.sim.config import SimConfig
 from server_mgr.sim.logs import SimLog
@@ -106,6 +109,18 @@ def _install_signals(state: SimState, tasks: set[asyncio.Task[None]]) -> None:
     loop.add_signal_handler(signal.SIGINT, on_sigint)
 
 
+async def _on_child_death(state: SimState, died: asyncio.Event) -> None:
+    """A child died: SGLang's SIGQUIT path, with /health hanging while it "settles"."""
+    await died.wait()
+    log = state.log
+    state.set_health_stall(True)
+    state.set_stall_streams(True)
+    log.error("Sleeping 5 seconds before crash diagnostics to let GPU activity settle.")
+    await asyncio.sleep(state.cfg.crash_diagnostics_s)
+    log.error("No live scheduler processes found; skipping py-spy and CUDA coredump.")
+    faults.die(log)
+
+
 def _on_scheduler_exit(task: asyncio.Task[None], log: SimLog) -> None:
     """The step loop never ends on its own: if it raised, die as SGLang does on a crash."""
     if task.cancelled() or task.exception() is None:
@@ -118,6 +133,14 @@ def _on_scheduler_exit(task: asyncio.Task[None], log: SimLog) -> None:
 
 async def _main(cfg: SimConfig) -> int:
     log = SimLog(cfg.log_level, cfg.rank_prefix)
+    kids = children.spawn()
+    try:
+        return await _serve(cfg, log, kids)
+    finally:
+        children.kill(kids)
+
+
+async def _serve(cfg: SimConfig, log: SimLog, kids: list[children.Child]) -> int:
     await _load(cfg, log)
     state = SimState(cfg=cfg, log=log, scheduler=Scheduler(cfg, log))
     runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
@@ -139,6 +162,9 @@ async def _main(cfg: SimConfig) -> int:
     scheduler_task.add_done_callback(lambda t: _on_scheduler_exit(t, log))
     tasks.add(scheduler_task)
     tasks.add(asyncio.create_task(_warmup(state)))
+    died = asyncio.Event()
+    tasks.add(asyncio.create_task(children.watch(kids, log, died)))
+    tasks.add(asyncio.create_task(_on_child_death(state, died)))
     await state.stop.wait()
     for task in tasks:
         task.cancel()

@@ -147,12 +147,12 @@ def graph_and_limits_lines(cfg: SimConfig) -> list[str]:
         f"mem usage={_gb(graph_gb(cfg))} GB, avail mem={_gb(avail)} GB.",
         f"max_total_num_tokens={cfg.max_total_tokens}, chunked_prefill_size={CHUNKED_PREFILL_SIZE}, "
         f"max_prefill_tokens={MAX_PREFILL_TOKENS}, max_running_requests={cfg.max_running_requests}, "
-        f"context_len={cfg.context_length}, available_gpu_mem={_gb(avail)} GB",
+        f"context_len={cfg.context_len}, available_gpu_mem={_gb(avail)} GB",
     ]
-    if cfg.max_total_tokens < cfg.context_length:
+    if cfg.max_total_tokens < cfg.context_len:
         lines.append(
             f"KV pool holds {cfg.max_total_tokens} tokens, fewer than --context-length "
-            f"{cfg.context_length}. Requests longer than the pool will be rejected."
+            f"{cfg.context_len}. Requests longer than the pool will be rejected."
         )
     return lines
 

@@ -45,7 +45,7 @@ class SimCollector(Collector):
                 "Maximum total number of tokens in the KV cache pool.",
                 state.cfg.max_total_tokens,
             ),
-            "context_len": ("The context length of the model.", state.cfg.context_length),
+            "context_len": ("The context length of the model.", state.cfg.context_len),
             "kv_used_tokens": ("KV cache tokens in use.", snap.num_used_tokens),
             "kv_available_tokens": (
                 "KV cache tokens available.",

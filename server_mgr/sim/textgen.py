@@ -10,7 +10,9 @@ ambiguity; the vocabulary mixes ASCII with accents, CJK and emoji so that unicod
 exercised. With a reasoning parser, the first ``R`` tokens are reasoning text, the rest content.
 
 A *continuation* (``continue_final_message`` with a final assistant message) continues the
-uninterrupted output of the messages before it: ``partial + continuation == full`` byte for byte.
+uninterrupted output of the messages before it: ``partial + continuation == full`` byte for byte
+when the partial is a prefix of that output (cut anywhere, even inside a token); any other
+partial is continued too, as SGLang continues whatever it is given.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
@@ -42,6 +44,7 @@ _WORDS = (
     '🙂 🚀 ✨ 🎉 🧪 👍🏽 ☕ 🌍 ok. yes, no; (see) [note] {x} "quote" it\'s 42 3.14 100% #tag @user'
 ).split()
 VOCAB: tuple[str, ...] = tuple(" " + w for w in dict.fromkeys(_WORDS))
+THINK_END = "</think>"  # ends the reasoning in a continued partial
 EOS_TOKEN_ID = 151645  # matched_stop of a natural stop (Qwen's <|im_end|>)
 # Tokens the chat template adds around each message and for the generation prompt.
 TOKENS_PER_MESSAGE = 4
@@ -49,7 +52,7 @@ TOKENS_FOR_REPLY = 3
 
 
 class ContinuationError(ValueError):
-    """The final assistant message is not a token prefix of what the sim would generate."""
+    """A ``continue_final_message`` request without a final assistant message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,16 +208,31 @@ def split_partial(messages: Sequence[Message]) -> tuple[list[Message], Message]:
     return list(messages[:-1]), messages[-1]
 
 
-def _prefix_length(tokens: list[str], text: str) -> int | None:
-    """k such that ``"".join(tokens[:k]) == text``, or None when ``text`` is no token prefix."""
+def _cut(tokens: list[str], text: str) -> tuple[int, str] | None:
+    """Where ``text`` ends inside ``"".join(tokens)``: ``(k, rest)`` when it is ``tokens[:k]``
+    followed by a proper start of ``tokens[k]`` (``rest`` is what is left of that token, empty
+    when the cut falls between tokens); None when ``text`` is not a prefix of the output."""
     pos = 0
     for k, tok in enumerate(tokens):
         if pos == len(text):
-            return k
-        if not text.startswith(tok, pos):
-            return None
-        pos += len(tok)
-    return len(tokens) if pos == len(text) else None
+            return k, ""
+        if text.startswith(tok, pos):
+            pos += len(tok)
+            continue
+        tail = text[pos:]
+        return (k, tok[len(tail) :]) if tok.startswith(tail) else None
+    return (len(tokens), "") if pos == len(text) else None
+
+
+def partial_text(partial: Message, reasoning: bool) -> tuple[str, str]:
+    """(reasoning, content) of a final assistant message to continue, read as SGLang 0.5.23 reads
+    it: only its ``content`` counts (``reasoning_content`` is dropped), and with a reasoning
+    parser that text is reasoning up to the first ``</think>``, content after it."""
+    raw = message_text(partial.get("content"))
+    if not reasoning:
+        return "", raw
+    reason, _, content = raw.partition(THINK_END)
+    return reason, content
 
 
 def expected_continuation(
@@ -226,30 +244,37 @@ def expected_continuation(
 ) -> Completion:
     """The new tokens of a ``continue_final_message`` request (``messages`` ends with the partial).
 
-    The partial (its ``reasoning_content`` then ``content``) must be a token prefix of the
-    uninterrupted output of the earlier messages, else :class:`ContinuationError`. ``max_tokens``
-    limits the new tokens only; ``prompt_tokens`` counts the partial's tokens as input.
-    ``params`` are those of :func:`expected_completion`.
+    As SGLang does, any final assistant message is continued. When the partial (read by
+    :func:`partial_text`) is a prefix of the uninterrupted output of the
+    earlier messages, the continuation is the rest of that output (a token the partial cut in two
+    is finished as one token), so ``partial + continuation == full`` byte for byte. Any other
+    partial gets an output of its own, drawn from all the messages. ``max_tokens`` limits the new
+    tokens only; ``prompt_tokens`` counts the partial as input. ``params`` are those of
+    :func:`expected_completion`.
     """
     base, partial = split_partial(messages)
     full = expected_completion(base, reasoning=reasoning, **params)
-    p_reason = message_text(partial.get("reasoning_content"))
-    p_content = message_text(partial.get("content"))
-    k = _prefix_length(full.tokens, p_reason + p_content)
-    if k is None:
-        raise ContinuationError(
-            "The final assistant message is not a prefix of this model's output for these "
-            "messages and sampling parameters; it cannot be continued."
-        )
-    if reasoning and _prefix_length(full.tokens, p_reason) != min(k, full.reasoning_tokens):
-        raise ContinuationError(
-            "The final assistant message splits reasoning_content and content at another place "
-            "than this model's output; it cannot be continued."
-        )
-    end = len(full.tokens) if not max_tokens else min(len(full.tokens), k + max_tokens)
-    finish: FinishReason = "length" if end < len(full.tokens) else full.finish_reason
+    p_reason, p_content = partial_text(partial, reasoning)
+    cut = _cut(full.tokens, p_reason + p_content)
+    if cut is None:
+        return _foreign_continuation(messages, max_tokens=max_tokens, reasoning=reasoning, **params)
+    k, rest = cut
+    tokens = ([rest] if rest else []) + full.tokens[k + bool(rest) :]
+    first = k  # index in the full output of the first new token
+    end = len(tokens) if not max_tokens else min(len(tokens), max_tokens)
+    finish: FinishReason = "length" if end < len(tokens) else full.finish_reason
     split = full.reasoning_tokens if reasoning else 0
-    return _assemble(full.tokens[k:end], k, split, reasoning, finish, full.prompt_tokens + k)
+    return _assemble(tokens[:end], first, split, reasoning, finish, full.prompt_tokens + k)
+
+
+def _foreign_continuation(
+    messages: Sequence[Message], *, max_tokens: int | None, reasoning: bool, **params: Any
+) -> Completion:
+    """A partial this model would not have produced: continued with an output of its own."""
+    base, partial = split_partial(messages)
+    as_input = [*base, {"role": "assistant", "content": message_text(partial.get("content"))}]
+    fresh = expected_completion(as_input, max_tokens=max_tokens, reasoning=False, **params)
+    return replace(fresh, prompt_tokens=count_prompt_tokens(as_input) - TOKENS_PER_MESSAGE)
 
 
 def resolve(
@@ -268,6 +293,5 @@ def full_output(messages: Sequence[Message], **params: Any) -> tuple[str | None,
     """
     _, partial = split_partial(messages)
     new = expected_continuation(messages, **params)
-    reasoning = message_text(partial.get("reasoning_content")) + (new.reasoning_content or "")
-    content = message_text(partial.get("content")) + new.content
-    return reasoning or None, content
+    p_reason, p_content = partial_text(partial, bool(params.get("reasoning")))
+    return (p_reason + (new.reasoning_content or "")) or None, p_content + new.content

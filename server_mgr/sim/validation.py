@@ -18,6 +18,7 @@ from server_mgr.sim.config import SimConfig
 from server_mgr.sim.logs import SimLog
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature is greedy decoding
 
 
 class RequestError(Exception):
@@ -98,6 +99,8 @@ def check_sampling(body: Mapping[str, Any], max_new_tokens: int | None) -> None:
     if p is not None and not 0 < p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {p}.")
     k = _int(body, "top_k")
+    if t is not None and t < GREEDY_EPS:
+        k = None  # greedy: SGLang sets top_k to 1 before checking it
     if k is not None and k != -1 and k < 1:
         raise RequestError(f"top_k must be -1 (disable) or at least 1, got {k}.")
     mp = _number(body, "min_p")
@@ -123,7 +126,7 @@ def _reasoning_on(body: Mapping[str, Any], cfg: SimConfig) -> bool:
 
 def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog) -> int | None:
     """§4.2: refuse (or with --allow-auto-truncate clamp) what does not fit the context."""
-    ctx = cfg.context_length
+    ctx = cfg.context_len
     if prompt >= ctx:
         if not cfg.allow_auto_truncate:
             raise RequestError(
@@ -160,7 +163,7 @@ def _truncated_input(
     """
     prompt = cfg.max_req_input_len
     budget = textgen.generation_budget(
-        prompt, context_length=cfg.context_length, max_total_tokens=cfg.max_total_tokens
+        prompt, context_length=cfg.context_len, max_total_tokens=cfg.max_total_tokens
     )
     limit = min(budget, params["max_tokens"] or budget)
     unbounded = {**params, "max_tokens": limit, "context_length": 2**40, "max_total_tokens": None}
@@ -183,16 +186,21 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
         mean_output_tokens=cfg.mean_output_tokens,
         perturb=cfg.perturb,
         sim_seed=cfg.seed,
-        context_length=cfg.context_length,
+        context_length=cfg.context_len,
         max_total_tokens=cfg.max_total_tokens,
     )
     continued = bool(body.get("continue_final_message"))
+    if continued and cfg.refuse_continuations:
+        raise RequestError(
+            "continue_final_message cannot be applied: this server's chat template does not "
+            "continue a final assistant message (sim fault --sim-refuse-continuations)"
+        )
     try:
         completion = textgen.resolve(messages, continue_final_message=continued, **params)
     except textgen.ContinuationError as exc:
         raise RequestError(str(exc)) from None
     limit = _check_context(completion.prompt_tokens, max_new, cfg, log)
-    if completion.prompt_tokens >= cfg.context_length:
+    if completion.prompt_tokens >= cfg.context_len:
         completion = _truncated_input(messages, params, continued, cfg)
     elif completion.prompt_tokens > cfg.max_req_input_len:
         raise RequestError(
@@ -203,7 +211,7 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
     check_sampling(body, max_new)
     budget = textgen.generation_budget(
         completion.prompt_tokens,
-        context_length=cfg.context_length,
+        context_length=cfg.context_len,
         max_total_tokens=cfg.max_total_tokens,
     )
     rid = body.get("rid")
