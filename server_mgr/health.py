@@ -7,14 +7,14 @@ Readiness is ``/health`` answering 200, never ``/v1/models`` (it answers before 
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.capacity import get_json
 
 # sglang:<gauge> -> the name published as live.<name> (same vocabulary as the log parser)
 METRIC_NAMES = {
@@ -68,38 +68,6 @@ def probe_health(base_url: str, timeout_s: float) -> Probe:
     return Probe(status == 200, status, error, time.monotonic() - start)
 
 
-def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
-    """GET ``url`` as JSON (bearer auth when ``api_key``); raises OSError or ValueError."""
-    request = urllib.request.Request(url)
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-        data = json.loads(resp.read())
-    if not isinstance(data, dict):
-        raise ValueError(f"{url} did not answer a JSON object")
-    return data
-
-
-def server_info(base_url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
-    """``/server_info`` (0.5.10+), falling back to ``/get_server_info`` (0.5.5)."""
-    try:
-        return get_json(base_url + "/server_info", api_key, timeout_s)
-    except urllib.error.HTTPError as exc:
-        if exc.code != 404:
-            raise
-    return get_json(base_url + "/get_server_info", api_key, timeout_s)
-
-
-def capacity(info: dict[str, Any]) -> tuple[int | None, int | None]:
-    """``(max_total_num_tokens, context_length)`` from a ``/server_info`` answer."""
-    total = info.get("max_total_num_tokens")
-    context = info.get("context_length")
-    states = info.get("internal_states") or []
-    if total is None and states and isinstance(states[0], dict):
-        total = (states[0].get("memory_usage") or {}).get("token_capacity")
-    return _int(total), _int(context)
-
-
 def metrics(base_url: str, timeout_s: float) -> dict[str, float]:
     """Live figures from ``/metrics`` (only served with ``--enable-metrics``)."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as resp:
@@ -143,10 +111,3 @@ def in_flight(
     except (OSError, ValueError):
         return None
     return int(figures.get("running_req", 0) + figures.get("queue_req", 0))
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return None

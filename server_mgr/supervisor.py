@@ -23,7 +23,7 @@ from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, RESTART, Crash, classify
 from server_mgr.policy import FAIL, RestartPolicy
 from server_mgr.sink import Sink
-from tokenmill import servers
+from tokenmill import capacity, servers
 from tokenmill.servers import ServerRecord
 
 log = logging.getLogger("tokenmill.server")
@@ -220,7 +220,7 @@ class Supervisor:
     def _capacity(self, engine: process.Engine) -> tuple[int | None, int | None]:
         c = self.config
         try:
-            return health.capacity(health.server_info(c.probe_url, c.api_key, c.health_timeout_s))
+            return capacity.fetch(c.probe_url, c.api_key, c.health_timeout_s)
         except (OSError, ValueError) as exc:
             log.warning("[%s] /server_info failed (%s); capacity from the log", c.name, exc)
         summary = next(

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-import orjson
 import redis
 
+from tokenmill import capacity
 from tokenmill import servers as server_records
 from tokenmill.settings import Settings
 
@@ -26,6 +26,7 @@ log = logging.getLogger("tokenmill.pool")
 HEALTH_TIMEOUT_S = 25.0  # a wedged SGLang /health answers 503 after 20 s
 RECORDS_TTL_S = 1.0
 CAPACITY_RETRY_S = 10.0
+CAPACITY_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -86,9 +87,16 @@ class ServerPool:
         now = time.monotonic()
         cached = self._capacities.get(url)
         if cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S):
-            cached = (now, fetch_capacity(url))
+            cached = (now, self._fetch_capacity(url))
             self._capacities[url] = cached
         return cached[1]
+
+    def _fetch_capacity(self, url: str) -> int | None:
+        try:
+            return capacity.fetch(url, self.settings.api_key, CAPACITY_TIMEOUT_S).max_total_num_tokens
+        except (OSError, ValueError) as exc:
+            log.warning("server %s: /server_info failed (%s); its capacity is unknown for now", url, exc)
+            return None
 
     def ready_views(self) -> list[ServerView]:
         """Every ready server (probing suspects when none is)."""
@@ -152,18 +160,6 @@ class ServerPool:
             if probe_health(url)[0]:
                 log.warning("server %s answers /health again", url)
                 self._suspect.pop(url, None)
-
-
-def fetch_capacity(url: str, timeout_s: float = 10.0) -> int | None:
-    """``max_total_num_tokens`` from ``/server_info`` (``/get_server_info`` on older servers)."""
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
-                value = orjson.loads(resp.read()).get("max_total_num_tokens")
-                return int(value) if value else None
-        except (urllib.error.URLError, OSError, TimeoutError, ValueError, AttributeError):
-            continue
-    return None
 
 
 def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, str]:

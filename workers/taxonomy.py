@@ -66,7 +66,11 @@ def from_exception(exc: BaseException) -> errors.GenerationError:
 
 
 def _status_message(exc: openai.APIStatusError) -> str:
+    # The client unwraps an ``"error"`` key: SGLang's 401 body {"error": "Unauthorized"} arrives
+    # as the string itself, its OpenAI envelope as the envelope's fields.
     body = exc.body
+    if isinstance(body, str) and body:
+        return body
     if isinstance(body, dict):
         if isinstance(body.get("error"), dict):
             return str(body["error"].get("message") or body)

@@ -1,0 +1,75 @@
+"""What an SGLang server says it can hold: its KV pool and context length, read over HTTP.
+
+``/server_info`` (``/get_server_info`` before 0.5.10) carries ``max_total_num_tokens`` at its
+top level. Its ``context_length`` is the ``--context-length`` flag as given, so it is null when
+the server takes the model's own length; that length is ``max_model_len`` on ``/v1/models``
+(seen on SGLang 0.5.23). Both endpoints need the API key when the server has one.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Any, NamedTuple
+
+import orjson
+
+
+class Capacity(NamedTuple):
+    max_total_num_tokens: int | None
+    context_length: int | None
+
+
+def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """GET ``url`` as a JSON object (bearer auth when ``api_key``); raises OSError or ValueError."""
+    request = urllib.request.Request(url)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        data = orjson.loads(resp.read())
+    if not isinstance(data, dict):
+        raise ValueError(f"{url} did not answer a JSON object")
+    return data
+
+
+def server_info(base_url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """``/server_info`` (0.5.10+), falling back to ``/get_server_info`` (0.5.5)."""
+    try:
+        return get_json(base_url + "/server_info", api_key, timeout_s)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+    return get_json(base_url + "/get_server_info", api_key, timeout_s)
+
+
+def from_server_info(info: dict[str, Any]) -> Capacity:
+    """The capacity a ``/server_info`` answer states (its context length only when configured)."""
+    total = info.get("max_total_num_tokens")
+    states = info.get("internal_states") or []
+    if total is None and states and isinstance(states[0], dict):
+        total = (states[0].get("memory_usage") or {}).get("token_capacity")
+    return Capacity(_int(total), _int(info.get("context_length")))
+
+
+def model_context_length(base_url: str, api_key: str | None, timeout_s: float) -> int | None:
+    """``max_model_len`` of the first model card on ``/v1/models``: the context in force."""
+    cards = get_json(base_url + "/v1/models", api_key, timeout_s).get("data") or []
+    return _int(cards[0].get("max_model_len")) if cards and isinstance(cards[0], dict) else None
+
+
+def fetch(base_url: str, api_key: str | None, timeout_s: float) -> Capacity:
+    """The server's capacity; raises OSError or ValueError when ``/server_info`` fails."""
+    cap = from_server_info(server_info(base_url, api_key, timeout_s))
+    if cap.context_length is None:
+        try:
+            cap = cap._replace(context_length=model_context_length(base_url, api_key, timeout_s))
+        except (OSError, ValueError):
+            pass  # the pool size is what admission needs; the context length is informative
+    return cap
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
