@@ -58,6 +58,7 @@ class Checkpoint:
     content: str = ""
     reasoning: str = ""
     tokens: int = 0
+    prompt_tokens: int = 0  # the original prompt's size (a continuation's prompt also holds the partial)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning)
@@ -154,7 +155,7 @@ class Ledger:
             token=_s(res[1]),
             attempt=int(res[2]),
             spec=orjson.loads(res[3]),
-            checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6])),
+            checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6]), int(res[10])),
             partition=_s(res[7]),
             queue=_s(res[8]),
             retries=int(res[9]),
@@ -238,6 +239,7 @@ class Ledger:
                     ck.content if ck else "",
                     ck.reasoning if ck else "",
                     ck.tokens if ck else 0,
+                    ck.prompt_tokens if ck else 0,
                 ],
             )
         )
@@ -433,6 +435,7 @@ def heartbeat_args(
         ck.reasoning if ck else "",
         ck.tokens if ck else 0,
         new_tokens,
+        ck.prompt_tokens if ck else 0,
     ]
     if claim.slot is not None:
         script_keys += [claim.slot[0], claim.slot[1], k.lengths()]

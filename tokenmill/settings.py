@@ -56,6 +56,7 @@ class Settings:
     checkpoint_every_tokens: int = 256
     checkpoint_every_s: float = 5.0
     continue_partial: bool = True
+    think_end_tag: str = "</think>"  # closes the reasoning in a continued partial (see attempt.py)
 
     # admission and broker depth
     admission: bool = True

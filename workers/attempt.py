@@ -51,7 +51,18 @@ class AttemptState:
             content=self.base.content + "".join(p.content),
             reasoning=self.base.reasoning + "".join(p.reasoning),
             tokens=self.base.tokens + p.tokens,
+            prompt_tokens=self.prompt_tokens(),
         )
+
+    def prompt_tokens(self) -> int:
+        """The original prompt's size. A continuation's prompt also holds the partial, whose
+        tokens need not be the ones generated (the text is tokenized again), so the size seen
+        by the first attempt travels with the checkpoint; an older checkpoint without it falls
+        back to the continuation's prompt less the partial's generated tokens."""
+        seen = int((self.progress.usage or {}).get("prompt_tokens") or 0)
+        if not self.base:
+            return seen
+        return self.base.prompt_tokens or max(0, seen - self.base.tokens)
 
 
 def build_request(
@@ -63,10 +74,7 @@ def build_request(
     extra: dict[str, Any] = {"rid": f"{claim.run}/{claim.job_id}/{claim.attempt}"}
     max_tokens = req.get("max_tokens")
     if base:
-        final: dict[str, Any] = {"role": "assistant", "content": base.content}
-        if base.reasoning:
-            final["reasoning_content"] = base.reasoning
-        messages.append(final)
+        messages.append({"role": "assistant", "content": continuation_text(base, settings.think_end_tag)})
         extra["continue_final_message"] = True
         if max_tokens is not None:
             max_tokens -= base.tokens
@@ -77,6 +85,22 @@ def build_request(
         if req.get(name) is not None:
             request[name] = req[name]
     return request, extra
+
+
+def continuation_text(base: Checkpoint, think_end_tag: str) -> str:
+    """The final assistant message that continues ``base``: the model's raw text so far.
+
+    SGLang (0.5.23) continues only a final message's ``content``: it renders the earlier messages
+    with the generation prompt and appends that text, and the final message's
+    ``reasoning_content`` is dropped. Its reasoning parser then reads the text: once it holds the
+    think-end tag, what follows is content, else reasoning. So a partial inside the reasoning is
+    sent as the reasoning text, and one past it as reasoning, the tag, then the content; this
+    fits chat templates whose generation prompt opens the think block (DeepSeek-R1-0528,
+    Qwen3 thinking), where the model never writes the opening tag itself.
+    """
+    if not base.reasoning:
+        return base.content
+    return base.reasoning + (think_end_tag + base.content if base.content else "")
 
 
 async def run_attempt(
@@ -208,11 +232,8 @@ def _outcome(
 ) -> Outcome:
     p = state.progress
     ck = state.checkpoint()
-    usage = p.usage or {}
     new_completion = p.tokens
-    prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    if state.base:
-        prompt_tokens = max(0, prompt_tokens - state.base.tokens)
+    prompt_tokens = state.prompt_tokens()
     ttft = (p.first_chunk_at - started) if p.first_chunk_at and started else None
     decode_s = (p.last_chunk_at - p.first_chunk_at) if p.first_chunk_at else 0.0
     result = {

@@ -5,7 +5,7 @@
 --       delayed retry is dropped. Counts move queued -> running (none move on a takeover).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed.  ARGV: 1 job id, 2 worker, 3 lease ttl ms.
 -- Returns {'ok', token, attempts, spec, ckpt_content, ckpt_reasoning, ckpt_tokens, partition,
---          queue, retries} or {reason}: missing | done | failed | busy.
+--          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | busy.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition')
@@ -25,6 +25,6 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'lease', expi
 redis.call('ZADD', KEYS[3], expiry, ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 local r = redis.call('HMGET', KEYS[1], 'spec', 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens',
-  'queue', 'retries')
+  'queue', 'retries', 'ckpt_prompt')
 return {'ok', token, attempts, r[1], r[2] or '', r[3] or '', r[4] or '0', partition, r[5],
-  r[6] or '0'}
+  r[6] or '0', r[7] or '0'}

@@ -15,7 +15,8 @@ local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[3], 'done_ms', now_ms,
   'truncated', ARGV[8])
-redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'lease', 'worker')
+redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'ckpt_prompt', 'lease',
+  'worker')
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
 redis.call('HINCRBY', KEYS[2], 'done|' .. f[3], 1)

@@ -1,16 +1,16 @@
 -- heartbeat: renew a lease and, optionally, checkpoint the partial generation.
 -- Pre:  the job is `running` under ARGV token.
--- Post: the lease is extended by the ttl; with a checkpoint, the partial content, reasoning and
---       token count replace the previous checkpoint; ARGV new tokens are added to the run's
+-- Post: the lease is extended by the ttl; with a checkpoint, the partial content, reasoning,
+--       token count and the original prompt's size replace the previous checkpoint; ARGV new tokens are added to the run's
 --       throughput bucket for this second. A stale token changes nothing.
---       With an admission slot (KEYS 4-6, ARGV 9-) the slot's lease is extended too, the
---       tokens it holds are set to ARGV 10 (the request's current projection), and each length
---       bin it reached since the last report (ARGV 11...) counts one more request in the run's
+--       With an admission slot (KEYS 4-6, ARGV 10-) the slot's lease is extended too, the
+--       tokens it holds are set to ARGV 11 (the request's current projection), and each length
+--       bin it reached since the last report (ARGV 12...) counts one more request in the run's
 --       lengths hash.
 -- KEYS: 1 job, 2 leases, 3 throughput, [4 admission slots, 5 admission used, 6 run lengths].
 -- ARGV: 1 job id, 2 token, 3 ttl ms, 4 has checkpoint (0|1), 5 content, 6 reasoning,
---       7 checkpoint tokens, 8 new tokens since the last report, [9 slot member, 10 slot tokens,
---       11... lengths fields reached (r<bin>)].
+--       7 checkpoint tokens, 8 new tokens since the last report, 9 checkpoint prompt tokens,
+--       [10 slot member, 11 slot tokens, 12... lengths fields reached (r<bin>)].
 -- Returns 1, or 0 when the claim is stale.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token')
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 0 end
@@ -20,21 +20,21 @@ local expiry = now_ms + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'lease', expiry)
 redis.call('ZADD', KEYS[2], expiry, ARGV[1])
 if KEYS[4] then
-  redis.call('ZADD', KEYS[4], 'XX', expiry, ARGV[9])
-  local held = redis.call('HMGET', KEYS[5], 'slot:' .. ARGV[9], 'slotq:' .. ARGV[9])
-  if held[1] and ARGV[10] and ARGV[10] ~= '' then
-    local delta = tonumber(ARGV[10]) - tonumber(held[1])
+  redis.call('ZADD', KEYS[4], 'XX', expiry, ARGV[10])
+  local held = redis.call('HMGET', KEYS[5], 'slot:' .. ARGV[10], 'slotq:' .. ARGV[10])
+  if held[1] and ARGV[11] and ARGV[11] ~= '' then
+    local delta = tonumber(ARGV[11]) - tonumber(held[1])
     if delta ~= 0 then
-      redis.call('HSET', KEYS[5], 'slot:' .. ARGV[9], ARGV[10])
+      redis.call('HSET', KEYS[5], 'slot:' .. ARGV[10], ARGV[11])
       redis.call('HINCRBY', KEYS[5], 'total', delta)
       redis.call('HINCRBY', KEYS[5], held[2], delta)
     end
   end
-  for i = 11, #ARGV do redis.call('HINCRBY', KEYS[6], ARGV[i], 1) end
+  for i = 12, #ARGV do redis.call('HINCRBY', KEYS[6], ARGV[i], 1) end
 end
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[5], 'ckpt_reasoning', ARGV[6],
-    'ckpt_tokens', ARGV[7])
+    'ckpt_tokens', ARGV[7], 'ckpt_prompt', ARGV[9])
 end
 local n = tonumber(ARGV[8])
 if n > 0 then redis.call('HINCRBY', KEYS[3], t[1], n) end

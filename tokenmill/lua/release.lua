@@ -6,7 +6,8 @@
 --       and past max attempts the job ends `failed` with the error's class instead.
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed, 5 broker, 6 failures, 7 failure_last.
 -- ARGV: 1 job id, 2 token, 3 error class, 4 message, 5 delay ms, 6 message to publish,
---       7 burn (0|1), 8 max attempts, 9 has checkpoint, 10 content, 11 reasoning, 12 tokens.
+--       7 burn (0|1), 8 max attempts, 9 has checkpoint, 10 content, 11 reasoning, 12 tokens,
+--       13 the original prompt's tokens.
 -- Returns 'queued', 'delayed', 'failed', 'done' (already done) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition')
 if f[1] == 'done' or f[1] == 'failed' then return f[1] end
@@ -16,7 +17,7 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'worker')
 if ARGV[9] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[10], 'ckpt_reasoning', ARGV[11],
-    'ckpt_tokens', ARGV[12])
+    'ckpt_tokens', ARGV[12], 'ckpt_prompt', ARGV[13])
 end
 redis.call('HINCRBY', KEYS[2], 'running|' .. p, -1)
 if ARGV[7] == '1' then
