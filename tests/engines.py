@@ -1,0 +1,289 @@
+"""The two inference engines the tests run against: the sim, and real SGLang 0.5.23 on the CPU.
+
+Both are launched with SGLang's own flag names, in a session of their own, and stopped the way
+the server manager stops them (SIGTERM to the main PID, then SIGKILL to the group), so a test
+leaves nothing running. The real engine comes from the environment ``make sglang-env`` builds
+once per machine (``scripts/sglang_env/build.py``); when it is missing, the tests that need it
+fail and say how to build it: they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from server_mgr import process
+from tests.procs import http_status, wait_for
+from tokenmill.local_redis import free_port
+
+ENGINES = ("sim", "sglang")
+SGLANG_VERSION = "0.5.23"
+API_KEY = "tm-test-key"
+MAX_TOTAL_TOKENS = 20000
+CONTEXT_LEN = 8192  # the tiny model's max_position_embeddings
+STAND_IN_MARK = "sgl_kernel stand-in called:"
+# SGLang's CPU path: no CUDA graphs (the 0.5.23 flags, not the deprecated --disable-cuda-graph),
+# torch attention and sampling, and an idle scheduler that sleeps instead of busy-polling a core.
+SGLANG_CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--sleep-on-idle",
+)
+# The sim as the tiny model behaves: outputs run to max_tokens far more often than they stop,
+# the model's context is 8192, and health and startup are quick.
+SIM_FLAGS = (
+    "--sim-model-context-length",
+    str(CONTEXT_LEN),
+    "--sim-mean-output-tokens",
+    "2000",
+    "--sim-startup-delay-s",
+    "0.2",
+    "--sim-warmup-s",
+    "0.1",
+    "--sim-health-latency-s",
+    "0.05",
+    "--sim-step-ms",
+    "2",
+    "--sim-crash-diagnostics-s",
+    "1",
+)
+SGLANG_READY_S = 240.0  # ~20 s on an idle machine, several times that beside a busy test suite
+
+
+@dataclass(frozen=True, slots=True)
+class SglangEnv:
+    """The SGLang virtual environment, the ``sgl_kernel`` stand-in and the tiny model."""
+
+    home: Path
+
+    @property
+    def python(self) -> Path:
+        return self.home / "venv" / "bin" / "python"
+
+    @property
+    def model(self) -> Path:
+        return self.home / "model"
+
+    @property
+    def stubs(self) -> Path:
+        return self.home / "stubs"
+
+    def launcher(self) -> list[str]:
+        return [str(self.python), "-m", "sglang.launch_server"]
+
+    def env(self) -> dict[str, str]:
+        """What SGLang needs on this machine: the stand-in first on the path, the CPU engine."""
+        return {"PYTHONPATH": str(self.stubs), "SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def sglang_env() -> SglangEnv:
+    """The built environment; fails (never skips) with how to build it when it is missing."""
+    default = Path.home() / ".cache" / "tokenmill" / f"sglang-{SGLANG_VERSION}"
+    home = Path(os.environ.get("TOKENMILL_SGLANG_HOME") or default)
+    env = SglangEnv(home)
+    if not (home / ".built").exists() or not env.python.exists() or not env.model.is_dir():
+        pytest.fail(
+            f"the real-SGLang test environment is missing in {home}: run `make sglang-env` "
+            "(built once per machine; TOKENMILL_SGLANG_HOME moves it)",
+            pytrace=False,
+        )
+    return env
+
+
+@dataclass
+class Engine:
+    """A running engine: its URL, main process (its group's leader) and log."""
+
+    kind: str
+    url: str
+    port: int
+    proc: process.Engine
+    api_key: str | None = None
+    members: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> Path:
+        return self.proc.log_path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.returncode() is None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def children(self) -> dict[str, int]:
+        """The main process's children by title (``sglang::scheduler``, ``sglang::detokenizer``)."""
+        out: dict[str, int] = {}
+        for pid in process.descendants(self.pid):
+            title = _cmdline(pid)
+            if title.startswith("sglang::"):
+                out[title.split()[0]] = pid
+        return out
+
+    def kill_child(self, title: str = "sglang::scheduler") -> int:
+        pid = wait_for(lambda: self.children().get(title), 10, f"{self.kind}'s {title} process")
+        os.kill(pid, signal.SIGKILL)
+        return int(pid)
+
+    def stand_in_calls(self) -> list[str]:
+        """Lines where SGLang called an ``sgl_kernel`` stand-in function (must stay empty)."""
+        return [line for line in self.output().splitlines() if STAND_IN_MARK in line]
+
+    def leftovers(self) -> list[int]:
+        """Processes of the engine still alive (its group, and every process it was seen with),
+        without killing any: what a stop or a crash left behind."""
+        pids = set(self.proc.seen) | set(process.group_members(self.proc.pgid))
+        return sorted(pid for pid in pids if process.is_alive(pid))
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """Stop and make sure nothing of the engine is left; returns the main exit status."""
+        self.proc.remember_members()
+        rc = process.stop(self.proc, grace_s)
+        left = process.ensure_gone(self.proc.pgid, self.proc.seen)
+        assert not left, f"{self.kind} left processes behind: {left}"
+        return rc
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+ENGINE_PARAMS = [pytest.param("sim"), pytest.param("sglang", marks=pytest.mark.sglang)]
+
+
+def engine_argv(
+    kind: str, port: int, flags: tuple[str, ...], api_key: str | None, sim_flags: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that launch ``kind`` on ``port`` with SGLang ``flags``
+    (``sim_flags``: the sim's own knobs, for the sim only)."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+    if api_key:
+        common += ["--api-key", api_key]
+    if kind == "sim":
+        argv = [sys.executable, "-m", "server_mgr.sim", *common, *SIM_FLAGS, *sim_flags, *flags]
+        return argv, dict(os.environ)
+    env = sglang_env()
+    argv = [
+        *env.launcher(),
+        "--model-path",
+        str(env.model),
+        "--random-seed",
+        "0",
+        *SGLANG_CPU_FLAGS,
+        *common,
+        *flags,
+    ]
+    return argv, {**os.environ, **env.env()}
+
+
+def start_engine(
+    kind: str,
+    workdir: Path,
+    *flags: str,
+    api_key: str | None = None,
+    wait_ready: bool = True,
+    sim_flags: tuple[str, ...] = (),
+) -> Engine:
+    """Launch ``kind`` (``sim`` or ``sglang``) on a free port; with ``wait_ready``, return once
+    its own process answers /health 200. SGLang binds its port only after loading the model, so
+    another program may take a free port meanwhile: then the launch is tried on another."""
+    for _ in range(3):
+        port = free_port()
+        argv, env = engine_argv(kind, port, flags, api_key, sim_flags)
+        proc = process.launch(argv, env, workdir / f"{kind}-{port}.log", banner=f"# {' '.join(argv)}")
+        engine = Engine(kind, f"http://127.0.0.1:{port}", port, proc, api_key)
+        if not wait_ready:
+            return engine
+        try:
+            wait_healthy(engine)
+            return engine
+        except PortTaken:
+            engine.stop()
+    raise AssertionError(f"{kind}: three free ports in a row were taken before it could bind")
+
+
+class PortTaken(Exception):
+    """Another program answers on the engine's port."""
+
+
+def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
+    """Wait until /health answers 200 from a process of the engine's own."""
+    timeout_s = timeout_s or (SGLANG_READY_S if engine.kind == "sglang" else 30.0)
+
+    def healthy() -> bool:
+        if not engine.alive():
+            tail = engine.output()[-4000:]
+            if "address already in use" in tail:
+                raise PortTaken(engine.port)
+            raise AssertionError(f"{engine.kind} exited {engine.proc.returncode()}:\n{tail}")
+        if http_status(f"{engine.url}/health", timeout=25) != 200:
+            return False
+        owners = listeners(engine.port)
+        if owners and not owners & set(process.group_members(engine.proc.pgid)):
+            raise PortTaken(engine.port)
+        return True
+
+    wait_for(healthy, timeout_s, f"{engine.kind} on {engine.url} to answer /health 200", every=0.2)
+
+
+def listeners(port: int) -> set[int]:
+    """PIDs with a socket listening on TCP ``port`` (from /proc: sockets of other users are not
+    seen, so an empty set means unknown, not free)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    pids = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            links = {os.readlink(fd) for fd in fd_dir.iterdir()}
+        except OSError:
+            continue
+        if any(f"socket:[{inode}]" in links for inode in inodes):
+            pids.add(int(fd_dir.parent.name))
+    return pids
+
+
+@contextmanager
+def running_engine(
+    kind: str, workdir: Path, *flags: str, api_key: str | None = None, sim_flags: tuple[str, ...] = ()
+) -> Iterator[Engine]:
+    """An engine for the duration of a block; stopped, with nothing left, afterwards."""
+    engine = start_engine(kind, workdir, *flags, api_key=api_key, sim_flags=sim_flags)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+        calls = engine.stand_in_calls()
+        assert not calls, f"SGLang called sgl_kernel stand-ins: {calls}"
