@@ -31,7 +31,12 @@ CONTEXT_LEN = 8192  # the tiny model's max_position_embeddings
 STAND_IN_MARK = "sgl_kernel stand-in called:"
 # SGLang's CPU path: no CUDA graphs (the 0.5.23 flags, not the deprecated --disable-cuda-graph),
 # torch attention and sampling, and an idle scheduler that sleeps instead of busy-polling a core.
+# float32: in bfloat16, KV reused from the prefix cache (computed inside another request's
+# prefill) differs in the last bits, and greedy outputs of 160 tokens were seen to part after ~100
+# tokens; the tests compare results with solo regenerations, so they run the model in float32.
 SGLANG_CPU_FLAGS = (
+    "--dtype",
+    "float32",
     "--device",
     "cpu",
     "--attention-backend",
@@ -208,12 +213,14 @@ def start_engine(
     api_key: str | None = None,
     wait_ready: bool = True,
     sim_flags: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> Engine:
-    """Launch ``kind`` (``sim`` or ``sglang``) on a free port; with ``wait_ready``, return once
-    its own process answers /health 200. SGLang binds its port only after loading the model, so
-    another program may take a free port meanwhile: then the launch is tried on another."""
-    for _ in range(3):
-        port = free_port()
+    """Launch ``kind`` (``sim`` or ``sglang``) on ``port`` or a free one; with ``wait_ready``,
+    return once its own process answers /health 200. SGLang binds its port only after loading
+    the model, so another program may take a free port meanwhile: then the launch is tried on
+    another (never when ``port`` is given)."""
+    for _ in range(1 if port else 3):
+        port = port or free_port()
         argv, env = engine_argv(kind, port, flags, api_key, sim_flags)
         proc = process.launch(argv, env, workdir / f"{kind}-{port}.log", banner=f"# {' '.join(argv)}")
         engine = Engine(kind, f"http://127.0.0.1:{port}", port, proc, api_key)
@@ -224,7 +231,8 @@ def start_engine(
             return engine
         except PortTaken:
             engine.stop()
-    raise AssertionError(f"{kind}: three free ports in a row were taken before it could bind")
+            port = None
+    raise AssertionError(f"{kind}: another program took its port before it could bind")
 
 
 class PortTaken(Exception):

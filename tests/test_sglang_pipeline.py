@@ -1,0 +1,236 @@
+"""The pipeline on both engines, the sim and SGLang 0.5.23: real Redis, real celery workers.
+
+A mixed dataset runs end to end and every result equals a solo greedy regeneration of its request
+(greedy output is the same alone and inside a batch); the server is SIGKILLed mid-run and
+restarted, and nothing is lost, nothing repeated, and each continued result starts with its
+checkpoint; a wrong API key stops the workers claiming, once, without failing a job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from tests.chaos import all_job_ids, queue_messages, results, running_jobs, state_counts, wait_finished
+from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, running_engine, start_engine
+from tests.pipeline import cli, read_export, write_jsonl
+from tests.procs import Proc, start_worker, wait_for, worker_env
+from tests.sglang_client import chat
+from tokenmill import keys
+
+WORDS = ["alpha", "beta", "gamma", "δέλτα", "日本語", "emoji🙂", "naïve", "zeta"]
+MAX_TOKENS = 1200  # long enough that streams are cut mid-way (the tiny model runs ~300 tokens/s)
+
+
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    workdir = tmp_path_factory.mktemp(f"pipeline-{request.param}")
+    with running_engine(request.param, workdir, api_key=API_KEY) as eng:
+        yield eng
+
+
+def mixed_rows(tag: str, n: int) -> list[dict[str, Any]]:
+    """``prompt`` and ``messages`` rows with unicode; every fifth a long prompt."""
+    rows: list[dict[str, Any]] = []
+    for i in range(n):
+        text = f"{tag} question {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(i % 6 + 2))
+        if i % 5 == 4:
+            text += " long" * 300
+        if i % 2:
+            rows.append({"prompt": text, "topic": f"t{i % 3}"})
+        else:
+            rows.append(
+                {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]}
+            )
+    return rows
+
+
+def regenerate(engine: Engine, row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The exported row's request sent alone, greedy: what an uninterrupted run produces."""
+    return chat(engine, row["messages"][:-1], max_tokens=max_tokens, temperature=0)
+
+
+def test_a_mixed_dataset_runs_exactly_once_and_each_result_equals_its_solo_regeneration(
+    engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given two files of prompt and messages rows with unicode, long prompts, duplicates within
+    # and across files, and one prompt longer than the model's context
+    b1_rows = mixed_rows("B1", 14)
+    b1_rows += [b1_rows[0], b1_rows[3], {"prompt": "word " * (CONTEXT_LEN + 800)}]
+    b2_rows = [*mixed_rows("B2", 8), b1_rows[1], b1_rows[2]]
+    files = [write_jsonl(tmp_path / "B1.jsonl", b1_rows), write_jsonl(tmp_path / "B2.jsonl", b2_rows)]
+    env = worker_env(redis_url, engine.url, api_key=API_KEY)
+    flags = ["--temperature", "0", "--short-max-tokens", "24", "--long-max-tokens", "32"]
+
+    # When they are enqueued and workers run on the short and the long queue
+    out = cli("enqueue", *map(str, files), "--run", "mixed", *flags, "--long-prompt-tokens", "200", env=env)
+    assert "23 new (long 4, short 19)" in out.stdout and "4 already queued" in out.stdout, out.stdout
+    procs.append(start_worker(tmp_path, "short", env, concurrency=6))
+    procs.append(start_worker(tmp_path, "long", env, concurrency=2, via_celery=True))
+    wait_finished(rclient, "mixed", 23, 300)
+
+    # Then every distinct prompt ran once: 22 done, the over-long one failed as context_length
+    # with SGLang's own 400 text
+    assert state_counts(rclient, "mixed") == {"queued": 0, "running": 0, "done": 22, "failed": 1}
+    failed = _jobs_in(rclient, "mixed", "failed")
+    assert len(failed) == 1
+    assert failed[0]["error_class"] == "context_length"
+    assert re.fullmatch(
+        rf"The input \(\d+ tokens\) is longer than the model's context length \({CONTEXT_LEN} tokens\)\.",
+        failed[0]["error"],
+    ), failed[0]["error"]
+    long_jobs = [j for j in _jobs_in(rclient, "mixed", "done") if " long long" in j["spec"]]
+    assert len(long_jobs) == 3 and {j["queue"] for j in [*long_jobs, failed[0]]} == {"long"}
+
+    # And each exported row equals the same request regenerated alone
+    cli("export", "--run", "mixed", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
+    exported = read_export(tmp_path / "out")
+    assert {p: len(rows) for p, rows in exported.items()} == {"B1": 14, "B2": 8}
+    for rows in exported.values():
+        for row in rows:
+            long = " long long" in row["messages"][-2]["content"]
+            solo = regenerate(engine, row, 32 if long else 24)
+            assert row["messages"][-1]["content"] == solo["choices"][0]["message"]["content"], row["id"]
+            assert row["finish_reason"] == solo["choices"][0]["finish_reason"]
+            assert row["usage"] == {k: solo["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+
+
+@pytest.mark.parametrize("kind", ENGINE_PARAMS)
+def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_checkpoints(
+    kind: str, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given a worker streaming 16 greedy prompts of MAX_TOKENS tokens from an engine
+    engine = start_engine(kind, tmp_path, sim_flags=("--sim-step-ms", "15"))
+    try:
+        rows = [
+            {"prompt": f"chaos {i}: " + " ".join(WORDS[(i + j) % 8] for j in range(i % 5 + 2))}
+            for i in range(16)
+        ]
+        env = worker_env(redis_url, engine.url)
+        cli("enqueue", str(write_jsonl(tmp_path / "C.jsonl", rows)), "--run", "chaos", "--temperature", "0",
+            "--short-max-tokens", str(MAX_TOKENS), env=env)  # fmt: skip
+        procs.append(start_worker(tmp_path, "short", env, concurrency=8))
+        wait_for(lambda: sum(v.ckpt_tokens > 0 for v in running_jobs(rclient, "chaos").values()) >= 3, 120,
+                 "three jobs mid-stream with a checkpoint", 0.05)  # fmt: skip
+
+        # When the whole server is SIGKILLed, its streams are released with their checkpoints,
+        # and it is started again on the same port
+        os.killpg(engine.proc.pgid, signal.SIGKILL)
+        wait_for(lambda: not running_jobs(rclient, "chaos"), 60, "the cut streams to be released")
+        checkpoints = _checkpoints(rclient, "chaos")
+        assert len(checkpoints) >= 3, checkpoints
+        engine.stop()
+        engine = start_engine(kind, tmp_path, sim_flags=("--sim-step-ms", "15"), port=engine.port)
+        wait_finished(rclient, "chaos", 16, 300)
+
+        # Then every prompt is done once, none failed and no retry was burned by the outage
+        assert state_counts(rclient, "chaos") == {"queued": 0, "running": 0, "done": 16, "failed": 0}
+        ids = all_job_ids(rclient, "chaos")
+        got = results(rclient, "chaos", ids)
+        assert all(int(rclient.hget(keys.RunKeys("chaos").job(j), "retries") or 0) == 0 for j in ids)
+        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.RunKeys("chaos").stats()).items()}
+        assert stats["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in got.values())
+        cli("export", "--run", "chaos", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
+        exported = read_export(tmp_path / "out")["C"]
+        assert sorted(r["id"] for r in exported) == sorted(spec_ids(rclient, "chaos", ids))
+
+        # And each continued result starts with its checkpoint and its usage adds up, while every
+        # other result equals its solo regeneration
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            solos = dict(zip(ids, pool.map(lambda j: _solo(engine, rclient, j), ids), strict=True))
+        continued = 0
+        for job_id, result in got.items():
+            solo, usage, ck = solos[job_id], result["usage"], checkpoints.get(job_id)
+            assert usage["prompt_tokens"] == solo["usage"]["prompt_tokens"], job_id
+            if ck is None:
+                assert result["content"] == solo["choices"][0]["message"]["content"], job_id
+                assert usage["completion_tokens"] == solo["usage"]["completion_tokens"]
+                continue
+            continued += 1
+            assert result["continued_tokens"] == ck["tokens"], (job_id, result, ck)
+            assert result["content"].startswith(ck["content"]), job_id
+            assert (result["reasoning_content"] or "").startswith(ck["reasoning"])
+            if result["finish_reason"] == "length":
+                assert usage["completion_tokens"] == MAX_TOKENS, (job_id, usage)
+            else:
+                assert ck["tokens"] < usage["completion_tokens"] < MAX_TOKENS, (job_id, usage)
+        assert continued >= 3
+    finally:
+        engine.stop()
+
+
+def test_a_wrong_api_key_stops_the_worker_claiming_and_it_says_so_once(
+    engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given four queued jobs and a worker with the wrong API key
+    rows = [{"prompt": f"auth {i} δ"} for i in range(4)]
+    env = worker_env(redis_url, engine.url, api_key="not-the-key")
+    cli("enqueue", str(write_jsonl(tmp_path / "A.jsonl", rows)), "--run", "auth", "--short-max-tokens", "8",
+        env=env)  # fmt: skip
+    bad = start_worker(tmp_path, "short", env, concurrency=2)
+    procs.append(bad)
+
+    # When it meets the server's 401: it says so and its deliveries go back to the broker
+    wait_for(lambda: "refused the API key" in bad.output(), 60, "the worker to report the refused key")
+    ids = set(all_job_ids(rclient, "auth"))
+    wait_for(lambda: set(queue_messages(rclient, "short")) == ids, 60, "every job back on the broker")
+
+    # Then it failed nothing, left every job queued, and a worker with the right key runs them
+    # all, with no job failed at any moment
+    assert state_counts(rclient, "auth") == {"queued": 4, "running": 0, "done": 0, "failed": 0}
+    procs.append(start_worker(tmp_path, "short", worker_env(redis_url, engine.url, api_key=API_KEY)))
+    samples: list[dict[str, int]] = []
+
+    def finished() -> bool:
+        samples.append(state_counts(rclient, "auth"))
+        return samples[-1]["done"] == 4
+
+    wait_for(finished, 120, "the right key to finish the run", 0.05)
+    assert all(s["failed"] == 0 for s in samples) and len(samples) > 1, samples
+    assert bad.output().count("refused the API key") == 1
+
+
+def _jobs_in(client: redis.Redis, run: str, state: str) -> list[dict[str, str]]:
+    k = keys.RunKeys(run)
+    out = []
+    for job_id in all_job_ids(client, run):
+        job = {a.decode(): b.decode() for a, b in client.hgetall(k.job(job_id)).items()}
+        if job.get("state") == state:
+            out.append(job)
+    return out
+
+
+def _checkpoints(client: redis.Redis, run: str) -> dict[str, dict[str, Any]]:
+    k = keys.RunKeys(run)
+    out = {}
+    for job_id in all_job_ids(client, run):
+        content, reasoning, tokens = client.hmget(
+            k.job(job_id), ["ckpt_content", "ckpt_reasoning", "ckpt_tokens"]
+        )
+        if int(tokens or 0) > 0:
+            out[job_id] = {
+                "content": content.decode(),
+                "reasoning": (reasoning or b"").decode(),
+                "tokens": int(tokens),
+            }
+    return out
+
+
+def _solo(engine: Engine, client: redis.Redis, job_id: str) -> dict[str, Any]:
+    """A chaos job's request regenerated alone."""
+    request = orjson.loads(client.hget(keys.RunKeys("chaos").job(job_id), "spec"))["request"]
+    return chat(engine, request["messages"], max_tokens=request["max_tokens"], temperature=0)
+
+
+def spec_ids(client: redis.Redis, run: str, ids: list[str]) -> list[str]:
+    k = keys.RunKeys(run)
+    return [orjson.loads(client.hget(k.job(j), "spec")).get("record_id") or j for j in ids]
