@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -9,9 +10,24 @@ import redis
 
 from tests.pipeline import cli, expected_for, mixed_rows, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, worker_env
+from tokenmill import keys
 
 MAX_TOKENS = 120
 MEAN = 40
+
+
+def _routes(client: redis.Redis, run: str, urls: dict[str, str]) -> Counter[tuple[str, str, str]]:
+    """Jobs counted by (the queue their prompt's length calls for, the queue in their ledger
+    entry, the queue of the worker that ran them: each talks to a sim of its own, which the
+    result names)."""
+    worker_queue = {url: q for q, url in urls.items()}
+    found: Counter[tuple[str, str, str]] = Counter()
+    for key in client.scan_iter(keys.RunKeys(run).job("*")):
+        queue, spec, result = client.hmget(key, "queue", "spec", "result")
+        prompt = orjson.loads(spec)["request"]["messages"][-1]["content"]
+        wanted = "long" if " long long" in prompt else "short"
+        found[(wanted, queue.decode(), worker_queue[orjson.loads(result)["server"]])] += 1
+    return found
 
 
 def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
@@ -23,9 +39,14 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
     b2_rows = mixed_rows("B2", 240) + b1_rows[:5] + mixed_rows("B2", 5)  # 10 duplicates
     b1 = write_jsonl(tmp_path / "B1.jsonl", b1_rows)
     b2 = write_jsonl(tmp_path / "B2.jsonl", b2_rows)
-    sim, url = start_sim(tmp_path, "--reasoning-parser", "qwen3", "--sim-mean-output-tokens", str(MEAN))
-    procs.append(sim)
-    env = worker_env(redis_url, url)
+    # (two identical sims, one per worker: each result names the sim, so the worker, that ran it)
+    sims = {
+        q: start_sim(tmp_path, "--reasoning-parser", "qwen3", "--sim-mean-output-tokens", str(MEAN))
+        for q in keys.QUEUES
+    }
+    procs.extend(sim for sim, _ in sims.values())
+    urls = {q: url for q, (_, url) in sims.items()}
+    env = worker_env(redis_url, urls["short"])
 
     # When they are enqueued (twice) and two workers run, one started the plain Celery way
     flags = [
@@ -41,7 +62,9 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
     again = cli("enqueue", str(b1), str(b2), "--run", "synth", *flags, env=env)
     assert "0 new" in again.stdout and "nothing to add" in again.stdout, again.stdout
     procs.append(start_worker(tmp_path, "short", env, concurrency=16))
-    procs.append(start_worker(tmp_path, "long", env, concurrency=4, via_celery=True))
+    procs.append(
+        start_worker(tmp_path, "long", worker_env(redis_url, urls["long"]), concurrency=4, via_celery=True)
+    )
     doc = wait_run_finished(rclient, "synth", 150)
 
     # Then every distinct prompt is done exactly once and exported once, byte for byte
@@ -72,6 +95,10 @@ def test_every_distinct_prompt_is_exported_once_with_the_sims_exact_text(
     assert exported["B1"][0]["metadata"] == {"i": 0}
     # long prompts went to the long queue
     assert any(" long long" in r["messages"][-2]["content"] for r in exported["B1"])
+    # and the worker consuming each queue ran exactly its jobs: 25 of B1's 250 rows and 24 of
+    # B2's 240 distinct ones are long (every 10th)
+    routes = _routes(rclient, "synth", urls)
+    assert routes == {("long", "long", "long"): 49, ("short", "short", "short"): 441}, routes
 
     # Without --include-truncated, length-finished rows are left out
     out2 = tmp_path / "prepared2"

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets  # a dev dependency: missing, the module fails to import (it never skips)
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,8 +16,6 @@ import pytest
 
 from producer.readers import Record, dataset_stem, iter_records, json_kind
 from tokenmill.errors import InputError
-
-datasets = pytest.importorskip("datasets")
 
 
 def write_lines(path: Path, lines: list[bytes]) -> Path:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from server_mgr.cli import server
 from server_mgr.command import display_command, launch_argv
 from server_mgr.config import load_config
+from server_mgr.sim.cli import sim as sim_cli
 from tests.server_fixtures import write_config
 from tokenmill.errors import ConfigError, LossyKvCacheError
 
@@ -153,7 +154,6 @@ def test_sim_command_is_this_python_running_the_sim_with_its_knobs(tmp_path: Pat
 
 
 def test_every_flag_of_a_sim_command_is_accepted_by_the_sim_parser(tmp_path: Path) -> None:
-    sim_cli = pytest.importorskip("server_mgr.sim.cli").sim
     knobs = {
         "startup_delay_s": 0.1,
         "warmup_s": 0.1,

@@ -88,15 +88,21 @@ def _queues(control: Any, worker: str) -> list[str] | None:
     return sorted(q["name"] for q in replies[worker]) if worker in replies else None
 
 
-def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
-    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
-) -> None:
+def _real_workers(tmp_path: Path, redis_url: str, procs: list[Proc]) -> tuple[Any, str, str]:
+    """A real worker on ``short`` and one on ``long``, both answering; returns the Celery control
+    and their full names."""
     env = worker_env(redis_url, "http://127.0.0.1:9")
     procs.append(start_worker(tmp_path, "short", env, concurrency=2, name="wshort"))
     procs.append(start_worker(tmp_path, "long", env, concurrency=2, name="wlong"))
     control = celery_control(Settings.load(redis_url=redis_url))
-    workers = wait_for(lambda: _names(control), 20, "both workers to answer")
-    short, long = workers
+    short, long = wait_for(lambda: _names(control), 20, "both workers to answer")
+    return control, short, long
+
+
+def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    control, short, long = _real_workers(tmp_path, redis_url, procs)
 
     pause_consumers(rclient, control, "no server is ready: test")
     wait_for(
@@ -110,3 +116,34 @@ def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
         10,
         "each worker to consume its own queue again",
     )
+
+
+def test_the_gate_stops_real_workers_while_no_server_is_ready_and_restarts_each_on_its_queue(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given a real worker on each queue and a gate driving them through Celery's own control
+    control, short, long = _real_workers(tmp_path, redis_url, procs)
+    gate = ConsumerGate(rclient, control, stale_after_s=30, rebroadcast_s=3600)
+
+    # When the only server is down
+    down = ServerRecord(name="a", url="u", state=servers.DOWN, updated_at=time.time(), last_error="killed")
+    servers.publish(rclient, down)
+    gate.sync()
+    # Then neither worker consumes any queue
+    wait_for(
+        lambda: _queues(control, short) == [] and _queues(control, long) == [],
+        10,
+        "the gate to stop both workers consuming",
+    )
+    assert paused_reason(rclient) == "no server is ready: a down (killed)"
+
+    # When the server is ready again
+    servers.update(rclient, "a", state=servers.READY, last_error="", updated_at=time.time())
+    gate.sync()
+    # Then each worker consumes its own queue again, and only it
+    wait_for(
+        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
+        10,
+        "the gate to restart each worker on its own queue",
+    )
+    assert paused_reason(rclient) is None

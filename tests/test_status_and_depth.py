@@ -6,13 +6,47 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 import redis
 
+from tests.keyspace import key_events
 from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import ROOT, Proc, start_sim, start_worker, wait_for, worker_env
+
+
+@dataclass
+class BrokerDepth:
+    """A broker list's length after every change to it, replayed from its keyspace events.
+
+    The feeder pushes one message per command; each worker delivery pops one. What does not
+    fit is kept in ``odd`` (``wait_for`` would swallow an assertion raised while polling).
+    """
+
+    depth: int
+    peak: int = 0
+    pushes: int = 0
+    pops: int = 0
+    odd: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.peak = self.depth
+
+    def replay(self, events: list[tuple[str, str]]) -> None:
+        for _key, event in events:
+            if event in ("lpush", "rpush"):
+                self.depth += 1
+                self.pushes += 1
+            elif event in ("lpop", "rpop"):
+                self.depth -= 1
+                self.pops += 1
+            elif event != "del":
+                self.odd.append(f"unexpected change to the broker list: {event}")
+            if self.depth < 0 or (event == "del" and self.depth != 0):
+                self.odd.append(f"the events do not add up (several pushed at once?) after {event}")
+            self.peak = max(self.peak, self.depth)
 
 
 def _enqueue_bounded(
@@ -32,15 +66,22 @@ def test_max_queued_bounds_the_broker_and_the_feeder_publishes_the_rest(
     env, res = _enqueue_bounded(tmp_path, redis_url, procs)
     assert "300 new" in res.stdout and "275 held in the ledger's backlog" in res.stdout
     assert rclient.llen("short") == 25
-    depth: list[int] = []
-    procs.append(start_worker(tmp_path, "short", env, concurrency=4))
-    wait_for(
-        lambda: depth.append(rclient.llen("short")) or rclient.llen("tm:r:backlog:short") == 0,
-        60,
-        "the feeder to drain the backlog",
-    )
-    assert max(depth) <= 25
-    assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 300
+    with key_events(rclient, "short") as events:
+        # nothing consumes or feeds before the worker starts: the trace starts from an exact depth
+        broker = BrokerDepth(rclient.llen("short"))
+        procs.append(start_worker(tmp_path, "short", env, concurrency=4))
+        wait_for(
+            lambda: broker.replay(events.read()) or rclient.llen("tm:r:backlog:short") == 0,
+            60,
+            "the feeder to drain the backlog",
+        )
+        assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 300
+        wait_for(lambda: broker.replay(events.read()) or broker.depth == 0, 10, "the last pops' events")
+    # Then the broker list never held more than 25 messages, after any single change to it
+    assert not broker.odd, broker
+    assert broker.peak <= 25, f"the broker list reached {broker.peak} messages"
+    assert broker.pushes >= 275 and broker.pops >= 300, broker  # the trace saw the feeder at work
+    assert rclient.llen("short") == 0
 
 
 def test_resume_keeps_the_broker_bounded_and_leaves_waiting_jobs_to_the_feeder(
