@@ -20,9 +20,11 @@ import orjson
 import pytest
 import redis
 
-from tests.chaos import all_job_ids, queue_messages, results, running_jobs, state_counts, wait_finished
+from producer.status import run_status
+from tests.chaos import all_job_ids, results, running_jobs, state_counts, wait_finished
 from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, running_engine, start_engine
-from tests.pipeline import cli, read_export, write_jsonl
+from tests.keyspace import key_events
+from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tests.sglang_client import chat
 from tokenmill import keys
@@ -168,35 +170,65 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
         engine.stop()
 
 
-def test_a_wrong_api_key_stops_the_worker_claiming_and_it_says_so_once(
+def _hold_while_alone(client: redis.Redis, run: str, passes: int) -> list[dict[str, int]]:
+    """Look at the run until the (only) worker's pump has taken its lock ``passes`` times; each
+    look: the failed and done totals, the retries spent and the claims made (attempts)."""
+    samples = []
+    seen = 0
+    pattern = keys.RunKeys(run).job("*")
+    with key_events(client, keys.pump_lock()) as events:
+
+        def look() -> bool:
+            nonlocal seen
+            seen += sum(event == "set" for _, event in events.read())
+            totals = run_status(client, run)["totals"]
+            jobs = [client.hmget(k, "retries", "attempts") for k in client.scan_iter(pattern)]
+            sample = {"failed": totals["failed"], "done": totals["done"]}
+            sample["retries"], sample["attempts"] = (sum(int(j[i] or 0) for j in jobs) for i in (0, 1))
+            samples.append(sample)
+            return seen >= passes
+
+        wait_for(look, 30, f"{passes} passes of the worker's pump")
+    return samples
+
+
+def test_a_wrong_api_key_stops_the_worker_claiming_without_failing_jobs(
     engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
-    # Given four queued jobs and a worker with the wrong API key
-    rows = [{"prompt": f"auth {i} δ"} for i in range(4)]
-    env = worker_env(redis_url, engine.url, api_key="not-the-key")
-    cli("enqueue", str(write_jsonl(tmp_path / "A.jsonl", rows)), "--run", "auth", "--short-max-tokens", "8",
-        env=env)  # fmt: skip
-    bad = start_worker(tmp_path, "short", env, concurrency=2)
+    # Given an engine that requires an API key and a worker configured with the wrong one
+    url = engine.url
+    data = write_jsonl(tmp_path / "P.jsonl", [{"prompt": f"q{i}"} for i in range(6)])
+    cli(
+        "enqueue", str(data), "--run", "r", "--short-max-tokens", "16", env={"TOKENMILL_REDIS_URL": redis_url}
+    )
+    # (with two attempts per job, a worker that spent retries on the 401 would soon fail jobs)
+    bad_env = worker_env(redis_url, url, api_key="wrong-key", max_attempts=2)
+    bad = start_worker(tmp_path, "short", bad_env, concurrency=2)
     procs.append(bad)
 
-    # When it meets the server's 401: it says so and its deliveries go back to the broker
-    wait_for(lambda: "refused the API key" in bad.output(), 60, "the worker to report the refused key")
-    ids = set(all_job_ids(rclient, "auth"))
-    wait_for(lambda: set(queue_messages(rclient, "short")) == ids, 60, "every job back on the broker")
-
-    # Then it failed nothing, left every job queued, and a worker with the right key runs them
-    # all, with no job failed at any moment
-    assert state_counts(rclient, "auth") == {"queued": 4, "running": 0, "done": 0, "failed": 0}
-    procs.append(start_worker(tmp_path, "short", worker_env(redis_url, engine.url, api_key=API_KEY)))
-    samples: list[dict[str, int]] = []
-
-    def finished() -> bool:
-        samples.append(state_counts(rclient, "auth"))
-        return samples[-1]["done"] == 4
-
-    wait_for(finished, 120, "the right key to finish the run", 0.05)
-    assert all(s["failed"] == 0 for s in samples) and len(samples) > 1, samples
+    # When it meets the 401, it says so once and stops consuming; no job fails
+    wait_for(lambda: "refused the API key" in bad.output(), 30, "the worker to report the refused key")
+    wait_for(
+        lambda: (
+            "cancel_consumer" in bad.output()
+            or "Canceling queue" in bad.output()
+            or "canceling" in bad.output().lower()
+        ),
+        20,
+        "the worker to stop consuming",
+    )
+    doc = run_status(rclient, "r")
+    assert doc["totals"]["failed"] == 0 and doc["totals"]["done"] == 0
+    # and as long as it runs alone (three passes of its pump, which promotes delayed retries),
+    # at every look: no job failed or done, no retry spent, no claim beyond its two threads' first
+    samples = _hold_while_alone(rclient, "r", passes=3)
+    assert all(s["failed"] == s["done"] == s["retries"] == 0 and s["attempts"] <= 2 for s in samples), samples
     assert bad.output().count("refused the API key") == 1
+    assert "wrong-key" not in bad.output()
+
+    # Then a worker with the right key finishes the run
+    procs.append(start_worker(tmp_path, "short", worker_env(redis_url, url, api_key=API_KEY), concurrency=2))
+    assert wait_run_finished(rclient, "r", 60)["totals"]["done"] == 6
 
 
 def _jobs_in(client: redis.Redis, run: str, state: str) -> list[dict[str, str]]:
