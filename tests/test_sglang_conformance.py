@@ -193,6 +193,9 @@ def test_metrics_report_the_schedulers_figures_by_sglangs_names(engine: Engine) 
     for name in ("running_req", "queue_req", "token_usage", "gen_throughput", "retracted_reqs"):
         assert name in figures, (name, sorted(figures))
     assert 0 <= figures["token_usage"] <= 1
+    # the retraction counter exists only once a retraction happened (none can in a 20000-token
+    # pool with these requests): a reader must take its absence as zero
+    assert "retractions" not in figures
 
 
 def test_a_partial_answer_is_continued_and_the_token_counts_add_up(engine: Engine) -> None:

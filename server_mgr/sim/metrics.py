@@ -1,7 +1,8 @@
 """``GET /metrics`` (only with ``--enable-metrics``): SGLang's ``sglang:*`` names (§2.7).
 
 Scheduler gauges hold the values of the last Prefill/Decode log event, as on the real server;
-the tokenizer-side counters are updated as requests finish.
+the tokenizer-side counters are updated as requests finish. As on SGLang 0.5.23, the counters of
+events (retractions, aborts, cached tokens) appear only once the first such event happened.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from server_mgr.sim.state import STATE, SimState
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
 TOKENIZER_LABELS = ("model_name", "engine_type")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LAZY_COUNTERS = frozenset({"cached_tokens", "num_aborted_requests"})
 
 
 class SimCollector(Collector):
@@ -57,13 +59,14 @@ class SimCollector(Collector):
             g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=SCHEDULER_LABELS)
             g.add_metric(sched_values, float(value))
             yield g
-        retracted = CounterMetricFamily(
-            "sglang:num_retracted_requests",
-            "Total number of retracted requests.",
-            labels=SCHEDULER_LABELS,
-        )
-        retracted.add_metric(sched_values, float(state.scheduler.retracted_total))
-        yield retracted
+        if state.scheduler.retracted_total:
+            retracted = CounterMetricFamily(
+                "sglang:num_retracted_requests",
+                "Total number of retracted requests.",
+                labels=SCHEDULER_LABELS,
+            )
+            retracted.add_metric(sched_values, float(state.scheduler.retracted_total))
+            yield retracted
         c = state.counters
         counters = {
             "prompt_tokens": ("Number of prefill tokens processed.", c.prompt_tokens),
@@ -73,6 +76,8 @@ class SimCollector(Collector):
             "num_aborted_requests": ("Number of requests aborted.", c.aborted_requests),
         }
         for metric, (doc, value) in counters.items():
+            if not value and metric in LAZY_COUNTERS:
+                continue
             m = CounterMetricFamily(f"sglang:{metric}", doc, labels=TOKENIZER_LABELS)
             m.add_metric([name, "unified"], float(value))
             yield m
