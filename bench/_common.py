@@ -204,6 +204,29 @@ def start_sim(children: Children, where: Path, knobs: Sequence[str], name: str =
     return child, url
 
 
+def start_sglang(children: Children, where: Path, *flags: str) -> tuple[Any, str]:
+    """Real SGLang 0.5.23 (the tiny CPU model of ``make sglang-env``, as the test tier runs it) on
+    a free port, ready; stopped with the stack, leaving nothing. Returns (engine, base URL); the
+    engine's ``pid`` is its launcher, the group leader of its scheduler and detokenizer."""
+    sys.path.insert(0, str(ROOT))  # tests/ is not an installed package
+    from tests.engines import start_engine
+
+    engine = start_engine("sglang", where, *flags)
+    children.callback(engine.stop)
+    return engine, engine.url
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants (SGLang works in its scheduler child)."""
+    from server_mgr.process import descendants
+
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):
+            total += proc_cpu_s(p)
+    return total
+
+
 def start_worker(children: Children, where: Path, queue: str, concurrency: int, env: dict[str, str]) -> Child:
     """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume."""
     name = f"worker-{queue}-{free_port()}"
