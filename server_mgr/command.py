@@ -15,7 +15,14 @@ _SECRET_ENV_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.I
 
 # SGLang flags the sim engine does not model; they are left out of a sim's command.
 SIM_UNSUPPORTED = frozenset(
-    {"--dp-size", "--kv-cache-dtype", "--enable-hierarchical-cache", "--hicache-size"}
+    {
+        "--dp-size",
+        "--kv-cache-dtype",
+        "--enable-hierarchical-cache",
+        "--hicache-size",
+        "--cuda-graph-backend-decode",
+        "--cuda-graph-backend-prefill",
+    }
 )
 
 
@@ -47,6 +54,9 @@ def server_flags(
         ("--max-running-requests", c.max_running_requests),
         ("--reasoning-parser", c.reasoning_parser),
         ("--enable-metrics", c.enable_metrics),
+        # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of these two
+        ("--cuda-graph-backend-decode", None if c.cuda_graphs else "disabled"),
+        ("--cuda-graph-backend-prefill", None if c.cuda_graphs else "disabled"),
         ("--api-key", (REDACTED if redact else c.api_key) if c.api_key else None),
     ]
     argv: list[str] = []

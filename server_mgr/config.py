@@ -73,6 +73,7 @@ class ServerConfig:
     max_running_requests: int | None = None
     reasoning_parser: str | None = None
     enable_metrics: bool = False
+    cuda_graphs: bool = True  # false: 0.5.23's --cuda-graph-backend-{decode,prefill} disabled
     api_key: str | None = field(default=None, repr=False)
     api_key_env: str | None = None
     extra_args: tuple[str, ...] = ()

@@ -28,6 +28,8 @@ class Crash:
     detail: str
     remedy: str
     returncode: int | None = None
+    # the smallest mem_fraction_static the log says would fit (SGLang 0.5.23 names it)
+    min_fraction: float | None = None
 
     def describe(self) -> str:
         """One line for ``last_error`` and events: ``kind: detail (exit N)``."""
@@ -40,6 +42,15 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
     (
         "oom_fraction_too_low",
         re.compile(r"Not enough memory.*mem-fraction-static", re.I),
+        RAISE_FRACTION,
+        "mem_fraction_static too low",
+    ),
+    (
+        # SGLang 0.5.23, when the weights leave nothing for the KV pool (seen on the CPU path):
+        # "Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=X.
+        # Raise --mem-fraction-static above Y (minimum viable = ...)"
+        "oom_fraction_too_low",
+        re.compile(r"leave no GPU memory for the KV cache"),
         RAISE_FRACTION,
         "mem_fraction_static too low",
     ),
@@ -87,6 +98,7 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
         "a scheduler was SIGKILLed during startup (the kernel OOM killer is one cause; check dmesg)",
     ),
 )
+_MIN_FRACTION_RE = re.compile(r"Raise --mem-fraction-static above ([0-9.]+)")
 _CUDA_OOM_RE = re.compile(r"(Prefill|Decode) out of memory|OutOfMemoryError|CUDA out of memory")
 
 
@@ -100,7 +112,14 @@ def classify(log_text: str, returncode: int | None, *, first_prefill: bool) -> C
     for kind, pattern, remedy, why in _RULES:
         hit = _first(lines, pattern)
         if hit is not None:
-            return Crash(kind, f"{why}: {_detail(lines, hit)}", remedy, returncode)
+            floor = _MIN_FRACTION_RE.search(lines[hit])
+            return Crash(
+                kind,
+                f"{why}: {_detail(lines, hit)}",
+                remedy,
+                returncode,
+                float(floor[1]) if floor else None,
+            )
     hit = _first(lines, _CUDA_OOM_RE)
     if hit is not None:
         remedy = LOWER_FRACTION if first_prefill else RESTART

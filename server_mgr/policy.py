@@ -4,7 +4,8 @@ Pure decisions (no I/O), so every rule is testable on its own:
 
 - a crash whose remedy is ``give_up`` (the arguments are refused, the host lacks RAM) fails at once;
 - a startup OOM steps ``mem_fraction_static`` by ``mem_fraction_step`` in the direction the log
-  names, within ``mem_fraction_bounds``; a step back the other way means no fraction fits;
+  names (past the smallest fitting fraction when the log names one), within
+  ``mem_fraction_bounds``; a step back the other way means no fraction fits;
 - any other crash is relaunched with exponential backoff, unless it is the (max_restarts + 1)-th
   within ``restart_window_s``: a crash loop ends in ``failed``. OOM steps are bounded by the
   bounds instead, so they do not count toward the crash loop.
@@ -78,6 +79,9 @@ class RestartPolicy:
                 f"last: {crash.describe()}",
             )
         new = round(fraction + direction * c.mem_fraction_step, 4)
+        if direction > 0 and crash.min_fraction is not None:
+            # the log names the smallest fraction that fits: go at least one step past it
+            new = max(new, round(crash.min_fraction + c.mem_fraction_step, 4))
         if not low <= new <= high:
             return Decision(
                 FAIL,

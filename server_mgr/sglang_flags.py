@@ -67,6 +67,8 @@ MANAGED_FLAGS: dict[str, str] = {
     "--max-running-requests": "max_running_requests",
     "--reasoning-parser": "reasoning_parser",
     "--enable-metrics": "enable_metrics",
+    "--cuda-graph-backend-decode": "cuda_graphs",
+    "--cuda-graph-backend-prefill": "cuda_graphs",
     "--api-key": "api_key / api_key_env",
 }
 
@@ -114,6 +116,12 @@ OTHER_FLAGS = (
     "--enable-dp-attention",
     "--tool-call-parser",
     "--tokenizer-worker-num",
+    "--device",
+    "--dtype",
+    "--load-format",
+    "--attention-backend",
+    "--sampling-backend",
+    "--sleep-on-idle",
 )
 
 

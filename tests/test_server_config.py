@@ -81,6 +81,23 @@ def test_realistic_config_launch_argv_matches_exactly(tmp_path: Path) -> None:
     ]
 
 
+def test_no_cuda_graphs_emits_0_5_23s_backend_flags_not_the_deprecated_one(tmp_path: Path) -> None:
+    argv = launch_argv(one(tmp_path, **REALISTIC, cuda_graphs=False))
+    sim = launch_argv(one(tmp_path, name="s", engine="sim", port=30001, cuda_graphs=False))
+
+    assert argv[argv.index("--enable-metrics") + 1 : argv.index("--api-key")] == [
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+    ]
+    assert "--disable-cuda-graph" not in argv and "--cuda-graph-backend-decode" not in sim
+    with pytest.raises(
+        ConfigError, match="'--cuda-graph-backend-decode' is set by the config key cuda_graphs"
+    ):
+        one(tmp_path, **{**REALISTIC, "extra_args": ["--cuda-graph-backend-decode", "disabled"]})
+
+
 def test_server_command_prints_one_line_per_server_with_the_api_key_hidden(tmp_path: Path) -> None:
     path = write_config(
         tmp_path / "servers.toml",

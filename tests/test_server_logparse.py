@@ -127,6 +127,13 @@ TOO_LOW = """[2026-11-29 10:00:01 TP0] Scheduler hit an exception: Traceback (mo
 RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. Current value: 0.5
 [2026-11-29 10:00:01] Rank 0 scheduler died during initialization (exit code: -9).
 """
+# SGLang 0.5.23 on the CPU with --mem-fraction-static 0.0001 (seen):
+NO_ROOM = """[2026-11-30 13:30:16] Scheduler hit an exception: Traceback (most recent call last):
+ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.0001. \
+Raise --mem-fraction-static above 0.002 (minimum viable = 1 - available/pre = 0.0017). If using \
+speculative decoding, draft weights are now counted.
+[2026-11-30 13:30:16] Received sigquit from a child process. It usually means the child failed.
+"""
 RUNTIME = """[2026-11-29 10:00:01] Decode batch, #running-req: 5, #token: 20800, #queue-req: 0
 [2026-11-29 10:00:02 TP0] Scheduler hit an exception: Traceback (most recent call last):
   File "scheduler.py", line 1104, in event_loop_overlap
@@ -139,6 +146,7 @@ RuntimeError: CUDA error: an illegal memory access was encountered
     [
         (GRAPH_OOM, -9, True, "oom_fraction_too_high", LOWER_FRACTION),
         (TOO_LOW, -9, True, "oom_fraction_too_low", RAISE_FRACTION),
+        (NO_ROOM, -9, True, "oom_fraction_too_low", RAISE_FRACTION),
         (RUNTIME, -9, False, "scheduler_exception", RESTART),
         ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, True, "cuda_oom", LOWER_FRACTION),
         ("[t] Prefill out of memory. Try to lower your batch size.\n", -9, False, "cuda_oom", RESTART),
@@ -229,6 +237,14 @@ def test_a_fraction_too_high_after_one_too_low_means_none_fits() -> None:
     assert policy.decide(low, 0.0, 0.7).fraction == 0.72
     verdict = policy.decide(Crash("oom_fraction_too_high", "x", LOWER_FRACTION, -9), 0.0, 0.72)
     assert verdict.action == FAIL and verdict.reason.startswith("no mem_fraction_static fits")
+
+
+def test_a_fraction_too_low_goes_past_the_smallest_one_the_log_names() -> None:
+    crash = classify(NO_ROOM, -9, first_prefill=True)
+    policy = _policy(mem_fraction_bounds=(0.0001, 0.5), mem_fraction_step=0.01)
+    assert crash.min_fraction == 0.002
+    assert policy.decide(crash, 0.0, 0.0001).fraction == 0.012
+    assert policy.decide(classify(TOO_LOW, -9, first_prefill=True), 0.0, 0.3).fraction == 0.31
 
 
 def test_an_unset_fraction_steps_from_the_bound() -> None:

@@ -7,6 +7,7 @@ whichever cause. The server manager tells the causes apart by the log lines (§5
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from typing import NoReturn
@@ -17,22 +18,19 @@ from server_mgr.sim.logs import SimLog
 _SGLANG = "/usr/local/lib/python3.12/dist-packages/sglang/srt"
 
 
-def die(log: SimLog) -> NoReturn:
-    """The main process's SIGQUIT path: log, then SIGKILL itself; the kernel SIGKILLs the
-    children (they asked for it with PR_SET_PDEATHSIG, as SGLang's do)."""
+def die(log: SimLog, *, launching: bool = False) -> NoReturn:
+    """The main process's SIGQUIT handler: log, then SIGKILL itself; the kernel SIGKILLs the
+    children (they asked for it with PR_SET_PDEATHSIG, as SGLang's do). SGLang 0.5.23 has two
+    handlers with two lines: one while launching, one once serving."""
     pid = os.getpid()
-    log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
+    if launching:
+        log.error("Received sigquit from a child process. It usually means the child failed.")
+    else:
+        log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
     log.error(f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}")
     log.stream.flush()
     os.kill(pid, signal.SIGKILL)
     raise SystemExit(137)  # not reached: SIGKILL cannot be caught
-
-
-def _scheduler_died(log: SimLog) -> None:
-    log.error(
-        "Rank 0 scheduler died during initialization (exit code: -9). If exit code is -9 "
-        "(SIGKILL), a common cause is the OS OOM killer. Run `dmesg -T | grep -i oom` to check."
-    )
 
 
 def crash(log: SimLog) -> NoReturn:
@@ -77,21 +75,21 @@ def oom_too_high(cfg: SimConfig, log: SimLog) -> NoReturn:
         "Open an issue on GitHub https://github.com/sgl-project/sglang/issues/new/choose \n",
         rank=True,
     )
-    _scheduler_died(log)
-    die(log)
+    die(log, launching=True)
 
 
 def oom_too_low(cfg: SimConfig, log: SimLog) -> NoReturn:
-    """``--mem-fraction-static`` below ``--sim-oom-below``: no room left for the KV pool."""
+    """``--mem-fraction-static`` below ``--sim-oom-below``: the weights leave no room for the KV
+    pool (SGLang 0.5.23's line, seen on its CPU path; older versions say "Not enough memory")."""
+    floor = cfg.oom_below or 0.0
     log.error(
         "Scheduler hit an exception: Traceback (most recent call last):\n"
-        f'  File "{_SGLANG}/managers/scheduler.py", line 3208, in run_scheduler_process\n'
-        "    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank)\n"
-        f'  File "{_SGLANG}/model_executor/model_runner.py", line 1711, in init_memory_pool\n'
-        "    raise RuntimeError(\n"
-        "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. "
-        f"Current value: mem_fraction_static={cfg.mem_fraction_static}\n",
+        f'  File "{_SGLANG}/mem_cache/kv_cache_configurator.py", line 3050, in _profile_available_bytes\n'
+        "    raise ValueError(\n"
+        "ValueError: Loaded weights leave no GPU memory for the KV cache under "
+        f"--mem-fraction-static={cfg.mem_fraction_static}. Raise --mem-fraction-static above "
+        f"{math.ceil(floor * 1000) / 1000:.3f} (minimum viable = 1 - available/pre = {floor:.4f}). "
+        "If using speculative decoding, draft weights are now counted.",
         rank=True,
     )
-    _scheduler_died(log)
-    die(log)
+    die(log, launching=True)
