@@ -33,7 +33,11 @@ FIELD_NAMES = {
     "#new-token": "new_token",
     "#cached-token": "cached_token",
     "#pending-token": "pending_token",
-    "cuda graph": "cuda_graph",
+    # whether the batch ran as a captured graph: "cuda graph" on GPUs, "cpu graph" on the CPU
+    # (seen on SGLang 0.5.23), "npu graph" on NPUs
+    "cuda graph": "graph",
+    "cpu graph": "graph",
+    "npu graph": "graph",
 }
 
 

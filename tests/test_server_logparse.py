@@ -30,9 +30,28 @@ def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:
         "running_req": 31,
         "queue_req": 2,
         "pending_token": 0,
-        "cuda_graph": 1.0,
+        "graph": 1.0,
         "input_throughput": 559.53,
     }
+
+
+def test_the_cpu_servers_lines_read_the_same_with_cpu_graph_for_cuda_graph() -> None:
+    # SGLang 0.5.23 on the CPU (seen)
+    prefill = (
+        "[2026-11-30 12:42:20] Prefill batch, #new-seq: 1, #new-token: 12, #cached-token: 0, "
+        "token usage: 0.00, #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, "
+        "input throughput (token/s): 11.17"
+    )
+    decode = (
+        "[2026-11-30 13:24:20] Decode batch, #running-req: 25, #token: 13100, token usage: 0.66, "
+        "cpu graph: False, gen throughput (token/s): 338.02, #queue-req: 0"
+    )
+    assert parse_batch_line(prefill)[1]["graph"] == 0.0
+    assert parse_batch_line(decode) == (
+        "decode",
+        {"running_req": 25, "num_used_tokens": 13100, "token_usage": 0.66, "graph": 0.0,
+         "gen_throughput": 338.02, "queue_req": 0},
+    )  # fmt: skip
 
 
 def test_fields_in_another_order_and_trailing_separators_are_read_too() -> None:
