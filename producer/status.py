@@ -30,8 +30,8 @@ def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The ``status --json`` document of design.md, plus admission figures per server and the
-    run's completion-length curve admission projects from."""
+    """The ``status --json`` document (README), plus admission figures per server and the run's
+    completion-length curve admission projects from."""
     ledger = Ledger(client, run)
     k = keys.RunKeys(run)
     partitions = ledger.counts()
