@@ -26,7 +26,10 @@ def runs(as_json: bool, redis_url: str | None) -> None:
         return
     from rich.console import Console
 
-    Console().print(render_runs(docs))
+    console = Console()
+    if not console.is_terminal:  # a pipe or a log: one line per run, never wrapped
+        console = Console(width=200)
+    console.print(render_runs(docs))
 
 
 @click.command()

@@ -18,15 +18,20 @@ from tokenmill import errors
 from tokenmill.errors import ConfigError
 from tokenmill.ledger_ops import Operations
 
+# Released without burning a retry, so never the class of a failed job.
+_NEVER_FAILED = (errors.ShutdownError, errors.JobCancelledError)
+
 
 def failure_classes() -> set[str]:
-    """Every class a job can fail with (the ``error_class`` of each generation error)."""
+    """Every class a job can fail with: the ``error_class`` of each concrete generation error."""
     found: set[str] = set()
     todo: list[type[errors.GenerationError]] = [errors.GenerationError]
     while todo:
         cls = todo.pop()
-        found.add(cls.error_class)
-        todo.extend(cls.__subclasses__())
+        subclasses = cls.__subclasses__()
+        if not subclasses and not issubclass(cls, _NEVER_FAILED):
+            found.add(cls.error_class)
+        todo.extend(subclasses)
     return found
 
 

@@ -60,32 +60,26 @@ def render_runs(runs: list[dict[str, Any]], now: float | None = None) -> Table |
         return "no runs in this Redis (tokenmill enqueue FILE --run NAME creates one)"
     now = time.time() if now is None else now
     table = Table(box=None, pad_edge=False)
-    for col in ("run", "partitions", "total", *COLUMNS, "tokens", "first enqueue", "last activity"):
+    for col in ("run", "parts", "total", *COLUMNS, "tokens", "first enqueue", "last activity"):
         table.add_column(col, justify="left" if col in ("run", "first enqueue", "last activity") else "right")
     for doc in runs:
         t = doc["totals"]
+        first, last = doc["first_enqueue_at"], doc["last_activity_at"]
         table.add_row(
             doc["run"],
             str(len(doc["partitions"])),
             str(t["total"]),
             *(str(t.get(state, 0)) for state in COLUMNS),
             f"{doc['completion_tokens']:,}",
-            _when(doc["first_enqueue_at"], now),
-            _when(doc["last_activity_at"], now),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(first)) if first else "-",
+            _ago(now - last) if last else "-",
         )
     return table
 
 
-def _when(at: float | None, now: float) -> str:
-    if at is None:
-        return "-"
-    ago = max(0, int(now - at))
-    if ago < 120:
-        rel = f"{ago}s ago"
-    elif ago < 7200:
-        rel = f"{ago // 60}m ago"
-    elif ago < 172800:
-        rel = f"{ago // 3600}h ago"
-    else:
-        rel = f"{ago // 86400}d ago"
-    return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(at))} ({rel})"
+def _ago(seconds: float) -> str:
+    s = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= 2 * size:
+            return f"{s // size}{unit} ago"
+    return f"{s}s ago"
