@@ -30,6 +30,15 @@ def _sim_stats(url: str) -> dict[str, Any]:
         return orjson.loads(resp.read())
 
 
+def _sim_and_env(
+    tmp_path: Path, redis_url: str, procs: list[Proc], *sim_args: str
+) -> tuple[Proc, str, dict[str, str]]:
+    """A sim (stopped with the test), its URL, and the workers' and CLI's environment."""
+    sim, url = start_sim(tmp_path, *sim_args)
+    procs.append(sim)
+    return sim, url, worker_env(redis_url, url)
+
+
 def _totals(client: redis.Redis, run: str) -> dict[str, int]:
     return run_status(client, run)["totals"]
 
@@ -38,9 +47,7 @@ def test_failed_jobs_are_retried_to_completion_once_the_cause_is_removed(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given a server whose context is too short for 3 of 13 prompts: they fail context_length
-    sim, url = start_sim(tmp_path, "--context-length", "600")
-    procs.append(sim)
-    env = worker_env(redis_url, url)
+    sim, url, env = _sim_and_env(tmp_path, redis_url, procs, "--context-length", "600")
     rows = [{"id": f"s{i}", "prompt": f"short question {i}"} for i in range(10)]
     rows += [{"id": f"l{i}", "prompt": f"long question {i} " + "w " * 1500} for i in range(3)]
     data = write_jsonl(tmp_path / "P.jsonl", rows)
@@ -99,9 +106,9 @@ def test_cancel_now_stops_running_streams_keeps_checkpoints_and_leaves_nothing_r
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given 24 slow generations (about 50 tokens/s each, 6 s at most), 6 of them running
-    sim, url = start_sim(tmp_path, "--sim-step-ms", "20", "--sim-mean-output-tokens", "2000")
-    procs.append(sim)
-    env = worker_env(redis_url, url)
+    _sim, url, env = _sim_and_env(
+        tmp_path, redis_url, procs, "--sim-step-ms", "20", "--sim-mean-output-tokens", "2000"
+    )
     data = write_jsonl(tmp_path / "C.jsonl", [{"id": str(i), "prompt": f"tell story {i}"} for i in range(24)])
     cli("enqueue", str(data), "--run", "c", "--short-max-tokens", "300", env=env)
     procs.append(start_worker(tmp_path, "short", env, concurrency=6))
@@ -167,9 +174,9 @@ def test_cancel_now_stops_running_streams_keeps_checkpoints_and_leaves_nothing_r
 def test_cancel_lets_running_jobs_finish_and_a_partition_alone_can_be_cancelled(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
-    sim, url = start_sim(tmp_path, "--sim-step-ms", "20", "--sim-mean-output-tokens", "60")
-    procs.append(sim)
-    env = worker_env(redis_url, url)
+    _sim, _url, env = _sim_and_env(
+        tmp_path, redis_url, procs, "--sim-step-ms", "20", "--sim-mean-output-tokens", "60"
+    )
     a = write_jsonl(tmp_path / "A.jsonl", [{"prompt": f"a{i}"} for i in range(20)])
     b = write_jsonl(tmp_path / "B.jsonl", [{"prompt": f"b{i}"} for i in range(5)])
     cli("enqueue", str(a), str(b), "--run", "p", "--short-max-tokens", "100", env=env)
@@ -201,9 +208,7 @@ def test_samples_per_prompt_have_their_own_seeds_and_grow_without_repeats(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given 4 prompts (two with ids, two without, one of those twice), 3 samples each
-    sim, url = start_sim(tmp_path, "--sim-mean-output-tokens", "20")
-    procs.append(sim)
-    env = worker_env(redis_url, url)
+    _sim, _url, env = _sim_and_env(tmp_path, redis_url, procs, "--sim-mean-output-tokens", "20")
     rows = [{"id": "x", "prompt": "p x"}, {"id": "y", "prompt": "p y"}, {"prompt": "p z"}, {"prompt": "p w"}]
     data = write_jsonl(tmp_path / "S.jsonl", [*rows, {"prompt": "p z"}])
     flags = ["--run", "s", "--seed", "7", "--temperature", "0.8", "--short-max-tokens", "64"]
