@@ -59,6 +59,12 @@ max_queued_option = click.option(
 @click.option("--temperature", type=click.FloatRange(min=0), default=None)
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=None)
 @click.option("--seed", type=int, default=None)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="N jobs per distinct prompt (ids <id>#<k>), each with a seed derived from --seed and k.",
+)
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid rows instead of stopping.")
 @max_queued_option
 @redis_option
@@ -74,6 +80,7 @@ def enqueue(
     temperature: float | None,
     top_p: float | None,
     seed: int | None,
+    samples: int | None,
     skip_invalid: bool,
     max_queued: int | None,
     redis_url: str | None,
@@ -84,6 +91,12 @@ def enqueue(
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
+    if samples and samples > 1 and temperature == 0:
+        click.echo(
+            "warning: --samples with --temperature 0 (greedy decoding): the samples of a prompt "
+            "will all be the same text",
+            err=True,
+        )
     settings, client = _connect(redis_url, "enqueue")
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
     routing = Routing(
@@ -101,6 +114,7 @@ def enqueue(
         max_queued or settings.max_queued,
         skip_invalid=skip_invalid,
         limit=limit,
+        samples=samples,
         on_invalid=lambda e: click.echo(f"skipped: {e}", err=True),
     )
     progress = _progress()
@@ -197,6 +211,8 @@ def export(run: str, out_dir: str, include_truncated: bool, redis_url: str | Non
     notes = []
     if summary.not_done:
         notes.append(f"{summary.not_done} jobs not done yet (not exported)")
+    if summary.cancelled:
+        notes.append(f"{summary.cancelled} cancelled (not exported)")
     if summary.skipped_truncated:
         notes.append(
             f"{summary.skipped_truncated} truncated (finish_reason length) left out; "

@@ -22,7 +22,7 @@ from producer.rows import Row, normalize_row
 from tokenmill import keys
 from tokenmill.bulk import IN_FLIGHT, EnqueueStream
 from tokenmill.errors import IdConflictError, InputError
-from tokenmill.jobspec import JobSpec, canonical_request, content_hash, job_id_for
+from tokenmill.jobspec import JobSpec, canonical_request, content_hash, job_id_for, sample_id, sample_seed
 from tokenmill.ledger import Ledger
 from tokenmill.tokens import estimate_prompt_tokens
 
@@ -80,6 +80,35 @@ class Routing:
             row.metadata_json,
         )
 
+    def samples(self, row: Row, partition: str, source: str, n: int) -> list[JobSpec]:
+        """``n`` jobs for ``row``: the prompt's job as :meth:`spec` makes it, as sample ``k`` with
+        id ``<id>#<k>`` and a seed derived from the prompt's seed and ``k``."""
+        base = self.spec(row, partition, source)
+        req = base.request
+        out = []
+        for k in range(n):
+            seed = sample_seed(req.get("seed"), k)
+            request_json = canonical_request(
+                self._model_json, row.messages_json, req["max_tokens"], req.get("temperature"),
+                req.get("top_p"), seed,
+            )  # fmt: skip
+            out.append(
+                JobSpec(
+                    sample_id(base.job_id, k),
+                    partition,
+                    base.queue,
+                    source,
+                    content_hash(request_json),
+                    {**req, "seed": seed},
+                    base.metadata,
+                    base.record_id,
+                    request_json,
+                    base.metadata_json,
+                    k,
+                )
+            )
+        return out
+
 
 @dataclass(slots=True)
 class Summary:
@@ -89,6 +118,7 @@ class Summary:
     done: int = 0
     queued: int = 0
     failed: int = 0
+    cancelled: int = 0
     invalid: int = 0
     conflicts: list[IdConflictError] = field(default_factory=list)
     backlog: int = 0
@@ -106,6 +136,8 @@ class Summary:
         )
         if self.backlog:
             text += f"; {self.backlog} held in the ledger's backlog until the queue drains"
+        if self.cancelled:
+            text += f"; {self.cancelled} already cancelled (tokenmill retry --cancelled brings them back)"
         if not self.total_new and not self.invalid and not self.conflicts:
             text += " — nothing to add"
         return text
@@ -118,6 +150,7 @@ class Enqueuer:
     max_queued: int
     skip_invalid: bool = False
     limit: int | None = None
+    samples: int | None = None  # jobs per prompt (enqueue --samples)
     on_invalid: Callable[[InputError], None] | None = None
     on_progress: Callable[[int], None] | None = None
     summary: Summary = field(default_factory=Summary)
@@ -139,7 +172,10 @@ class Enqueuer:
                         if row is None:
                             continue
                         taken += 1
-                        batch.append(self.routing.spec(row, part, rec.source))
+                        if self.samples is None:
+                            batch.append(self.routing.spec(row, part, rec.source))
+                        else:
+                            batch += self.routing.samples(row, part, rec.source, self.samples)
                         if len(batch) >= BATCH:
                             self._send(stream, part, batch, IN_FLIGHT)
                             batch = []
@@ -184,6 +220,8 @@ class Enqueuer:
                 s.queued += 1
             elif outcome == "failed":
                 s.failed += 1
+            elif outcome == "cancelled":
+                s.cancelled += 1
             elif outcome.startswith("conflict:"):
                 s.conflicts.append(IdConflictError(spec.source, spec.job_id, outcome.split(":", 1)[1]))
         if self.on_progress:

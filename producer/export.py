@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from tokenmill.jobspec import prompt_id
 from tokenmill.ledger import Ledger
 
 FIELDS = ("state", "spec", "result", "truncated")
@@ -23,17 +24,20 @@ class ExportSummary:
     files: dict[str, int] = field(default_factory=dict)  # path -> rows
     skipped_truncated: int = 0
     not_done: int = 0
+    cancelled: int = 0
 
 
 def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    """The export format of design.md for one done job."""
+    """The export format of docs/architecture.md for one done job; a sample of ``enqueue
+    --samples`` carries ``sample`` and its prompt's id."""
     request = spec["request"]
     assistant: dict[str, Any] = {"role": "assistant", "content": result.get("content", "")}
     if result.get("reasoning_content"):
         assistant["reasoning_content"] = result["reasoning_content"]
     usage = result.get("usage") or {}
-    return {
-        "id": spec.get("record_id") or job_id,
+    sample = spec.get("sample")
+    row = {
+        "id": spec.get("record_id") or (job_id if sample is None else prompt_id(job_id)),
         "partition": partition,
         "messages": [*request["messages"], assistant],
         "finish_reason": result.get("finish_reason"),
@@ -44,6 +48,9 @@ def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[s
         "model": result.get("model") or request.get("model"),
         "metadata": spec.get("metadata") or {},
     }
+    if sample is not None:
+        row["sample"] = sample
+    return row
 
 
 def export_run(ledger: Ledger, out_dir: str | Path, include_truncated: bool = False) -> ExportSummary:
@@ -57,7 +64,10 @@ def export_run(ledger: Ledger, out_dir: str | Path, include_truncated: bool = Fa
         with tmp.open("wb") as fh:
             for job_id, (state, spec, result, truncated) in ledger.iter_jobs(partition, FIELDS):
                 if state != b"done" or result is None or spec is None:
-                    summary.not_done += 1
+                    if state == b"cancelled":
+                        summary.cancelled += 1
+                    else:
+                        summary.not_done += 1
                     continue
                 if truncated == b"1" and not include_truncated:
                     summary.skipped_truncated += 1

@@ -19,17 +19,23 @@ def _i(v: Any) -> int:
     return int(v) if v is not None else 0
 
 
-def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The ``status --json`` document of design.md, plus admission figures per server and the
-    run's completion-length curve admission projects from."""
-    ledger = Ledger(client, run)
-    k = keys.RunKeys(run)
-    partitions = ledger.counts()
+def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Counts summed over partitions, and ``total``; ``cancelled`` only if the partitions carry it."""
     totals = dict.fromkeys(keys.STATES, 0)
     for counts in partitions.values():
         for state, n in counts.items():
-            totals[state] += n
-    totals["total"] = sum(totals[s] for s in keys.STATES)
+            totals[state] = totals.get(state, 0) + n
+    totals["total"] = sum(totals.values())
+    return totals
+
+
+def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``status --json`` document (README), plus admission figures per server and the run's
+    completion-length curve admission projects from."""
+    ledger = Ledger(client, run)
+    k = keys.RunKeys(run)
+    partitions = ledger.counts()
+    totals = totals_of(partitions)
     now = int(client.time()[0])
     window = [str(t) for t in range(now - WINDOW_S, now)]
     pipe = client.pipeline(transaction=False)

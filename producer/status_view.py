@@ -33,26 +33,27 @@ def _lengths_line(lv: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> Group:
     """One screen: what a person watching a run needs, without reading logs."""
     t = doc["totals"]
+    cancelled = "cancelled" in t
     head = Text(
         f"run {doc['run']}: {t['done']}/{t['total']} done, {t['running']} running, "
-        f"{t['queued']} queued, {t['failed']} failed · {doc['tokens_per_s']:.0f} tok/s · "
-        f"ETA {_eta(doc['eta_s'])}",
+        f"{t['queued']} queued, {t['failed']} failed"
+        + (f", {t['cancelled']} cancelled" if cancelled else "")
+        + f" · {doc['tokens_per_s']:.0f} tok/s · ETA {_eta(doc['eta_s'])}",
         style="bold",
     )
     parts = Table(box=None, pad_edge=False)
-    for col in ("partition", "progress", "done", "total", "running", "queued", "failed"):
+    states = ("running", "queued", "failed", "cancelled") if cancelled else ("running", "queued", "failed")
+    for col in ("partition", "progress", "done", "total", *states):
         parts.add_column(col, justify="left" if col in ("partition", "progress") else "right")
     for name, c in sorted(doc["partitions"].items()):
         total = sum(c.values())
-        finished = c["done"] + c["failed"]
+        finished = total - c["queued"] - c["running"]
         parts.add_row(
             name,
             ProgressBar(total=max(total, 1), completed=finished, width=30),
             str(c["done"]),
             str(total),
-            str(c["running"]),
-            str(c["queued"]),
-            str(c["failed"]),
+            *(str(c.get(state, 0)) for state in states),
         )
     items: list[Any] = [head, parts]
     if doc["failures"]:

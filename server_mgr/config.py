@@ -1,7 +1,9 @@
 """Server manager configuration: ``[[server]]`` tables in a TOML file, checked before anything starts.
 
 Every key is typed by the dataclasses below; an unknown key, a wrong type or an invalid value is
-a :class:`~tokenmill.errors.ConfigError` that names the file, the server and the key.
+a :class:`~tokenmill.errors.ConfigError` that names the file, the server and the key. A server
+without ``port`` listens on SGLang's default, 30000; ``log_dir`` (default ``tokenmill-logs``) is
+relative to the config file's folder, like every relative path a config file names.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from tokenmill.errors import ConfigError, LossyKvCacheError
 
 ENGINES = ("sglang", "sim")
 DEFAULT_LAUNCHER = ("python", "-m", "sglang.launch_server")
-DEFAULT_LOG_DIR = ".tokenmill/logs"
+DEFAULT_PORT = 30000  # SGLang's own default
+DEFAULT_LOG_DIR = "tokenmill-logs"  # beside the config file
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -57,7 +60,7 @@ class ServerConfig:
     """One ``[[server]]`` table. Units are in the names; ``source`` says where it was read."""
 
     name: str = ""
-    port: int = 0
+    port: int = DEFAULT_PORT
     engine: str = "sglang"
     host: str = "127.0.0.1"
     url: str = ""
@@ -145,12 +148,13 @@ def load_config(path: str | Path, env: typing.Mapping[str, str] | None = None) -
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(f"{path}: expected one or more [[server]] tables")
     env = os.environ if env is None else env
-    configs = [_server(t, f"{path}: [[server]] #{i + 1}", env) for i, t in enumerate(tables)]
+    configs = [_server(t, f"{path}: [[server]] #{i + 1}", env, path.parent) for i, t in enumerate(tables)]
+    _check_ports_given(configs, tables, path)
     _check_unique(configs, path)
     return configs
 
 
-def _server(table: dict[str, Any], where: str, env: typing.Mapping[str, str]) -> ServerConfig:
+def _server(table: dict[str, Any], where: str, env: typing.Mapping[str, str], base: Path) -> ServerConfig:
     if isinstance(table.get("name"), str):
         where = f"{where} ({table['name']!r})"
     values = _typed(ServerConfig, table, where, nested=("sim",))
@@ -159,10 +163,9 @@ def _server(table: dict[str, Any], where: str, env: typing.Mapping[str, str]) ->
         if not isinstance(sim, dict):
             raise _bad(where, "sim", "must be a table ([server.sim])")
         values["sim"] = SimKnobs(**_typed(SimKnobs, sim, where, prefix="sim."))
-    for key in ("name", "port"):
-        if key not in table:
-            raise _bad(where, key, "is required")
-    values["log_dir"] = str(Path(values.get("log_dir", DEFAULT_LOG_DIR)).expanduser().resolve())
+    if "name" not in table:
+        raise _bad(where, "name", "is required")
+    values["log_dir"] = str((base / Path(values.get("log_dir", DEFAULT_LOG_DIR)).expanduser()).resolve())
     config = ServerConfig(**values, source=where)
     config = _resolve_api_key(config, where, env)
     _validate(config, table, where)
@@ -359,6 +362,17 @@ def _validate_sim(sim: SimKnobs, where: str) -> None:
         if not ok:
             limit = "within [0, 1]" if f.name in ("perturb", "oom_above", "oom_below") else ">= 0"
             raise _bad(where, f"sim.{f.name}", f"must be {limit}, got {value!r}")
+
+
+def _check_ports_given(configs: list[ServerConfig], tables: list[dict[str, Any]], path: Path) -> None:
+    """Servers of one config run on one host: two without a port would both take 30000."""
+    unported = [c.name for c, t in zip(configs, tables, strict=True) if "port" not in t]
+    if len(unported) > 1:
+        names = ", ".join(repr(n) for n in unported)
+        raise ConfigError(
+            f"{path}: servers {names} have no 'port', so each would listen on the default "
+            f"{DEFAULT_PORT} on this host: give each server its own port"
+        )
 
 
 def _check_unique(configs: list[ServerConfig], path: Path) -> None:

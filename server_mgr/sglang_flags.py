@@ -1,7 +1,8 @@
 """SGLang 0.5.x's command-line vocabulary, as far as the server manager emits or checks it.
 
-Source: ``/work/shared/reference/sglang-contract.md`` §1 (read from the 0.5.5, 0.5.10, 0.5.16
-and 0.5.23 wheels). Every flag the manager emits must be accepted by each of those parsers.
+Read from the argument parsers of the sglang 0.5.5, 0.5.10, 0.5.16 and 0.5.23 wheels (what
+tokenmill relies on is summed up in docs/architecture.md, section 7). Every flag the manager
+emits must be accepted by each of those parsers.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ _configured: dict[str, Settings] = {}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """The Celery configuration design.md's reliability rules call for."""
+    """The Celery configuration the reliability rules call for (docs/architecture.md, section 4)."""
     # The longest task is bounded by total_timeout_s; redelivery after a worker dies is the
     # reaper's job (a lease TTL), so the broker's visibility timeout only has to exceed it.
     visibility_timeout = int(settings.total_timeout_s + 3600)

@@ -38,6 +38,7 @@ def enqueue_args(
         keys.broker_queue("long"),
         k.backlog("short"),
         k.backlog("long"),
+        k.stats(),
     ]
     args: list[Any] = [k.run, partition, max_depth]
     messages = task_messages(k.run, partition, [(job.job_id, job.queue) for job in jobs])

@@ -139,3 +139,9 @@ class ShutdownError(RetryableError):
     """The worker is shutting down: the job is checkpointed and released."""
 
     error_class = "shutdown"
+
+
+class JobCancelledError(GenerationError):
+    """``tokenmill cancel --now`` stopped the stream: the job ends ``cancelled``, checkpointed."""
+
+    error_class = "cancelled"

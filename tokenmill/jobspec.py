@@ -2,7 +2,8 @@
 
 The id is the record's own ``id`` scoped by partition (``<partition>:<id>``) when the row has
 one, otherwise a content hash of (model, messages, sampling parameters), so the same prompt
-enqueued twice, from any file, is one job.
+enqueued twice, from any file, is one job. With samples (``enqueue --samples N``) a prompt is N
+jobs, ``<id>#<k>``, each with a seed derived from the prompt's seed and k.
 """
 
 from __future__ import annotations
@@ -56,6 +57,23 @@ def job_id_for(partition: str, record_id: str | None, digest: str) -> str:
     return f"{partition}:{record_id}" if record_id is not None else digest
 
 
+def sample_id(job_id: str, k: int) -> str:
+    """The id of sample ``k`` of the prompt whose job id (without samples) is ``job_id``."""
+    return f"{job_id}#{k}"
+
+
+def prompt_id(job_id: str) -> str:
+    """:func:`sample_id` undone: the prompt's job id."""
+    return job_id.rpartition("#")[0] or job_id
+
+
+def sample_seed(seed: int | None, k: int) -> int:
+    """Sample ``k``'s seed: a 31-bit hash of the prompt's seed (None when unset) and ``k``, so
+    reruns get the same seeds, and no two samples, nor two base seeds' samples, share one."""
+    digest = hashlib.blake2b(f"tokenmill-sample:{seed}:{k}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
 @dataclass(slots=True)
 class JobSpec:
     """Everything the worker needs to run a job, and where it came from.
@@ -74,6 +92,7 @@ class JobSpec:
     record_id: str | None
     request_json: bytes  # canonical(request)
     metadata_json: bytes
+    sample: int | None = None  # k of ``enqueue --samples N``
 
     @classmethod
     def build(
@@ -104,13 +123,14 @@ class JobSpec:
     def to_json(self) -> bytes:
         """What the ledger stores under the job's ``spec`` field (the request is dumped once)."""
         record_id = b"null" if self.record_id is None else orjson.dumps(self.record_id)
+        sample = b"" if self.sample is None else b',"sample":%d' % self.sample
         parts = (
             b'{"request":', self.request_json, b',"metadata":', self.metadata_json,
-            b',"record_id":', record_id, b"}",
+            b',"record_id":', record_id, sample, b"}",
         )  # fmt: skip
         return b"".join(parts)
 
 
 def load_spec(raw: bytes | str) -> dict[str, Any]:
-    """The stored spec: ``{"request": {...}, "metadata": {...}, "record_id": ...}``."""
+    """The stored spec: ``{"request": {...}, "metadata": {...}, "record_id": ..., ["sample": k]}``."""
     return orjson.loads(raw)

@@ -18,6 +18,8 @@ from tokenmill.errors import ConfigError
 PREFIX = "tm"
 FIELD_SEP = "|"
 STATES = ("queued", "running", "done", "failed")
+# Terminal like done and failed, but reported only once a run has any (status --json's contract).
+CANCELLED = "cancelled"
 QUEUES = ("short", "long")
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -150,15 +152,21 @@ class RunKeys:
         return f"{self.prefix}:backlog:{queue}"
 
     def failures(self) -> str:
-        """Hash: failure class → number of jobs that ended ``failed`` with it."""
+        """Hash: failure class → number of jobs now ``failed`` with it (``retry`` takes them out)."""
         return f"{self.prefix}:failures"
+
+    def retried(self) -> str:
+        """Hash: failure class → failed jobs that ``retry`` sent back (with :meth:`failures`, every
+        job that ever ended failed)."""
+        return f"{self.prefix}:retried"
 
     def failure_last(self) -> str:
         """Hash: failure class → the latest message seen for it."""
         return f"{self.prefix}:failure_last"
 
     def stats(self) -> str:
-        """Hash: run totals (``completion_tokens``, ``prompt_tokens``, ``continued``, ...)."""
+        """Hash: run totals (``completion_tokens``, ``prompt_tokens``, ``continued``, ...) and
+        times (``first_enqueue_ms``, ``last_activity_ms``, Redis clock)."""
         return f"{self.prefix}:stats"
 
     def lengths(self) -> str:

@@ -38,6 +38,8 @@ SCRIPT_NAMES = (
     "admit",
     "unadmit",
     "wait",
+    "cancel",
+    "retry",
 )
 _SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
 
@@ -141,7 +143,8 @@ class Ledger:
     # -- worker side ------------------------------------------------------------------------
 
     def claim(self, job_id: str, worker: str, lease_ttl_s: float) -> Claim | str:
-        """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed`` or ``busy``."""
+        """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed``, ``cancelled`` or
+        ``busy``."""
         k = self.k
         res = self._scripts["claim"](
             [k.job(job_id), k.counts(), k.leases(), k.delayed()],
@@ -197,7 +200,7 @@ class Ledger:
         k = self.k
         return _s(
             self._scripts["fail"](
-                [k.job(claim.job_id), k.counts(), k.leases(), k.failures(), k.failure_last()],
+                [k.job(claim.job_id), k.counts(), k.leases(), k.failures(), k.failure_last(), k.stats()],
                 [claim.job_id, claim.token, error.error_class, error.message],
             )
         )
@@ -212,7 +215,8 @@ class Ledger:
         max_attempts: int,
         checkpoint: Checkpoint | None = None,
     ) -> str:
-        """Back to ``queued`` (now or after ``delay_s``), keeping the checkpoint."""
+        """Back to ``queued`` (now or after ``delay_s``), keeping the checkpoint; ``cancelled``
+        instead for a job ``cancel`` marked."""
         k = self.k
         ck = checkpoint
         return _s(
@@ -225,6 +229,7 @@ class Ledger:
                     keys.broker_queue(claim.queue),
                     k.failures(),
                     k.failure_last(),
+                    k.stats(),
                 ],
                 [
                     claim.job_id,
@@ -256,8 +261,11 @@ class Ledger:
             part, queue = (_s(x) if x else "" for x in self.r.hmget(k.job(job_id), "partition", "queue"))
             queue = queue or "short"
             msg = task_message(self.run, part, job_id, queue)
-            if self._scripts["reap"](
-                [k.job(job_id), k.counts(), k.leases(), keys.broker_queue(queue)], [job_id, msg]
+            if (
+                self._scripts["reap"](
+                    [k.job(job_id), k.counts(), k.leases(), keys.broker_queue(queue)], [job_id, msg]
+                )
+                == 1
             ):
                 reaped.append(job_id)
         return reaped
@@ -280,7 +288,8 @@ class Ledger:
         return published
 
     def feed_backlog(self, queue: str, max_depth: int, batch: int = 1000) -> int:
-        """Top the broker list of ``queue`` up to ``max_depth`` from the backlog."""
+        """Top the broker list of ``queue`` up to ``max_depth`` from the backlog; ids of jobs no
+        longer queued (cancelled) leave it without a message."""
         k = self.k
         fed = 0
         while True:
@@ -292,10 +301,10 @@ class Ledger:
                 return fed
             parts = self.r.pipeline(transaction=False)
             for job_id in ids:
-                parts.hget(k.job(job_id), "partition")
+                parts.hmget(k.job(job_id), "state", "partition")
             msgs = [
-                task_message(self.run, _s(p or b""), j, queue)
-                for j, p in zip(ids, parts.execute(), strict=True)
+                task_message(self.run, _s(p or b""), j, queue) if state == b"queued" else ""
+                for j, (state, p) in zip(ids, parts.execute(), strict=True)
             ]
             n = int(self._scripts["feed"]([k.backlog(queue), keys.broker_queue(queue)], ids + msgs))
             if n > 0:
@@ -304,13 +313,17 @@ class Ledger:
     # -- reading ----------------------------------------------------------------------------
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """``{partition: {state: n}}`` for every partition, from the counts hash (O(partitions))."""
+        """``{partition: {state: n}}`` for every partition, from the counts hash (O(partitions)).
+        Every partition carries ``cancelled`` once any job of the run was cancelled."""
         out: dict[str, dict[str, int]] = {}
         for p in self.r.smembers(self.k.partitions()):
             out[_s(p)] = dict.fromkeys(keys.STATES, 0)
         for field, value in self.r.hgetall(self.k.counts()).items():
             state, part = keys.split_count_field(_s(field))
             out.setdefault(part, dict.fromkeys(keys.STATES, 0))[state] = int(value)
+        if any(keys.CANCELLED in c for c in out.values()):
+            for c in out.values():
+                c.setdefault(keys.CANCELLED, 0)
         return out
 
     def iter_jobs(
@@ -445,6 +458,10 @@ def heartbeat_args(
     return script_keys, args
 
 
+ALIVE = 1  # heartbeat replies: the lease is renewed
+CANCEL_NOW = 2  # renewed, but `cancel --now` asks the worker to stop the stream
+
+
 class AsyncHeartbeat:
     """The heartbeat/checkpoint transition on an asyncio client (used while streaming)."""
 
@@ -458,10 +475,11 @@ class AsyncHeartbeat:
         checkpoint: Checkpoint | None,
         new_tokens: int,
         slot: SlotUpdate | None = None,
-    ) -> bool:
+    ) -> int:
+        """The heartbeat's reply: :data:`ALIVE`, :data:`CANCEL_NOW` or 0 (the claim is stale)."""
         k = keys.RunKeys(claim.run)
         script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot)
-        return bool(await self.script(script_keys, args))
+        return int(await self.script(script_keys, args))
 
 
 def _redis_now_ms(client: redis.Redis) -> int:

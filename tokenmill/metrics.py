@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,11 +96,15 @@ class LedgerCollector(Collector):
             pipe = self.r.pipeline(transaction=False)
             pipe.hgetall(k.stats())
             pipe.hgetall(k.failures())
+            pipe.hgetall(k.retried())
             pipe.zcard(k.delayed())
             for queue in keys.QUEUES:
                 pipe.llen(k.backlog(queue))
-            run_stats, run_failures, n_delayed, *backlogs = pipe.execute()
-            families.add(run, Ledger(self.r, run).counts(), run_stats, run_failures, n_delayed, backlogs)
+            run_stats, failed_now, retried, n_delayed, *backlogs = pipe.execute()
+            # Every job that ever ended failed: those failed now, and those `retry` sent back.
+            ever = Counter({_s(c): int(n) for c, n in failed_now.items()})
+            ever.update({_s(c): int(n) for c, n in retried.items()})
+            families.add(run, Ledger(self.r, run).counts(), run_stats, ever, n_delayed, backlogs)
         return families.all()
 
     def _queues(self) -> list[Metric]:

@@ -2,7 +2,8 @@
 
 The stream runs as a task; beside it a watchdog wakes about once a second to enforce the
 request's deadlines (first token, stall, total), renew the lease, and checkpoint the partial
-text every N tokens or S seconds. The per-chunk path therefore never touches Redis.
+text every N tokens or S seconds. The per-chunk path therefore never touches Redis. The
+heartbeat's reply also carries ``cancel --now``: the watchdog then stops the stream.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis
 from openai import AsyncOpenAI
 
 from tokenmill import errors
-from tokenmill.ledger import AsyncHeartbeat, Checkpoint, Claim, SlotUpdate
+from tokenmill.ledger import CANCEL_NOW, AsyncHeartbeat, Checkpoint, Claim, SlotUpdate
 from tokenmill.settings import Settings
 from workers.stream import Progress, stream_chat
 
@@ -196,18 +197,21 @@ async def _watchdog(
             new = max(0, total - state.base.tokens - state.reported_tokens)
             try:
                 held = state.slot_update(total) if state.slot_update else None
-                alive = await heartbeat(claim, s.lease_ttl_s, ck, new, held)
+                reply = await heartbeat(claim, s.lease_ttl_s, ck, new, held)
             except redis.RedisError as exc:
                 # Redis is restarting or paused: keep streaming; the next tick tries again.
                 log.warning("job %s: heartbeat failed (%s); will retry", claim.job_id, exc)
                 continue
-            if not alive:
+            if not reply:
                 stream.cancel()
                 raise errors.StaleClaimError(f"job {claim.job_id}: the lease was taken over")
             state.reported_tokens += new
             last_renew = now
             if due_ckpt:
                 last_ckpt_at, last_ckpt_tokens = now, tokens
+            if reply == CANCEL_NOW:
+                stream.cancel()
+                raise errors.JobCancelledError("cancelled (cancel --now); checkpointed")
 
 
 def _deadline_problem(

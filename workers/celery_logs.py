@@ -1,9 +1,10 @@
 """Celery's broker-reconnect messages, told as they happen on the threads pool.
 
-design.md requires ``worker_cancel_long_running_tasks_on_connection_loss``. When the broker
-connection drops, Celery then warns for every running task that it is "Terminating it instead",
-tries to, and logs a NotImplementedError traceback: a thread cannot be terminated. What happens
-in fact is that the task keeps streaming and commits through the ledger, and the message Redis
+The reliability rules (docs/architecture.md) require
+``worker_cancel_long_running_tasks_on_connection_loss``. When the broker connection drops,
+Celery then warns for every running task that it is "Terminating it instead", tries to, and
+logs a NotImplementedError traceback: a thread cannot be terminated. What happens in fact is
+that the task keeps streaming and commits through the ledger, and the message Redis
 redelivers for it later is a no-op. With 150 threads that was 300 misleading log entries and 150
 tracebacks per reconnect; this filter leaves one accurate line per task.
 """

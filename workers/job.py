@@ -2,7 +2,8 @@
 
 Errors are mapped to ledger states here and only here: terminal → ``failed``; retryable →
 ``queued`` with a backoff (no retry burned while the server is down); shutdown → checkpointed
-and released at once; a stale claim → nothing (another worker owns the job).
+and released at once; ``cancel --now`` → checkpointed and released, which ends the job
+``cancelled``; a stale claim → nothing (another worker owns the job).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     peeked = durable(lambda: ledger.peek(job_id))
     if peeked is None:
         return "missing"
-    if peeked.state in ("done", "failed"):
+    if peeked.state in ("done", "failed", "cancelled"):
         return peeked.state
     admitted = _admit(rt, ledger, job_id, peeked.spec["request"], peeked.queue, ahead=peeked.attempts > 0)
     if admitted is None:
@@ -198,7 +199,7 @@ def _settle(
     if isinstance(exc, errors.TerminalError):
         log.warning("job %s/%s failed: %s: %s", claim.run, claim.job_id, err.error_class, err.message)
         return ledger.fail(claim, err)
-    if isinstance(exc, errors.ShutdownError):
+    if isinstance(exc, errors.ShutdownError | errors.JobCancelledError):
         return ledger.release(
             claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
         )

@@ -1,6 +1,6 @@
 """The ``sim`` engine: an SGLang-compatible HTTP server without a GPU, for tests, demos, benchmarks.
 
-It follows SGLang 0.5.23's HTTP and process contract (``reference/sglang-contract.md``): the
+It follows SGLang 0.5.23's HTTP and process contract (docs/architecture.md, section 7): the
 startup timeline, ``/health`` and ``/server_info``, the chat SSE shapes, errors with their exact
 texts, a KV-pool scheduler with retraction, the Prefill/Decode log lines and the SIGTERM drain.
 Its output is deterministic (:mod:`server_mgr.sim.textgen`), so tests check every byte.

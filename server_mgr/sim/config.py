@@ -1,6 +1,6 @@
 """The sim's settings: SGLang's own flags plus the sim-only ``--sim-*`` knobs.
 
-Derived limits follow SGLang 0.5.23 (``reference/sglang-contract.md`` §4.2): a request may hold at
+Derived limits follow SGLang 0.5.23's tokenizer manager and scheduler: a request may hold at
 most ``max_req_len = min(context_len - 1, max_total_tokens - 1)`` tokens, and its input at most
 ``max_req_len - 5``.
 """

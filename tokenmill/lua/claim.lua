@@ -1,18 +1,20 @@
 -- claim: take a job for one attempt, with a lease and a new fencing token.
--- Pre:  the job is `queued`, or `running` with an expired lease (its worker is presumed dead).
+-- Pre:  the job is `queued`, or `running` with an expired lease (its worker is presumed dead)
+--       and not marked by `cancel` (the reaper ends such a job `cancelled`).
 -- Post: the job is `running`, owned by ARGV worker until the lease expires; `token` (the fencing
 --       token every later transition must present) and `attempts` are incremented; a pending
 --       delayed retry is dropped. Counts move queued -> running (none move on a takeover).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed.  ARGV: 1 job id, 2 worker, 3 lease ttl ms.
 -- Returns {'ok', token, attempts, spec, ckpt_content, ckpt_reasoning, ckpt_tokens, partition,
---          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | busy.
+--          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | cancelled | busy.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
-local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition')
+local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
 local state, lease, partition = f[1], tonumber(f[2] or '0'), f[3]
 if not state then return {'missing'} end
-if state == 'done' or state == 'failed' then return {state} end
+if state == 'done' or state == 'failed' or state == 'cancelled' then return {state} end
 if state == 'running' and lease > now_ms then return {'busy'} end
+if state == 'running' and f[4] then return {'cancelled'} end
 if state == 'queued' then
   redis.call('HINCRBY', KEYS[2], 'queued|' .. partition, -1)
   redis.call('HINCRBY', KEYS[2], 'running|' .. partition, 1)

@@ -1,8 +1,9 @@
 -- commit: record a finished generation. `done` is final.
 -- Pre:  the job is `running` under ARGV token (or already `done`: a no-op).
 -- Post: the job is `done` with its result; the checkpoint and lease are gone; counts move
---       running -> done; run totals and the throughput bucket grow. With KEYS 6, the run's
---       lengths hash counts one more request ended in ARGV 9's bin and reached ARGV 10...'s.
+--       running -> done; run totals and the throughput bucket grow, and the run's last
+--       activity time is now. With KEYS 6, the run's lengths hash counts one more request
+--       ended in ARGV 9's bin and reached ARGV 10...'s.
 -- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, [6 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
@@ -22,6 +23,7 @@ redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
 redis.call('HINCRBY', KEYS[2], 'done|' .. f[3], 1)
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
+redis.call('HSET', KEYS[4], 'last_activity_ms', now_ms)
 if tonumber(ARGV[6]) > 0 then
   redis.call('HINCRBY', KEYS[4], 'continued_jobs', 1)
   redis.call('HINCRBY', KEYS[4], 'continued_tokens', ARGV[6])

@@ -2,11 +2,13 @@
 -- Pre:  nothing (any job may or may not exist).
 -- Post: a new job is `queued`, counted in `queued|partition`, appended to the partition's list,
 --       and its message is on the broker list of its queue, or its id on the queue's backlog when
---       the broker list already holds max_depth messages. An existing job is untouched.
+--       the broker list already holds max_depth messages. An existing job is untouched. When
+--       any job is new, the run's first enqueue time is set if absent and its last activity
+--       time is now.
 -- KEYS: 1 runs, 2 partitions, 3 counts, 4 jobs(partition), 5 broker short, 6 broker long,
---       7 backlog short, 8 backlog long, 9.. one job key per job.
+--       7 backlog short, 8 backlog long, 9 stats, 10.. one job key per job.
 -- ARGV: 1 run, 2 partition, 3 max_depth, then 6 per job: id, hash, source, queue, spec, message.
--- Returns one entry per job: new | backlog | queued | running | done | failed | conflict:<source>
+-- Returns one entry per job: new | backlog | conflict:<source> | the state the job is in
 local run, partition, max_depth = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
 local broker = {short = KEYS[5], long = KEYS[6]}
@@ -18,8 +20,8 @@ local ids = {}
 -- m1..mn leaves the order n single pushes leave, so workers still take them first in, first out.
 local messages = {short = {}, long = {}}
 local parked = {short = {}, long = {}}
-for i = 9, #KEYS do
-  local a = 4 + (i - 9) * 6
+for i = 10, #KEYS do
+  local a = 4 + (i - 10) * 6
   local job, hash, queue = KEYS[i], ARGV[a + 1], ARGV[a + 3]
   if redis.call('EXISTS', job) == 1 then
     local prior = redis.call('HMGET', job, 'state', 'hash', 'source')
@@ -57,5 +59,9 @@ if #ids > 0 then
   redis.call('SADD', KEYS[1], run)
   redis.call('SADD', KEYS[2], partition)
   redis.call('HINCRBY', KEYS[3], 'queued|' .. partition, #ids)
+  local t = redis.call('TIME')
+  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  redis.call('HSETNX', KEYS[9], 'first_enqueue_ms', now_ms)
+  redis.call('HSET', KEYS[9], 'last_activity_ms', now_ms)
 end
 return out

@@ -2,8 +2,8 @@
 -- Pre:  the job is `running` under ARGV token.
 -- Post: the job is `failed` with its error class and the server's message; the lease is gone;
 --       counts move running -> failed; the run's failures-by-class count and latest message
---       for the class are updated.
--- KEYS: 1 job, 2 counts, 3 leases, 4 failures, 5 failure_last.
+--       for the class are updated; the run's last activity time is now.
+-- KEYS: 1 job, 2 counts, 3 leases, 4 failures, 5 failure_last, 6 stats.
 -- ARGV: 1 job id, 2 token, 3 error class, 4 message.
 -- Returns 'ok', 'done'/'failed' (already final: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition')
@@ -16,4 +16,6 @@ redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
 redis.call('HINCRBY', KEYS[2], 'failed|' .. f[3], 1)
 redis.call('HINCRBY', KEYS[4], ARGV[3], 1)
 redis.call('HSET', KEYS[5], ARGV[3], ARGV[4])
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[6], 'last_activity_ms', t[1] * 1000 + math.floor(t[2] / 1000))
 return 'ok'

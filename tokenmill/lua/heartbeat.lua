@@ -11,8 +11,9 @@
 -- ARGV: 1 job id, 2 token, 3 ttl ms, 4 has checkpoint (0|1), 5 content, 6 reasoning,
 --       7 checkpoint tokens, 8 new tokens since the last report, 9 checkpoint prompt tokens,
 --       [10 slot member, 11 slot tokens, 12... lengths fields reached (r<bin>)].
--- Returns 1, or 0 when the claim is stale.
-local f = redis.call('HMGET', KEYS[1], 'state', 'token')
+-- Returns 1, 2 when `cancel --now` marked the job (the worker stops it; the lease and the
+-- checkpoint are still written), or 0 when the claim is stale.
+local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'cancel')
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -38,4 +39,5 @@ if ARGV[4] == '1' then
 end
 local n = tonumber(ARGV[8])
 if n > 0 then redis.call('HINCRBY', KEYS[3], t[1], n) end
+if f[3] == 'now' then return 2 end
 return 1

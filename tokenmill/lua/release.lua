@@ -3,13 +3,15 @@
 -- Post: the job is `queued` (counts move running -> queued) with the error recorded; with a
 --       checkpoint, the partial replaces the previous one; the message is republished now, or
 --       after delay ms through the delayed set. When ARGV burn is 1 the retry counter grows,
---       and past max attempts the job ends `failed` with the error's class instead.
--- KEYS: 1 job, 2 counts, 3 leases, 4 delayed, 5 broker, 6 failures, 7 failure_last.
+--       and past max attempts the job ends `failed` with the error's class instead. A job
+--       marked by `cancel` ends `cancelled` instead (counts move running -> cancelled), with its
+--       checkpoint. The run's last activity time is now.
+-- KEYS: 1 job, 2 counts, 3 leases, 4 delayed, 5 broker, 6 failures, 7 failure_last, 8 stats.
 -- ARGV: 1 job id, 2 token, 3 error class, 4 message, 5 delay ms, 6 message to publish,
 --       7 burn (0|1), 8 max attempts, 9 has checkpoint, 10 content, 11 reasoning, 12 tokens,
 --       13 the original prompt's tokens.
--- Returns 'queued', 'delayed', 'failed', 'done' (already done) or 'stale'.
-local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition')
+-- Returns 'queued', 'delayed', 'failed', 'cancelled', 'done' (already done) or 'stale'.
+local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'cancel')
 if f[1] == 'done' or f[1] == 'failed' then return f[1] end
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 'stale' end
 local p = f[3]
@@ -20,6 +22,15 @@ if ARGV[9] == '1' then
     'ckpt_tokens', ARGV[12], 'ckpt_prompt', ARGV[13])
 end
 redis.call('HINCRBY', KEYS[2], 'running|' .. p, -1)
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('HSET', KEYS[8], 'last_activity_ms', now_ms)
+if f[4] then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'cancelled_ms', now_ms, 'last_error_class',
+    ARGV[3], 'last_error', ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'cancelled|' .. p, 1)
+  return 'cancelled'
+end
 if ARGV[7] == '1' then
   local retries = redis.call('HINCRBY', KEYS[1], 'retries', 1)
   if retries >= tonumber(ARGV[8]) then
@@ -35,8 +46,7 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'last_error_class', ARGV[3], 'las
 redis.call('HINCRBY', KEYS[2], 'queued|' .. p, 1)
 local delay = tonumber(ARGV[5])
 if delay > 0 then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[4], t[1] * 1000 + math.floor(t[2] / 1000) + delay, ARGV[1])
+  redis.call('ZADD', KEYS[4], now_ms + delay, ARGV[1])
   return 'delayed'
 end
 redis.call('RPUSH', KEYS[5], ARGV[6])  -- the front: it keeps its checkpoint

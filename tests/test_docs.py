@@ -1,0 +1,51 @@
+"""The repository's docs stand on their own: nothing points outside it, and every link resolves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.procs import ROOT
+
+# Documents that exist only beside the repository, never in it (spelled in pieces so that this
+# file does not match itself).
+OUTSIDE = (
+    "../" + "shared",
+    "/work" + "/",
+    "reference" + "/sglang-contract",
+    "reference" + "/streaming-costs",
+)
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".ruff_cache", ".pytest_cache", "tokenmill.egg-info"}
+TEXT_SUFFIXES = {".py", ".md", ".lua", ".toml", ".yaml", ".yml", ".txt", ".cfg", ".ini", ""}
+
+
+def repo_files() -> list[Path]:
+    files = []
+    for path in ROOT.rglob("*"):
+        if any(part in SKIP_DIRS for part in path.relative_to(ROOT).parts):
+            continue
+        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in ("Makefile", "Dockerfile")):
+            files.append(path)
+    return files
+
+
+def test_nothing_in_the_repository_points_outside_it() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}: {needle}"
+        for path in repo_files()
+        for needle in OUTSIDE
+        if needle in path.read_text(errors="replace")
+    ]
+    assert not found, found
+
+
+def test_the_readme_links_the_architecture_and_every_relative_link_resolves() -> None:
+    assert "](docs/architecture.md)" in (ROOT / "README.md").read_text()
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if "://" in target or target.startswith(("#", "mailto:")):
+                continue
+            if not (doc.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not broken, broken

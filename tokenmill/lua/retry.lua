@@ -1,0 +1,65 @@
+-- retry: send failed (or cancelled) jobs back to `queued`, published within the broker bound.
+-- Pre:  nothing; only a job in ARGV from-state moves (a failed one only if its class is allowed).
+-- Post: such a job is `queued` with a fresh retry budget (`retries` 0; `attempts` keeps counting,
+--       so request ids stay unique), its error moved to last_error_class/last_error, its cancel
+--       mark gone and its checkpoint kept (it continues from it); counts move <from> -> queued.
+--       A failed job's class leaves the failures hash (jobs failed now) and is counted in the
+--       retried hash. Its message is on its queue's broker list, or its id on the queue's
+--       backlog when the list already holds max depth messages (the feeder publishes it later).
+-- KEYS: 1 counts, 2 failures, 3 retried, 4 stats, 5 broker short, 6 broker long, 7 backlog short,
+--       8 backlog long, 9.. one job key per job.
+-- ARGV: 1 from-state (failed | cancelled), 2 max depth, 3 allowed classes (comma-separated and
+--       comma-wrapped, e.g. ',stall,auth,'; '' allows any), then 2 per job: id, message.
+-- Returns one entry per job: '' (left alone), 'new:<class>' (published) or 'backlog:<class>'
+-- (<class> is the failure class; 'cancelled' for a cancelled job).
+local from, max_depth, allowed = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
+local broker = {short = KEYS[5], long = KEYS[6]}
+local backlog = {short = KEYS[7], long = KEYS[8]}
+local messages = {short = {}, long = {}}
+local parked = {short = {}, long = {}}
+local out = {}
+local moved = 0
+for i = 9, #KEYS do
+  local job = KEYS[i]
+  local a = 4 + (i - 9) * 2
+  local f = redis.call('HMGET', job, 'state', 'partition', 'queue', 'error_class', 'error')
+  local class = f[4] or 'unknown'
+  if from == 'cancelled' then class = 'cancelled' end
+  if f[1] ~= from or (from == 'failed' and allowed ~= '' and
+      not string.find(allowed, ',' .. class .. ',', 1, true)) then
+    out[#out + 1] = ''
+  else
+    local queue = f[3] or 'short'
+    moved = moved + 1
+    redis.call('HSET', job, 'state', 'queued', 'retries', 0)
+    if from == 'failed' then
+      redis.call('HSET', job, 'last_error_class', class, 'last_error', f[5] or '')
+      redis.call('HDEL', job, 'error_class', 'error')
+      if redis.call('HINCRBY', KEYS[2], class, -1) <= 0 then redis.call('HDEL', KEYS[2], class) end
+      redis.call('HINCRBY', KEYS[3], class, 1)
+    end
+    redis.call('HDEL', job, 'cancel', 'cancelled_ms')
+    redis.call('HINCRBY', KEYS[1], from .. '|' .. f[2], -1)
+    redis.call('HINCRBY', KEYS[1], 'queued|' .. f[2], 1)
+    if depth[queue] < max_depth then
+      local pending = messages[queue]
+      pending[#pending + 1] = ARGV[a + 1]
+      depth[queue] = depth[queue] + 1
+      out[#out + 1] = 'new:' .. class
+    else
+      local waiting = parked[queue]
+      waiting[#waiting + 1] = ARGV[a]
+      out[#out + 1] = 'backlog:' .. class
+    end
+  end
+end
+for queue, pending in pairs(messages) do
+  if #pending > 0 then redis.call('LPUSH', broker[queue], unpack(pending)) end
+  if #parked[queue] > 0 then redis.call('RPUSH', backlog[queue], unpack(parked[queue])) end
+end
+if moved > 0 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[4], 'last_activity_ms', t[1] * 1000 + math.floor(t[2] / 1000))
+end
+return out
