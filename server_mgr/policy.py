@@ -67,6 +67,14 @@ class RestartPolicy:
     def _step(self, crash: Crash, fraction: float | None) -> Decision:
         c = self.config
         direction = 1 if crash.remedy == RAISE_FRACTION else -1
+        pinned = pinned_pool(c.extra_args)
+        if direction > 0 and pinned is not None:
+            # SGLang sizes the pool from --max-total-tokens alone then: no fraction changes it
+            return Decision(
+                FAIL,
+                f"{crash.describe()}; the KV pool is set by --max-total-tokens {pinned} in extra_args, "
+                "so raising mem_fraction_static cannot help: fix that value",
+            )
         low, high = c.mem_fraction_bounds
         too = "low" if direction > 0 else "high"
         if fraction is None:
@@ -95,3 +103,13 @@ class RestartPolicy:
 
 def _other(too: str) -> str:
     return "high" if too == "low" else "low"
+
+
+def pinned_pool(extra_args: tuple[str, ...]) -> str | None:
+    """The ``--max-total-tokens`` value given in ``extra_args``, if any."""
+    for i, arg in enumerate(extra_args):
+        if arg.startswith("--max-total-tokens="):
+            return arg.split("=", 1)[1]
+        if arg == "--max-total-tokens" and i + 1 < len(extra_args):
+            return extra_args[i + 1]
+    return None

@@ -29,11 +29,10 @@ API_KEY = "tm-test-key"
 MAX_TOTAL_TOKENS = 20000
 CONTEXT_LEN = 8192  # the tiny model's max_position_embeddings
 STAND_IN_MARK = "sgl_kernel stand-in called:"
-# SGLang's CPU path: no CUDA graphs (the 0.5.23 flags, not the deprecated --disable-cuda-graph),
-# torch attention and sampling, and an idle scheduler that sleeps instead of busy-polling a core.
-# float32: in bfloat16, KV reused from the prefix cache (computed inside another request's
-# prefill) differs in the last bits, and greedy outputs of 160 tokens were seen to part after ~100
-# tokens; the tests compare results with solo regenerations, so they run the model in float32.
+# SGLang's CPU path: torch attention and sampling, and an idle scheduler that sleeps instead of
+# busy-polling a core. float32: in bfloat16, KV reused from the prefix cache (computed inside
+# another request's prefill) differs in the last bits, and greedy outputs of 160 tokens were seen
+# to part after ~100 tokens; the tests compare results with solo regenerations.
 SGLANG_CPU_FLAGS = (
     "--dtype",
     "float32",
@@ -43,12 +42,11 @@ SGLANG_CPU_FLAGS = (
     "torch_native",
     "--sampling-backend",
     "pytorch",
-    "--cuda-graph-backend-decode",
-    "disabled",
-    "--cuda-graph-backend-prefill",
-    "disabled",
     "--sleep-on-idle",
 )
+# No CUDA graphs, with the 0.5.23 flags, not the deprecated --disable-cuda-graph (what the server
+# manager's `cuda_graphs = false` emits).
+NO_GRAPH_FLAGS = ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
 # The sim as the tiny model behaves: outputs run to max_tokens far more often than they stop,
 # the model's context is 8192, and health and startup are quick.
 SIM_FLAGS = (
@@ -94,6 +92,34 @@ class SglangEnv:
     def env(self) -> dict[str, str]:
         """What SGLang needs on this machine: the stand-in first on the path, the CPU engine."""
         return {"PYTHONPATH": str(self.stubs), "SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def sglang_server(workdir: Path, name: str = "s1", **keys: object) -> dict[str, object]:
+    """A ``[[server]]`` table that runs real SGLang on this machine through ``server up``: the
+    SGLang venv as the launcher, its environment, the CPU flags in ``extra_args``, no graphs,
+    supervision timings for a CPU server (its /health takes a second or more), a free port."""
+    env = sglang_env()
+    extra = [*SGLANG_CPU_FLAGS, "--random-seed", "0", *keys.pop("extra", ())]  # type: ignore[misc]
+    return {
+        "name": name,
+        "engine": "sglang",
+        "port": free_port(),
+        "model_path": str(env.model),
+        "launcher": env.launcher(),
+        "env": env.env(),
+        "extra_args": extra,
+        "cuda_graphs": False,
+        "log_dir": str(workdir / "logs"),
+        "startup_timeout_s": SGLANG_READY_S,
+        "health_interval_s": 1.0,
+        "health_timeout_s": 25.0,
+        "health_failures": 2,
+        "backoff_initial_s": 0.2,
+        "backoff_max_s": 1.0,
+        "stop_grace_s": 20.0,
+        "drain_grace_s": 30.0,
+        **keys,
+    }
 
 
 def sglang_env() -> SglangEnv:
@@ -200,6 +226,7 @@ def engine_argv(
         "--random-seed",
         "0",
         *SGLANG_CPU_FLAGS,
+        *NO_GRAPH_FLAGS,
         *common,
         *flags,
     ]

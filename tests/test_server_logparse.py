@@ -266,6 +266,12 @@ def test_a_fraction_too_low_goes_past_the_smallest_one_the_log_names() -> None:
     assert policy.decide(classify(TOO_LOW, -9, first_prefill=True), 0.0, 0.3).fraction == 0.31
 
 
+def test_a_pool_pinned_by_max_total_tokens_is_not_cured_by_a_fraction() -> None:
+    policy = _policy(extra_args=("--max-total-tokens=-8",))
+    verdict = policy.decide(classify(TOO_LOW, -9, first_prefill=True), 0.0, 0.8)
+    assert verdict.action == FAIL and "set by --max-total-tokens -8 in extra_args" in verdict.reason
+
+
 def test_an_unset_fraction_steps_from_the_bound() -> None:
     policy = _policy(mem_fraction_bounds=(0.5, 0.95), mem_fraction_step=0.05)
     assert policy.decide(Crash("o", "x", LOWER_FRACTION), 0.0, None).fraction == 0.9

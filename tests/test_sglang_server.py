@@ -1,0 +1,179 @@
+"""`tokenmill server up` supervising real SGLang 0.5.23 (the tiny CPU model of `make sglang-env`):
+readiness, capacity, live figures from its real log lines and /metrics, restarts after a killed
+launcher or a killed scheduler with nothing orphaned, a stop that leaves nothing, startup failures
+classified from its real log, and the quality gate between two real configurations."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server_mgr import process
+from tests.engines import CONTEXT_LEN, Engine, running_engine, sglang_server
+from tests.pipeline import cli, write_jsonl
+from tests.procs import wait_for
+from tests.server_fixtures import Up, write_config
+from tokenmill import servers
+
+pytestmark = pytest.mark.sglang
+
+
+def chat(url: str, i: int, max_tokens: int) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": f"story {i}: tell it"}], "max_tokens": max_tokens}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def children(pid: int) -> dict[str, int]:
+    """A launcher's children by their SGLang titles."""
+    out = {}
+    for child in process.descendants(pid):
+        try:
+            title = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if title.startswith("sglang::"):
+            out[title] = child
+    return out
+
+
+def test_server_up_publishes_real_capacity_and_live_figures_and_stop_leaves_nothing(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Given a config for real SGLang with /metrics on and a KV pool small enough to fill up
+    table = sglang_server(tmp_path, enable_metrics=True, extra=["--max-total-tokens", "4000"])
+    config = write_config(tmp_path / "s.toml", table)
+    with Up(config, redis_url) as up:
+        # When it is up: ready by /health, with the capacity the real server states
+        ready = up.wait_state(servers.READY, timeout_s=300)
+        assert (ready.max_total_num_tokens, ready.context_length, ready.engine) == (
+            4000,
+            CONTEXT_LEN,
+            "sglang",
+        )
+        assert set(children(ready.pid)) == {"sglang::scheduler", "sglang::detokenizer"}
+        group = {ready.pid, *process.descendants(ready.pid)}
+
+        # And 64 requests of 200 tokens overfill its pool
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            done = list(pool.map(lambda i: chat(ready.url, i, 200), range(64)))
+        assert sum(d["usage"]["completion_tokens"] for d in done) > 4000
+
+        # Then the live figures come from its real Decode lines ("cpu graph") and from /metrics,
+        # retractions included
+        live = up.wait_state(
+            servers.READY,
+            timeout_s=30,
+            where=lambda r: r.live.get("retractions", 0) >= 1 and r.live.get("gen_throughput", 0) > 0,
+        ).live
+        assert live["graph"] == 0.0, live  # "cpu graph: False" read like "cuda graph"
+        assert "kv_available_tokens" in live and "num_used_tokens" in live, live  # /metrics
+        log = Path(table["log_dir"]) / "s1.log"
+        assert "KV cache pool is full. Retract requests." in log.read_text()
+
+        # And `server stop` drains it and leaves no process of it
+        cli("server", "stop", "--config", str(config), env={"TOKENMILL_REDIS_URL": redis_url}, timeout=120)
+        up.wait_state(servers.DOWN, timeout_s=120)
+        assert up.wait_exit(120) == 0
+        wait_for(lambda: not any(process.is_alive(p) for p in group), 30, "every process of the server gone")
+
+
+def test_a_killed_launcher_or_scheduler_is_restarted_with_nothing_orphaned(
+    tmp_path: Path, redis_url: str
+) -> None:
+    config = write_config(tmp_path / "s.toml", sglang_server(tmp_path, extra=["--max-total-tokens", "20000"]))
+    with Up(config, redis_url) as up:
+        first = up.wait_state(servers.READY, timeout_s=300)
+        first_group = {first.pid, *process.descendants(first.pid)}
+        assert len(first_group) >= 3
+
+        # When the launcher is SIGKILLed, its children die with it and a new server comes up
+        os.kill(first.pid, signal.SIGKILL)
+        second = up.wait_state(servers.READY, timeout_s=300, where=lambda r: r.restarts == 1)
+        assert second.pid != first.pid
+        assert not any(process.is_alive(p) for p in first_group), "an orphan of the killed launcher"
+        assert second.last_error.startswith("killed: SIGKILLed with no crash reason in the log")
+
+        # When only its scheduler child is SIGKILLed, the launcher's own watchdog takes the server
+        # down, the manager sees why in the log, and restarts it
+        second_group = {second.pid, *process.descendants(second.pid)}
+        scheduler = children(second.pid)["sglang::scheduler"]
+        os.kill(scheduler, signal.SIGKILL)
+        third = up.wait_state(servers.READY, timeout_s=300, where=lambda r: r.restarts == 2)
+        assert third.last_error.startswith(
+            "subprocess_crashed: a child process died: Subprocess scheduler_0"
+        ), third.last_error
+        assert not any(process.is_alive(p) for p in second_group), "an orphan of the crashed server"
+        assert chat(third.url, 1, 8)["usage"]["completion_tokens"] == 8
+
+
+def test_a_value_sglang_refuses_fails_at_once_naming_it(tmp_path: Path, redis_url: str) -> None:
+    config = write_config(tmp_path / "s.toml", sglang_server(tmp_path, extra=["--schedule-policy", "bogus"]))
+    with Up(config, redis_url) as up:
+        failed = up.wait_state(servers.FAILED, timeout_s=300)
+        assert failed.last_error.startswith("invalid_arguments: SGLang refused its arguments"), (
+            failed.last_error
+        )
+        assert "argument --schedule-policy: invalid choice: 'bogus'" in failed.last_error
+        assert failed.restarts == 0
+
+
+def test_a_kv_pool_that_cannot_exist_is_read_from_the_log_and_not_stepped_in_vain(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Given an impossible --max-total-tokens: SGLang says "Not enough memory. Please try to
+    # increase --mem-fraction-static", but sizes the pool from that flag alone
+    config = write_config(tmp_path / "s.toml", sglang_server(tmp_path, extra=["--max-total-tokens=-8"]))
+    with Up(config, redis_url) as up:
+        # Then the manager reads the class from the real log and stops at once, naming the flag,
+        # instead of stepping mem_fraction_static through its bounds
+        failed = up.wait_state(servers.FAILED, timeout_s=300)
+        assert failed.last_error.startswith(
+            "oom_fraction_too_low: mem_fraction_static too low: RuntimeError: Not enough memory."
+        ), failed.last_error
+        assert "set by --max-total-tokens -8 in extra_args" in failed.last_error
+        assert [e for e in up.events() if e["kind"] == "oom_step"] == []
+
+
+@pytest.fixture
+def bf16(tmp_path: Path) -> Any:
+    with running_engine("sglang", tmp_path, "--dtype", "bfloat16") as engine:
+        yield engine
+
+
+def test_check_quality_finds_bf16_and_fp32_diverge_and_passes_identical_configs(
+    tmp_path: Path, redis_url: str, bf16: Engine
+) -> None:
+    prompts = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"quality {i}: explain"} for i in range(8)])
+    tables = {
+        name: sglang_server(tmp_path, name=name, extra=["--max-total-tokens", "20000", "--dtype", dtype])
+        for name, dtype in (("same", "bfloat16"), ("fp32", "float32"))
+    }
+    env = {"TOKENMILL_REDIS_URL": redis_url}
+    args = ["--reference-url", bf16.url, "--prompts", str(prompts), "--max-tokens", "64", "--json"]
+
+    same_toml = write_config(tmp_path / "a.toml", tables["same"])
+    fp32_toml = write_config(tmp_path / "b.toml", tables["fp32"])
+    same = cli(
+        "server", "check-quality", *args, "--candidate", str(same_toml), env=env, check=False, timeout=600
+    )
+    fp32 = cli(
+        "server", "check-quality", *args, "--candidate", str(fp32_toml), env=env, check=False, timeout=600
+    )
+
+    same_doc, fp32_doc = json.loads(same.stdout), json.loads(fp32.stdout)
+    assert same.returncode == 0 and same_doc["passed"] and same_doc["exact_match_rate"] == 1.0, same.stdout
+    assert fp32.returncode != 0 and not fp32_doc["passed"], fp32.stdout
+    assert fp32_doc["diverged"] >= 1 and fp32_doc["exact_match_rate"] < 1.0
