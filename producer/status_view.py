@@ -76,28 +76,28 @@ def render(doc: dict[str, Any]) -> Group:
                 str(s["restarts"]),
             )
         items.append(srv)
-    admission = {n: a for n, a in (doc.get("admission") or {}).items() if a.get("budget")}
+    admission = {n: a for n, a in (doc.get("admission") or {}).items() if a.get("budget") or a.get("window")}
     if admission:
         adm = Table(
             "admission",
-            "held (tokens)",
-            "budget",
+            "rule",
+            "in flight / window",
+            "server run / wait",
+            "held / budget (tokens)",
             "short",
             "long",
-            "last asked s/l",
-            "slots",
             "refused",
             box=None,
         )
         for name, a in sorted(admission.items()):
             adm.add_row(
                 name,
-                str(a.get("total", 0)),
-                str(a["budget"]),
-                f"{a.get('short', 0)}/{a.get('cap:short', '-')}",
-                f"{a.get('long', 0)}/{a.get('cap:long', '-')}",
-                f"{a.get('asked:short', '-')}/{a.get('asked:long', '-')}",
-                str(a.get("slots", 0)),
+                str(a.get("rule", "-")),
+                f"{a.get('n', 0)}/{a.get('window', '-')}",
+                f"{a.get('srv_running', '-')}/{a.get('srv_waiting', '-')}",
+                f"{a.get('total', 0)}/{a.get('budget', '-')}",
+                f"{a.get('n:short', 0)}/{a.get('cap:short', '-')}",
+                f"{a.get('n:long', 0)}/{a.get('cap:long', '-')}",
                 str(a.get("refused", 0)),
             )
         items.append(adm)

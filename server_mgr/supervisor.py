@@ -23,7 +23,7 @@ from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, RESTART, Crash, classify
 from server_mgr.policy import FAIL, RestartPolicy
 from server_mgr.sink import Sink
-from tokenmill import capacity, servers
+from tokenmill import capacity, server_report, servers
 from tokenmill.servers import ServerRecord
 
 log = logging.getLogger("tokenmill.server")
@@ -283,7 +283,7 @@ class Supervisor:
         engine.remember_members()
         if c.enable_metrics:
             try:
-                self.live.figures.update(health.metrics(c.probe_url, c.health_timeout_s))
+                self.live.figures.update(server_report.metrics(c.probe_url, c.health_timeout_s))
                 self.live.changed = True
             except (OSError, ValueError) as exc:
                 log.debug("[%s] /metrics failed: %s", c.name, exc)
@@ -354,7 +354,7 @@ class Supervisor:
     def _in_flight(self) -> int:
         """Running plus queued requests: from the server, else from the log's batch lines."""
         c = self.config
-        count = health.in_flight(
+        count = server_report.in_flight(
             c.probe_url, c.api_key, min(c.health_timeout_s, 5.0), metrics_enabled=c.enable_metrics
         )
         if count is not None:

@@ -9,13 +9,16 @@ from collections import Counter
 import redis
 
 from tests.procs import wait_for
-from tokenmill.admission import Admission, LengthTracker, admission_view, length_view
+from tokenmill.admission import Admission, LengthTracker, Slot, admission_view, length_view
 from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
+from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 
 
 def adm(rclient: redis.Redis, **kw: object) -> Admission:
-    return Admission(rclient, Settings.load(env={}, admission_fraction=1.0, admission_queue_share=0.75, **kw))
+    return Admission(
+        rclient, Settings.load(env={}, **{"admission_fraction": 1.0, "admission_queue_share": 0.75, **kw})
+    )
 
 
 def test_budget_bounds_tokens_in_flight_and_release_frees_room(rclient: redis.Redis) -> None:
@@ -61,10 +64,95 @@ def test_a_dead_workers_slots_expire(rclient: redis.Redis) -> None:
     assert a.load("srv") == 500
 
 
-def test_unknown_capacity_is_not_limited(rclient: redis.Redis) -> None:
+def test_unknown_capacity_is_not_limited_by_tokens(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    slot = a.try_admit("srv", None, 10**9, "short")
-    assert slot is not None and slot.tokens == 0
+    assert all(a.try_admit("srv", None, 10**9, "short") for _ in range(5))
+    off = adm(rclient, admission_closed_loop=False)
+    slot = off.try_admit("srv2", None, 10**9, "short")
+    assert slot is not None and slot.tokens == 0  # not even counted
+
+
+# --- the closed loop: a window steered by the server's own figures -------------------------------
+
+
+def load(running: int, waiting: int = 0, used: int = 0, capacity: int = 10_000) -> Load:
+    return Load(running, waiting, used, capacity)
+
+
+def admit_all(a: Admission, n: int, queue: str = "short", tokens: int = 10**6) -> list[Slot]:
+    """Up to ``n`` slots, stopping at the first refusal."""
+    slots = []
+    for _ in range(n):
+        slot = a.try_admit("srv", 1000, tokens, queue)
+        if slot is None:
+            break
+        slots.append(slot)
+    return slots
+
+
+def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis) -> None:
+    a = adm(rclient)
+    assert a.adapt("srv", load(0), None) == 2  # the first figures start it small
+    slots = admit_all(a, 10)  # each asks far more tokens than the budget: the window decides
+    assert len(slots) == 2 and admission_view(rclient, "srv")["rule"] == "window"
+    a.release(slots[0])
+    assert a.try_admit("srv", 1000, 10**6, "short") is not None
+
+
+def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=3)
+    a.adapt("srv", load(0), None)
+    held = admit_all(a, 2)
+    assert a.adapt("srv", load(2, used=1000), None) == 5  # +the queue target
+    assert a.adapt("srv", load(2, used=1000), None) == 5  # only while the window is what limits
+    held += admit_all(a, 10)
+    assert len(held) == 5
+    assert a.adapt("srv", load(5, used=9600), None) == 5  # no growth above the usage ceiling
+    assert a.adapt("srv", load(3, waiting=2, used=5000), None) == 5  # something waits: no growth
+    assert a.adapt("srv", load(5, used=5000), None) == 8
+
+
+def test_no_growth_while_requests_sent_are_not_yet_in_the_servers_figures(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=3)
+    rclient.hset("tm:_:admit:srv:used", mapping={"window": 10, "n": 10})
+    assert a.adapt("srv", load(7, used=1000), None) == 10  # 3 sent, not yet seen: wait for them
+    assert a.adapt("srv", load(10, used=1000), None) == 13  # all seen, none waiting: grow
+
+
+def test_a_deep_server_queue_shrinks_the_window_to_running_plus_the_target(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=4)
+    rclient.hset("tm:_:admit:srv:used", "window", 40)
+    assert a.adapt("srv", load(20, waiting=30, used=9000), None) == 24
+    assert a.adapt("srv", load(100, waiting=30, used=9000), None) == 24  # target: 10% of running
+
+
+def test_a_retraction_shrinks_the_window_and_holds_it_there(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_backoff=0.5)
+    rclient.hset("tm:_:admit:srv:used", mapping={"window": 20, "n": 20})
+    assert a.adapt("srv", load(16, waiting=4, used=9900), 3) == 20  # first reading: just noted
+    assert a.adapt("srv", load(16, waiting=4, used=9900), 5) == 10  # two more: half of 20
+    assert a.adapt("srv", load(10, used=100), 5) == 10  # held: no growth during the hold
+    assert a.adapt("srv", load(10, used=100), 9) == 10  # retractions of the same overflow: noted
+    assert admission_view(rclient, "srv")["backoffs"] == 1
+
+
+def test_a_stale_window_leaves_the_decision_to_the_token_budget(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_poll_s=0.02)  # fresh for 6 polls: 120 ms
+    a.adapt("srv", load(0), None)
+    assert len(admit_all(a, 5, tokens=100)) == 2
+    wait_for(lambda: a.try_admit("srv", 1000, 100, "short"), 5, "the window to go stale")
+    assert admission_view(rclient, "srv")["rule"] == "budget"
+
+
+def test_in_a_window_a_queue_gets_its_share_while_the_other_is_active(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_share=0.5)
+    rclient.hset("tm:_:admit:srv:used", "window", 8)
+    a.adapt("srv", load(0), None)
+    assert len(admit_all(a, 8, "long")) == 8  # short idle: long may fill the window
+    assert a.try_admit("srv", 1000, 1, "short") is None  # full; short now wants in...
+    rclient.hset("tm:_:admit:srv:used", "window", 12)
+    a.adapt("srv", load(8, waiting=1), None)
+    assert len(admit_all(a, 10, "short")) == 4 and a.try_admit("srv", 1000, 1, "long") is None
 
 
 def curve(lengths: list[int], running: list[int] = (), max_tokens: int = 100_000) -> Survival:

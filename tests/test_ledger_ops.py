@@ -67,6 +67,10 @@ def test_a_marked_job_released_or_reaped_ends_cancelled_with_its_checkpoint(
     assert out == "cancelled"
     assert ledger.job(a.job_id)["ckpt_content"] == "ab"
     # a job whose worker died is not taken over, and the reaper ends it cancelled
+    lease = int(ledger.job(b.job_id)["lease"])
+    wait_for(
+        lambda: int(rclient.time()[0]) * 1000 + rclient.time()[1] // 1000 > lease, 5, "b's lease to lapse"
+    )
     assert ledger.claim(b.job_id, "w2", 30) == "cancelled"
     wait_for(
         lambda: ledger.reap_expired() == [] and ledger.job(b.job_id)["state"] == "cancelled",

@@ -8,10 +8,10 @@ import pytest
 
 from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, LOWER_FRACTION, RAISE_FRACTION, RESTART, Crash, classify
-from server_mgr.health import parse_metrics
 from server_mgr.logparse import LiveFigures, LogTail, capacity_line, launch_fraction, parse_batch_line
 from server_mgr.policy import FAIL, RELAUNCH, RestartPolicy
 from server_mgr.process import gpu_holders
+from tokenmill.server_report import parse_metrics
 
 
 def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:

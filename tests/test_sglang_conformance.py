@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from server_mgr.health import parse_metrics
 from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, MAX_TOTAL_TOKENS, Engine, running_engine
 from tests.procs import http_status, wait_for
 from tests.sglang_client import chat, client, get_json, post_json, sse_frames, stream, stream_options
 from tokenmill import capacity, errors
+from tokenmill.server_report import parse_metrics
 from workers.stream import Progress, stream_chat
 
 MODEL = "tm-model"

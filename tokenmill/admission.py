@@ -1,14 +1,22 @@
 """Capacity-aware admission: a global limiter in Redis, shared by every worker on every host.
 
-Each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
+The closed loop: each server has a *window*, the requests tokenmill may have in flight on it,
+steered about twice a second by what the server reports (``adapt.lua``: its running and
+waiting requests, its KV use, its retractions) so that a few requests always wait in the server's
+own queue and its scheduler, which knows its KV cache best, keeps the pool full. Requests are
+counted in the window whatever their size; the server decides which fit. One worker at a time
+reads each server (:class:`workers.loadwatch.LoadWatch`).
+
+The guard, while a server has no fresh window (the first seconds of a run, a silent watcher):
+each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
 by the server manager, or read from ``/server_info``). A request holds its *projected peak* KV
 while it runs: the peak over future lengths x of ``(prompt + x) * P(L >= x | L >= generated)``,
 from the run's completion-length survival curve (:mod:`tokenmill.lengths`; before anything has
 ended, every request is assumed to reach ``max_tokens``). The hold shrinks as the run's lengths
 become known and is recomputed at every heartbeat, so it follows the request as it grows; since
 requests that end free their KV, requests started together do not all count at their maximum.
-Each queue may use at most ``admission_queue_share`` of the budget, so long prompts cannot
-starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead
+Each queue may use at most ``admission_queue_share`` of the budget (or of the window), so long
+prompts cannot starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead
 worker's slots expire.
 
 Threads of one process that wait for room stand in a :class:`WaitLine`: only the first asks
@@ -32,10 +40,14 @@ import redis
 from tokenmill import keys
 from tokenmill.ledger import LengthReport, SlotUpdate, register
 from tokenmill.lengths import Survival, bin_of, parse_counts, reached
+from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
+WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
+SMALLEST_WINDOW = 2
+BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +158,7 @@ class Admission:
         self.s = settings
         self._admit = register(client, "admit")
         self._unadmit = register(client, "unadmit")
+        self._adapt = register(client, "adapt")
         self._curves: dict[str, tuple[float, Survival]] = {}
         self.line = WaitLine()
 
@@ -180,19 +193,54 @@ class Admission:
         return int(self.r.hget(keys.admission_used(server), "total") or 0)
 
     def try_admit(self, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
-        """A slot on ``server``, or None when its budget (or the queue's cap) has no room."""
-        budget = self.budget(capacity)
+        """A slot on ``server``, or None when its window (or, without a fresh window, its token
+        budget), or the queue's share of it, has no room."""
+        s = self.s
         member = uuid.uuid4().hex
+        budget = self.budget(capacity)
+        if not s.admission or (budget is None and not s.admission_closed_loop):
+            return Slot(server, member, 0)  # no known capacity and no closed loop: not limited
         if budget is None:
-            return Slot(server, member, 0)  # no known capacity: not limited
-        cap = int(budget * self.s.admission_queue_share)
-        ttl_ms = int(self.s.lease_ttl_s * 1000)
+            budget = 10**15  # unknown capacity: only a fresh window limits
         other = "long" if queue == "short" else "short"
+        fresh_ms = int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000) if s.admission_closed_loop else 0
         ok = self._admit(
             [keys.admission(server), keys.admission_used(server)],
-            [member, tokens, queue, budget, cap, ttl_ms, other],
+            [
+                member,
+                tokens,
+                queue,
+                budget,
+                int(budget * s.admission_queue_share),
+                int(s.lease_ttl_s * 1000),
+                other,
+                s.admission_queue_share,
+                fresh_ms,
+            ],
         )
         return Slot(server, member, tokens) if ok else None
+
+    def adapt(self, server: str, load: Load, retractions: int | None) -> int:
+        """Steer ``server``'s window by what it reports now (``adapt.lua``); the new window."""
+        s = self.s
+        window = self._adapt(
+            [keys.admission_used(server)],
+            [
+                load.running,
+                load.waiting,
+                load.used_tokens,
+                load.capacity,
+                s.admission_queue_target,
+                0.1,
+                s.admission_backoff,
+                int(BACKOFF_HOLD_S * 1000),
+                s.admission_usage_ceiling,
+                SMALLEST_WINDOW,
+                -1 if retractions is None else retractions,
+            ],
+        )
+        self.line.wake_head()  # a wider window: let the head of this process's line ask now
+        return int(window)
 
     def release(self, slot: Slot) -> None:
         if slot.tokens:
@@ -200,16 +248,26 @@ class Admission:
             self.line.wake_head()
 
 
-def admission_view(client: redis.Redis, server: str) -> dict[str, int]:
-    """The figures behind the last decisions on ``server`` (for status)."""
+def admission_view(client: redis.Redis, server: str) -> dict[str, Any]:
+    """The figures behind the last decisions on ``server`` (for status): numbers, and which
+    ``rule`` decided (``window`` or ``budget``)."""
     raw = client.hgetall(keys.admission_used(server))
-    out = {}
+    out: dict[str, Any] = {}
     for f, v in raw.items():
-        name = f.decode()
+        name, text = f.decode(), v.decode()
         if not name.startswith("slot"):
-            out[name] = int(v)
+            out[name] = _number(text)
     out["slots"] = int(client.zcard(keys.admission(server)))
     return out
+
+
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
 
 
 def read_survival(client: redis.Redis, run: str) -> Survival:

@@ -96,6 +96,11 @@ def admission_used(server_name: str) -> str:
     return f"{PREFIX}:_:admit:{server_name}:used"
 
 
+def admission_watch(server_name: str) -> str:
+    """Lock: the one worker that reads a server's load and steers its admission window."""
+    return f"{PREFIX}:_:admit:{server_name}:watch"
+
+
 def pump_lock() -> str:
     """Lock held by the one worker that runs the reaper/feeder at a time."""
     return f"{PREFIX}:_:lock:pump"

@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "feed",
     "admit",
     "unadmit",
+    "adapt",
     "wait",
     "cancel",
     "retry",

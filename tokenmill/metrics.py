@@ -43,6 +43,8 @@ RUN_STATS = {
 ADMISSION_FIELDS = {
     "total": ("tokenmill_admission_used_tokens", "Tokens held by admission slots on the server.", False),
     "budget": ("tokenmill_admission_budget_tokens", "The server's admission token budget.", False),
+    "n": ("tokenmill_admission_in_flight", "Requests admitted on the server and not yet released.", False),
+    "window": ("tokenmill_admission_window", "Requests the closed loop lets in flight on the server.", False),
     "admitted": ("tokenmill_admission_admitted", "Requests admitted on the server.", True),
     "refused": ("tokenmill_admission_refused", "Admission attempts refused for lack of room.", True),
 }

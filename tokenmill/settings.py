@@ -64,6 +64,12 @@ class Settings:
     admission_queue_share: float = 0.75
     admission_default_output_tokens: int = 1024  # max_tokens assumed for a request without one
     admission_wait_s: float = 0.1
+    # the closed loop: a window of requests per server, steered by what the server reports
+    admission_closed_loop: bool = True
+    admission_poll_s: float = 0.5  # how often one worker reads each server's /v1/loads
+    admission_queue_target: int = 4  # requests to keep waiting on the server (or 10% of running)
+    admission_usage_ceiling: float = 0.95  # the window grows only while KV use is below this
+    admission_backoff: float = 0.75  # the window after a retraction, of what is on the server
     max_queued: int = 20000
     server_wait_s: float = 1.0
 
@@ -116,6 +122,11 @@ class Settings:
             raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
         if not 0 < self.admission_fraction <= 1:
             raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
+        for name in ("admission_usage_ceiling", "admission_backoff"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.admission_poll_s <= 0 or self.admission_queue_target < 1:
+            raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
 
 
 def _parse(f: dataclasses.Field[Any], raw: str, source: str) -> Any:

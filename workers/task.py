@@ -14,6 +14,7 @@ from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
 from workers import celery_logs
 from workers.job import run_job
+from workers.loadwatch import LoadWatch
 from workers.pump import Pump
 from workers.runtime import current, get_runtime
 
@@ -48,6 +49,8 @@ def _on_worker_ready(**_: Any) -> None:
     if "pump" not in _pump:
         _pump["pump"] = Pump(rt.redis, rt.settings)
         _pump["pump"].start()
+        if rt.settings.admission and rt.settings.admission_closed_loop:
+            LoadWatch(rt).start()
 
 
 @worker_shutting_down.connect

@@ -40,6 +40,13 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
 @click.option("--tp-size", "--tensor-parallel-size", "tp_size", type=int, default=1, show_default=True)
 @click.option("--stream-interval", type=int, default=1, show_default=True)
 @click.option("--decode-log-interval", type=int, default=40, show_default=True)
+@click.option(
+    "--load-snapshot-publish-interval",
+    type=int,
+    default=15,
+    show_default=True,
+    help="/v1/loads is refreshed every N decode steps (and at each prefill, and when idle).",
+)
 @click.option("--enable-metrics", is_flag=True)
 @click.option("--allow-auto-truncate", is_flag=True)
 @click.option("--log-level", default="info", show_default=True)

@@ -38,6 +38,7 @@ class SimConfig:
     tp_size: int = 1
     stream_interval: int = 1
     decode_log_interval: int = 40
+    load_snapshot_publish_interval: int = 15
     enable_metrics: bool = False
     allow_auto_truncate: bool = False
     log_level: str = "info"
@@ -100,7 +101,18 @@ class SimConfig:
             if getattr(self, name) < 1:
                 name = "context_length" if name == "context_len" else name
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.stream_interval < 1 or self.decode_log_interval < 1 or self.tp_size < 1:
-            raise ValueError("--stream-interval, --decode-log-interval and --tp-size must be >= 1")
+        if (
+            min(
+                self.stream_interval,
+                self.decode_log_interval,
+                self.tp_size,
+                self.load_snapshot_publish_interval,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "--stream-interval, --decode-log-interval, --load-snapshot-publish-interval and "
+                "--tp-size must be >= 1"
+            )
         if not 0.0 <= self.perturb <= 1.0:
             raise ValueError(f"--sim-perturb must be in [0, 1], got {self.perturb}")

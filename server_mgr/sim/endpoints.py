@@ -215,18 +215,21 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def loads(request: web.Request) -> web.Response:
-    """``/v1/loads``: live scheduler load (0.5.23 field names)."""
+    """``/v1/loads``: the scheduler's last published load snapshot (0.5.23 field names; it lags
+    the scheduler by up to ``--load-snapshot-publish-interval`` decode steps, as SGLang's does)."""
     state = request.app[STATE]
     s = state.scheduler
+    snap = s.load
     load = {
+        "timestamp": snap.timestamp,
         "dp_rank": 0,
-        "num_running_reqs": len(s.running),
-        "num_waiting_reqs": len(s.waiting),
-        "num_used_tokens": s.used_tokens,
+        "num_running_reqs": snap.running,
+        "num_waiting_reqs": snap.waiting,
+        "num_used_tokens": snap.used_tokens,
         "num_total_tokens": s.capacity,
         "max_total_num_tokens": s.capacity,
         "max_running_requests": state.cfg.max_running_requests,
-        "token_usage": round(s.token_usage, 4),
+        "token_usage": round(snap.used_tokens / s.capacity, 4) if s.capacity else 0.0,
         "gen_throughput": s.snapshot.gen_throughput,
         "cache_hit_rate": 0.0,
         "utilization": 1.0 if s.running else 0.0,

@@ -82,6 +82,17 @@ class Snapshot:
     num_retracted_reqs: int = 0
 
 
+@dataclass(slots=True)
+class LoadSnapshot:
+    """What ``/v1/loads`` shows: published at every prefill, when idle, and every
+    ``--load-snapshot-publish-interval`` decode steps, as SGLang 0.5.23 does."""
+
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0
+    timestamp: float = 0.0
+
+
 class Scheduler:
     """The step loop and the KV pool accounting."""
 
@@ -98,6 +109,7 @@ class Scheduler:
         self.retracted_total = 0
         self.generated_total = 0
         self.snapshot = Snapshot()
+        self.load = LoadSnapshot(timestamp=time.time())
         self._wake = asyncio.Event()
         self._decode_steps = 0
         self._retracted_since_log = 0
@@ -155,6 +167,7 @@ class Scheduler:
             if self.paused or not (self.running or self.waiting):
                 if not self.running:
                     self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+                    self.publish_load()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -204,6 +217,7 @@ class Scheduler:
             self.used_tokens += r.kv_tokens
         self._check_pool()
         self._log_prefill(len(batch), new_tokens)
+        self.publish_load()
         await asyncio.sleep((cfg.step_ms + new_tokens / cfg.prefill_tokens_per_ms) / 1000)
         for r in batch:
             if r.state != "running":
@@ -231,6 +245,8 @@ class Scheduler:
         self._decode_steps += 1
         if self._decode_steps % cfg.decode_log_interval == 0:
             self._log_decode()
+        if self._decode_steps % cfg.load_snapshot_publish_interval == 0:
+            self.publish_load()
 
     def _advance(self, req: SimRequest) -> None:
         """One token for ``req``; emits per stream_interval and finishes at its length."""
@@ -304,6 +320,9 @@ class Scheduler:
         if not self.running and not self.waiting:
             self.log.info(logs.prefill_line(1, 1, self.token_usage, 0, 0, 0.0), rank=True)
             self._take_snapshot()
+
+    def publish_load(self) -> None:
+        self.load = LoadSnapshot(len(self.running), len(self.waiting), self.used_tokens, time.time())
 
     def _take_snapshot(self) -> None:
         s = self.snapshot

@@ -1,12 +1,20 @@
--- admit: take an admission slot on a server if its token budget (and the queue's cap) has room.
+-- admit: take an admission slot on a server if it has room, by the server's own figures when
+-- they are fresh, else by a token budget.
 -- Pre:  nothing. Slots whose lease expired (a dead worker's) are dropped first.
--- Post: on success the slot holds ARGV tokens until released or expired; the used-tokens hash
---       (total and per queue) grows by them. With nothing admitted, one request is always let
---       in, so a request bigger than the budget cannot starve. The figures behind the decision
---       (budget, cap, tokens asked) are recorded in the used hash for status.
--- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, slot:<member> -> tokens
---       and queue), 3 unused.
--- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue cap, 6 ttl ms, 7 the other queue.
+-- Post: on success the slot holds ARGV tokens until released or expired; the used hash counts one
+--       more request in flight (`n`, `n:<queue>`) and ARGV tokens more (`total`, `<queue>`).
+--       Room is decided by one of two rules:
+--       * closed loop: while the server's window (`window`, set by adapt.lua from what the server
+--         reports) was refreshed within ARGV 9 ms, at most `window` requests are in flight on it,
+--         and a queue at most ARGV 8 (its share) of them while the other queue is active;
+--       * guard (no fresh window: the first seconds of a run, a silent watcher): the tokens held
+--         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
+--       Either way, with nothing admitted one request is always let in, so a request bigger
+--       than the budget cannot starve. The figures behind the decision are recorded for status.
+-- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, n, n:<queue>,
+--       slot:<member> -> tokens, slotq:<member> -> queue, window, window_ms, ...).
+-- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
+--       8 queue share (0-1], 9 window freshness ms.
 -- Returns 1 admitted, 0 no room.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -15,26 +23,39 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
   if held[1] then
     redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
     redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
+    redis.call('HINCRBY', KEYS[2], 'n', -1)
+    redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
   end
   redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m)
   redis.call('ZREM', KEYS[1], m)
 end
 local member, tokens, queue = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local budget, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
--- The queue cap binds only while the other queue is active (holding tokens, or refused
--- within the last 2 s): an idle queue's share is not wasted.
-local other = ARGV[7]
-local other_used = tonumber(redis.call('HGET', KEYS[2], other) or '0')
-local other_wanted = tonumber(redis.call('HGET', KEYS[2], 'wanted:' .. other) or '0')
-if other_used <= 0 and now_ms - other_wanted > 2000 then cap = budget end
-redis.call('HSET', KEYS[2], 'budget', budget, 'cap:' .. queue, cap, 'asked:' .. queue, tokens)
 if redis.call('ZSCORE', KEYS[1], member) then
   redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
   return 1
 end
-local total = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
-local inq = tonumber(redis.call('HGET', KEYS[2], queue) or '0')
-if total > 0 and (total + tokens > budget or inq + tokens > cap) then
+-- A queue's share binds only while the other queue is active (holding requests, or refused
+-- within the last 2 s): an idle queue's share is not wasted.
+local other = ARGV[7]
+local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
+  'wanted:' .. other, 'window', 'window_ms')
+local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
+local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
+local window, window_ms = tonumber(f[7] or '0'), tonumber(f[8] or '0')
+local room
+if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
+  local qcap = other_active and math.max(1, math.floor(window * tonumber(ARGV[8]))) or window
+  room = n == 0 or (n < window and nq < qcap)
+  redis.call('HSET', KEYS[2], 'rule', 'window', 'cap:' .. queue, qcap)
+else
+  if not other_active then cap = budget end
+  room = total == 0 or (total + tokens <= budget and inq + tokens <= cap)
+  redis.call('HSET', KEYS[2], 'rule', 'budget', 'budget', budget, 'cap:' .. queue, cap)
+end
+redis.call('HSET', KEYS[2], 'asked:' .. queue, tokens)
+if not room then
   redis.call('HINCRBY', KEYS[2], 'refused', 1)
   redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
   return 0
@@ -43,5 +64,7 @@ redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
 redis.call('HSET', KEYS[2], 'slot:' .. member, tokens, 'slotq:' .. member, queue)
 redis.call('HINCRBY', KEYS[2], 'total', tokens)
 redis.call('HINCRBY', KEYS[2], queue, tokens)
+redis.call('HINCRBY', KEYS[2], 'n', 1)
+redis.call('HINCRBY', KEYS[2], 'n:' .. queue, 1)
 redis.call('HINCRBY', KEYS[2], 'admitted', 1)
 return 1

@@ -1,0 +1,53 @@
+-- adapt: steer a server's admission window by what the server itself reports (closed loop).
+-- Pre:  ARGV are the server's figures just read (one watcher per server calls this, about
+--       twice a second).
+-- Post: `window` (requests tokenmill may have in flight on the server) is updated and stamped
+--       `window_ms`; the figures are kept for status (`srv_running`, `srv_waiting`, `srv_used`,
+--       `srv_cap`, `srv_retractions`). The figures lag the server (SGLang 0.5.23 publishes them
+--       every 15 decode steps), so every rule is safe to apply twice to the same figures. In order:
+--       1. the server retracted requests since the last figures (its KV pool overflowed): the
+--          window shrinks to ARGV 7 (a fraction) of what is on the server and holds still for
+--          ARGV 8 ms; retractions during the hold come from the same overflow and are only noted;
+--       2. the server's own queue is deeper than the target (ARGV 5, or ARGV 6 of its running
+--          requests): the window shrinks to running + target, so tokenmill stops piling up
+--          requests the server cannot start yet;
+--       3. nothing waits on the server and nothing tokenmill sent is unseen by it (in flight <=
+--          running + waiting: its scheduler took everything), its KV use is below ARGV 9 of its
+--          pool, and the window is what limits tokenmill (in flight >= window - 1): the window
+--          grows by the queue target, so that the next figures find a few requests waiting;
+--       the window never goes below ARGV 10. The first figures start it at what is in flight.
+-- KEYS: 1 used hash (as admit.lua).
+-- ARGV: 1 running, 2 waiting, 3 KV tokens used, 4 KV capacity, 5 queue target (requests),
+--       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
+--       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown).
+-- Returns the new window.
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local running, waiting = tonumber(ARGV[1]), tonumber(ARGV[2])
+local used, capacity = tonumber(ARGV[3]), tonumber(ARGV[4])
+local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])))
+local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
+local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until')
+local n = tonumber(f[1] or '0')
+local window = tonumber(f[2] or '0')
+if window <= 0 then window = math.max(smallest, n) end
+local seen = tonumber(f[3] or '-1')
+local holding = now_ms < tonumber(f[4] or '0')
+if retractions >= 0 and seen >= 0 and retractions > seen then
+  if not holding then
+    window = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
+    redis.call('HSET', KEYS[1], 'hold_until', now_ms + tonumber(ARGV[8]))
+    redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
+  end
+elseif not holding then
+  if waiting > target then
+    window = math.min(window, running + target)
+  elseif waiting == 0 and n <= running and capacity > 0 and used < tonumber(ARGV[9]) * capacity
+      and n >= window - 1 then
+    window = window + target
+  end
+end
+window = math.max(smallest, window)
+redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
+  'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions)
+return window

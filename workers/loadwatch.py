@@ -1,0 +1,92 @@
+"""The closed loop's eyes: one worker at a time reads each server's load and steers its window.
+
+Every ``admission_poll_s`` each worker process tries to hold a short Redis lease per server
+(``keys.admission_watch``); the holder reads the server's ``/v1/loads`` (running, waiting, KV
+used, capacity) and its retractions so far, and hands them to ``Admission.adapt``. Any number
+of worker processes on any number of hosts, and still one reader per server: the server is not
+polled once per worker, and the window moves once per reading. When the holder dies, its lease
+lapses after three polls and another worker takes over; until then the window goes stale and
+admission falls back to its token budget.
+
+Retractions: a managed server's manager counts them from the server's log (``live.retractions``
+of its record); an unmanaged one is read from ``/metrics`` when it serves one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.error
+
+import redis
+
+from tokenmill import keys, server_report
+from tokenmill import servers as server_records
+from workers.runtime import Runtime
+
+log = logging.getLogger("tokenmill.worker")
+METRICS_RETRY_S = 60.0  # a server without /metrics is asked again after this long
+
+
+class LoadWatch(threading.Thread):
+    """Reads the servers this worker may use and steers their admission windows."""
+
+    def __init__(self, rt: Runtime) -> None:
+        super().__init__(name="tokenmill-loadwatch", daemon=True)
+        self.rt = rt
+        self.me = rt.worker_id
+        self._no_metrics: dict[str, float] = {}  # url -> when /metrics was found missing
+        self._failing: set[str] = set()
+
+    def run(self) -> None:
+        s = self.rt.settings
+        while not self.rt.stopping.wait(s.admission_poll_s):
+            try:
+                for view in self.rt.pool.ready_views():
+                    if self._lead(view.name):
+                        self._read(view.name, view.url, view.managed)
+            except redis.RedisError as exc:
+                log.debug("load watch: Redis unavailable (%s)", exc)
+
+    def _lead(self, server: str) -> bool:
+        """Take or keep this server's watch lease (three polls long)."""
+        key = keys.admission_watch(server)
+        ttl_ms = int(self.rt.settings.admission_poll_s * 3000)
+        r = self.rt.redis
+        if r.set(key, self.me, nx=True, px=ttl_ms):
+            return True
+        holder = r.get(key)
+        if holder is not None and holder.decode() == self.me:
+            r.pexpire(key, ttl_ms)
+            return True
+        return False
+
+    def _read(self, server: str, url: str, managed: bool) -> None:
+        s = self.rt.settings
+        timeout = max(1.0, s.admission_poll_s * 2)
+        try:
+            load = server_report.loads(url, s.api_key, timeout)
+        except (OSError, ValueError) as exc:
+            if url not in self._failing:
+                log.warning("load watch: %s/v1/loads failed (%s); admission uses its token budget", url, exc)
+                self._failing.add(url)
+            return
+        self._failing.discard(url)
+        self.rt.admission.adapt(server, load, self._retractions(server, url, managed, timeout))
+
+    def _retractions(self, server: str, url: str, managed: bool, timeout: float) -> int | None:
+        """The server's retractions so far, or None when it does not say."""
+        if managed:  # its manager reads every line of its log: no retraction line yet means none
+            record = server_records.load(self.rt.redis, server)
+            return int(record.live.get("retractions", 0)) if record else None
+        missing_since = self._no_metrics.get(url)
+        if missing_since is not None and time.monotonic() - missing_since < METRICS_RETRY_S:
+            return None
+        try:
+            figures = server_report.metrics(url, timeout)
+        except (urllib.error.HTTPError, OSError, ValueError):
+            self._no_metrics[url] = time.monotonic()
+            return None
+        self._no_metrics.pop(url, None)
+        return int(figures.get("retractions", 0))  # the counter appears with the first retraction
