@@ -204,16 +204,35 @@ def start_sim(children: Children, where: Path, knobs: Sequence[str], name: str =
     return child, url
 
 
+SERVER_CPUS = "1"  # benchmarks pin SGLang here and everything else on the other core
+
+
 def start_sglang(children: Children, where: Path, *flags: str) -> tuple[Any, str]:
     """Real SGLang 0.5.23 (the tiny CPU model of ``make sglang-env``, as the test tier runs it) on
     a free port, ready; stopped with the stack, leaving nothing. Returns (engine, base URL); the
-    engine's ``pid`` is its launcher, the group leader of its scheduler and detokenizer."""
+    engine's ``pid`` is its launcher, the group leader of its scheduler and detokenizer.
+
+    It runs on core ``SERVER_CPUS`` with one torch thread, and :func:`pin_clients` keeps the
+    benchmark's own processes on the other core, as a GPU server and its clients are apart:
+    sharing both cores, the model's two torch threads stalled on each other whenever a client ran,
+    and the same run took from 5 to 30 s depending on what else was running."""
     sys.path.insert(0, str(ROOT))  # tests/ is not an installed package
     from tests.engines import start_engine
 
-    engine = start_engine("sglang", where, *flags)
+    engine = start_engine("sglang", where, *flags, cpus=SERVER_CPUS)
     children.callback(engine.stop)
     return engine, engine.url
+
+
+def pin_clients() -> str:
+    """Keep this process and every process it starts (Redis, workers, clients) off the core SGLang
+    is given; returns what was done, for the output."""
+    server = {int(c) for c in SERVER_CPUS.split(",")}
+    others = os.sched_getaffinity(0) - server
+    if not others:
+        return "not pinned (one core only)"
+    os.sched_setaffinity(0, others)
+    return f"SGLang on core {SERVER_CPUS} (1 torch thread), the benchmark's processes on {sorted(others)}"
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -36,7 +36,20 @@ from typing import Any
 
 import orjson
 import redis
-from _common import Children, proc_cpu_s, start_sglang, start_sim, start_worker, tree_cpu_s, wait_for, workdir
+from _common import (
+    Children,
+    MachineLoad,
+    machine,
+    pin_clients,
+    proc_cpu_s,
+    start_sglang,
+    start_sim,
+    start_worker,
+    tree_cpu_s,
+    wait_for,
+    wait_quiet,
+    workdir,
+)
 
 from tokenmill import keys
 
@@ -245,6 +258,11 @@ def main() -> None:
     )
     chosen = variants(args)
     results: dict[str, list[dict]] = {label: [] for label, _, _ in chosen}
+    print(f"machine: {machine()}")
+    if real:
+        print(f"cores: {pin_clients()}")
+    print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
+    load = MachineLoad()
     with workdir(prefix="tm-bench-adm-") as work:
         data = make_dataset(work / f"{PARTITION}.jsonl", args.prompts)
         for _ in range(args.repeat):
@@ -255,6 +273,7 @@ def main() -> None:
                     r = run_tokenmill(work, data, args, admission=kind == "admission", threads=n)
                 results[label].append(r)
                 print(f"  {label}: {r}", flush=True)
+    print(load.line())
     report(args, results)
 
 

@@ -49,6 +49,7 @@ from _common import (
     exit_on_sigterm,
     machine,
     median,
+    pin_clients,
     proc_cpu_s,
     start_sglang,
     start_sim,
@@ -528,6 +529,8 @@ def main() -> None:
     print(
         f"sim: {' '.join(sim)}" if a.engine == "sim" else f"SGLang 0.5.23, tiny CPU model: {' '.join(sglang)}"
     )
+    if a.engine == "sglang":
+        print(f"cores: {pin_clients()}")
     if a.per_token:
         per_token(k, a.per_token, a.rounds)
         return

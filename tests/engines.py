@@ -208,10 +208,16 @@ ENGINE_PARAMS = [pytest.param("sim"), pytest.param("sglang", marks=pytest.mark.s
 
 
 def engine_argv(
-    kind: str, port: int, flags: tuple[str, ...], api_key: str | None, sim_flags: tuple[str, ...] = ()
+    kind: str,
+    port: int,
+    flags: tuple[str, ...],
+    api_key: str | None,
+    sim_flags: tuple[str, ...] = (),
+    cpus: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment that launch ``kind`` on ``port`` with SGLang ``flags``
-    (``sim_flags``: the sim's own knobs, for the sim only)."""
+    (``sim_flags``: the sim's own knobs, for the sim only). With ``cpus`` (a taskset list, e.g.
+    ``"1"``), SGLang runs on those cores only, with one torch thread per core given."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     if api_key:
         common += ["--api-key", api_key]
@@ -230,7 +236,19 @@ def engine_argv(
         *common,
         *flags,
     ]
-    return argv, {**os.environ, **env.env()}
+    if cpus is None:
+        return argv, {**os.environ, **env.env()}
+    threads = str(len(os.sched_getaffinity(0) & _cpu_set(cpus)) or 1)
+    pinned = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    return ["taskset", "-c", cpus, *argv], {**os.environ, **env.env(), **pinned}
+
+
+def _cpu_set(cpus: str) -> set[int]:
+    out: set[int] = set()
+    for part in cpus.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
 
 
 def start_engine(
@@ -241,6 +259,7 @@ def start_engine(
     wait_ready: bool = True,
     sim_flags: tuple[str, ...] = (),
     port: int | None = None,
+    cpus: str | None = None,
 ) -> Engine:
     """Launch ``kind`` (``sim`` or ``sglang``) on ``port`` or a free one; with ``wait_ready``,
     return once its own process answers /health 200. SGLang binds its port only after loading
@@ -248,7 +267,7 @@ def start_engine(
     another (never when ``port`` is given)."""
     for _ in range(1 if port else 3):
         port = port or free_port()
-        argv, env = engine_argv(kind, port, flags, api_key, sim_flags)
+        argv, env = engine_argv(kind, port, flags, api_key, sim_flags, cpus)
         proc = process.launch(argv, env, workdir / f"{kind}-{port}.log", banner=f"# {' '.join(argv)}")
         engine = Engine(kind, f"http://127.0.0.1:{port}", port, proc, api_key)
         if not wait_ready:
