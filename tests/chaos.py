@@ -608,6 +608,7 @@ class Audit:
     wrong_text: list[str] = field(default_factory=list)
     wrong_usage: list[str] = field(default_factory=list)
     ledger_problems: list[str] = field(default_factory=list)
+    sealed: int = 0  # done jobs whose result was in a shard (their continuation counts are not known)
     continued_jobs: int = 0
     continued_tokens: int = 0
     restarted: int = 0
@@ -682,6 +683,7 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
     failed_keys: set[bytes] = set()
     for state, result, error_class, retries, attempts, spec in pipe.execute():
         s = (state or b"?").decode()
+        s = "done" if s == "sealed" else s  # a sealed job is done; its result is in its shard
         actual[s] = actual.get(s, 0) + 1
         a.retries += int(retries or 0)
         a.max_attempts = max(a.max_attempts, int(attempts or 0))
@@ -689,9 +691,10 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
             cls = (error_class or b"?").decode()
             a.failed[cls] = a.failed.get(cls, 0) + 1
             failed_keys.add(prompt_key(orjson.loads(spec)["request"]["messages"]))
-        elif s == "done" and result:
-            res = orjson.loads(result)
+        elif s == "done":
             a.done += 1
+            a.sealed += not result
+            res = orjson.loads(result or b"{}")
             a.continued_jobs += bool(res.get("continued_tokens"))
             a.continued_tokens += int(res.get("continued_tokens") or 0)
             a.restarted += bool(res.get("restarted"))

@@ -37,6 +37,9 @@ def test_demo_exports_both_partitions_and_leaves_nothing_running(tmp_path: Path)
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "200 new" in res.stdout and f"Completions are in {out}" in res.stdout
+    # the sealer moved every result into shards before the export, which read them from there
+    assert "sealed  200 of 200 done results" in res.stdout, res.stdout
+    assert "200 rows read from sealed shards, 0 from Redis" in res.stdout, res.stdout
     rows = {p.stem: [orjson.loads(x) for x in p.read_bytes().splitlines()] for p in out.glob("*.jsonl")}
     assert sorted(rows) == ["B1", "B2"] and len(rows["B1"]) == 120 and len(rows["B2"]) == 80
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in rows["B1"])
