@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ results_url_option = click.option(
     help="The result store (a directory or an fsspec URL such as s3://bucket/prefix); default: "
     "TOKENMILL_RESULTS_URL, else ~/.local/share/tokenmill/results.",
 )
-LOCK_TTL_S = 60.0
+LOCK_TTL_S = 30.0  # a sealer that died holding the lock delays the next one at most this long
 
 
 def make_sealer(
@@ -101,11 +102,12 @@ def seal(
         settings = settings.replace(results_url=results_url)
     store = ResultStore(settings.results_location)
     lock = client.lock(keys.seal_lock(), timeout=LOCK_TTL_S)
+    token = uuid.uuid4().hex  # this process's: a lock it held when Redis went away is its own
     sealer = make_sealer(settings, client, store, crash_at, on_shard=lambda: _extend(lock))
     click.echo(f"sealing into {store.url}" + (f" (runs: {', '.join(runs)})" if runs else ""))
     while True:
         try:
-            _pass(lock, sealer, list(runs) or None, force, once)
+            _pass(lock, token, sealer, list(runs) or None, force, once)
         except (RedisError, TokenmillError) as exc:
             if once:
                 raise
@@ -115,9 +117,12 @@ def seal(
         time.sleep(settings.seal_check_s)
 
 
-def _pass(lock: Lock, sealer: Sealer, runs: list[str] | None, force: bool, once: bool) -> None:
+def _pass(lock: Lock, token: str, sealer: Sealer, runs: list[str] | None, force: bool, once: bool) -> None:
     """One pass under the seal lock (waited for with ``once``, else skipped when taken)."""
-    if not lock.acquire(blocking=once, blocking_timeout=LOCK_TTL_S if once else None):
+    # A pass cut short by a Redis outage could not release the lock; the restarted Redis has it
+    # back from its AOF, still ours: release it (compare-and-delete) rather than wait it out.
+    lock.lua_release(keys=[lock.name], args=[token], client=lock.redis)
+    if not lock.acquire(blocking=once, blocking_timeout=LOCK_TTL_S if once else None, token=token):
         if once:
             raise click.ClickException("another sealer held the seal lock for a minute; try again")
         return

@@ -43,7 +43,7 @@ log = logging.getLogger("tokenmill.seal")
 
 # Where a test may kill the sealer, in protocol order (``tokenmill seal --crash-at STEP``).
 STEPS = ("reserved", "specs_written", "tmp_written", "shard_written", "half_marked")
-MARK_CHUNK = 500  # jobs per seal.lua call: bounds how long one call blocks Redis
+MARK_CHUNK = 250  # jobs per seal.lua call: bounds how long one call blocks Redis
 READ_CHUNK = 500
 _FIELDS = ("state", "seq", "spec", "result", "truncated", "queue", "hash", "source", "shard")
 
