@@ -138,7 +138,7 @@ def _pass(lock: Lock, token: str, sealer: Sealer, runs: list[str] | None, force:
             f"sealed {report.jobs} result(s) into {report.shards} shard(s), {report.bytes:,} bytes"
             + (f"; completed {report.recovered} half-done seal(s)" if report.recovered else "")
         )
-    for run, other in report.other_store.items():
+    for run, other in report.other_store.items() if once else ():
         click.echo(f"run {run}: not sealed, its shards are in {other} (use --results-url {other})")
 
 

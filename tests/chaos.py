@@ -276,6 +276,7 @@ class Cluster:
     deaths: list[str] = field(default_factory=list)  # workers that stopped by themselves
     faults: list[Fault] = field(default_factory=list)
     generated_by_dead_sims: int = 0
+    sealer: Proc | None = None
     _client: redis.Redis | None = None
 
     @classmethod
@@ -377,6 +378,25 @@ class Cluster:
             for line in p.output().splitlines()
             if TASK_CRASH in line
         ]
+
+    @property
+    def store(self) -> Path:
+        """The result store the sealer writes shards to."""
+        return self.workdir / "store"
+
+    @property
+    def seal_env(self) -> dict[str, str]:
+        return {**self.env, "TOKENMILL_RESULTS_URL": str(self.store)}
+
+    def start_sealer(self, **settings: Any) -> Proc:
+        """A ``tokenmill seal`` loop on the cluster's result store."""
+        env = {**self.seal_env, **{f"TOKENMILL_{k.upper()}": str(v) for k, v in settings.items()}}
+        args = [sys.executable, "-m", "tokenmill.cli", "seal"]
+        self.sealer = spawn(args, self.workdir / f"sealer-{free_port()}.log", env=env)
+        self.procs.append(self.sealer)
+        wait_for(lambda: "sealing into" in self.sealer.output() or not self.sealer.alive(), 30, "the sealer")
+        assert self.sealer.alive(), self.sealer.output()
+        return self.sealer
 
     def close(self) -> None:
         """Kill every process this cluster started (the test or benchmark is over)."""
@@ -512,6 +532,37 @@ def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> 
     c.redis.start()
     notes = {"done_before": done_before, "done_after_restart": state_counts(c.client, run)["done"]}
     return _record(c, Fault("redis SIGKILL", at, hit, notes))
+
+
+def crash_sealer(c: Cluster, step: str) -> Fault:
+    """``tokenmill seal --once --all --crash-at STEP``: a sealer that SIGKILLs itself at that step
+    of the protocol (the loop keeps running beside it); its lock is then let go, as its TTL would
+    after at most 30 s."""
+    res = cli("seal", "--once", "--all", "--crash-at", step, env=c.seal_env, check=False, timeout=120)
+    at = time.time()
+    c.client.delete(keys.seal_lock())
+    notes = {"step": step, "returncode": res.returncode, "output": (res.stdout + res.stderr)[-500:]}
+    return _record(c, Fault("sealer SIGKILL", at, {}, notes))
+
+
+def sealed_count(client: redis.Redis, run: str) -> int:
+    return sum(int(v) for v in client.hvals(keys.RunKeys(run).sealed()))
+
+
+def delete_shard(c: Cluster, run: str) -> Fault:
+    """Delete one sealed shard file of ``run`` from the store; note what export and repair say."""
+    victim = sorted(c.store.glob(f"{run}/*/*.parquet"))[0]
+    victim.unlink()
+    at = time.time()
+    export = cli("export", "--run", run, "--out", str(c.workdir / "lost-export"), env=c.env, check=False)
+    repair = cli("repair", "--run", run, env=c.env, check=False)
+    notes = {
+        "shard": victim.stem,
+        "export_named_it": export.returncode == 2 and f"shard {victim.stem}" in export.stderr,
+        "repair": repair.stdout.strip().splitlines(),
+        "repair_returncode": repair.returncode,
+    }
+    return _record(c, Fault("shard deleted", at, {}, notes))
 
 
 def resume(c: Cluster, run: str) -> str:

@@ -290,14 +290,25 @@ def test_delete_without_results_keeps_the_shards_and_says_where(
 def test_a_sealer_with_another_store_leaves_the_run_to_the_store_it_started_in(
     tmp_path: Path, rclient: redis.Redis, env: dict[str, str], store: Path
 ) -> None:
+    # Given a run sealed into one store, with a seal of it left half done (its sealer died)
     sealing.done_run(tmp_path, rclient, env, "r", {"B1": 150})
-    sealing.seal({**env, "TOKENMILL_SEAL_BATCH_JOBS": "100", "TOKENMILL_SEAL_AFTER_S": "3600"})
+    sealing.seal({**env, "TOKENMILL_SEAL_AFTER_S": "3600"}, "--run", "r")
     cli("enqueue", str(write_jsonl(tmp_path / "x.jsonl", [{"prompt": "late"}])), "--run", "r", env=env)
+    finish_jobs(rclient, "r", mean_output_tokens=sealing.MEAN)
+    res = cli("seal", "--once", "--all", "--crash-at", "reserved", env=env, check=False)
+    assert res.returncode == -9, res.stdout + res.stderr
+    rclient.delete(keys.seal_lock())  # what its TTL would do
 
+    # When a sealer configured with another store runs
     out = sealing.seal({**env, "TOKENMILL_RESULTS_URL": str(tmp_path / "elsewhere")}, "--all")
 
+    # Then it leaves the run alone, half-done seal included, and says where its shards are
     assert f"its shards are in {store}" in out, out
-    assert not (tmp_path / "elsewhere" / "r").exists()
+    assert not (tmp_path / "elsewhere").exists()
+    assert rclient.scard(keys.RunKeys("r").seals_pending()) == 1
+    # and a sealer of the run's own store completes it
+    assert "completed 1 half-done seal(s)" in sealing.seal(env)
+    assert sealing.job_states(rclient, "r") == {"sealed": 151}
 
 
 def test_bad_sealing_settings_are_refused_by_name(tmp_path: Path, redis_url: str) -> None:

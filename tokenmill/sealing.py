@@ -115,6 +115,7 @@ class Sealer:
         self.after_ms = int(after_s * 1000)
         self.fault = fault
         self.on_shard = on_shard or (lambda: None)
+        self.warned: set[str] = set()  # runs whose shards are in another store
         self._reserve = register(client, "seal_reserve")
         self._seal = register(client, "seal")
 
@@ -133,7 +134,11 @@ class Sealer:
         (``force``: every done result now). A partition with no queued or running job left is
         always due: the end of a run is sealed without waiting."""
         k = keys.RunKeys(run)
-        report = SealReport(recovered=self.recover(run))
+        report = SealReport()
+        recorded = self.r.get(k.results_store())
+        if recorded is not None and recorded.decode() != self.store.url:
+            return self._elsewhere(report, run, recorded.decode())
+        report.recovered = self.recover(run)
         counts: dict[str, dict[str, int]] = {}
         for field_, value in self.r.hgetall(k.counts()).items():
             state, partition = keys.split_count_field(field_.decode())
@@ -150,7 +155,11 @@ class Sealer:
                 verdict = reply[0].decode()
                 if verdict == "store":
                     report.other_store[run] = reply[1].decode()
-                    log.warning("run %s: its shards are in %s, not here; not sealed", run, reply[1].decode())
+                    if run not in self.warned:  # once per run, not every pass
+                        self.warned.add(run)
+                        log.warning(
+                            "run %s: its shards are in %s, not here; not sealed", run, reply[1].decode()
+                        )
                     return report
                 if verdict != "ok":
                     break
@@ -160,6 +169,14 @@ class Sealer:
                 report.jobs += rows
                 report.bytes += nbytes
                 self.on_shard()
+        return report
+
+    def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
+        """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
+        report.other_store[run] = store
+        if run not in self.warned:
+            self.warned.add(run)
+            log.warning("run %s: its shards are in %s, not here; not sealed", run, store)
         return report
 
     # -- recovery ---------------------------------------------------------------------------

@@ -70,11 +70,10 @@ class Settings:
     shutdown_grace_s: float = 30.0
 
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
-    results_url: str = ""  # a directory or an fsspec URL; empty: see results_location
+    results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
     seal_after_s: float = 60.0  # ...or once the oldest has waited this long
     seal_check_s: float = 5.0  # how often a sealer looks
-    seal_in_workers: bool = True  # workers seal (one at a time) when results_url is set
 
     @property
     def server_urls(self) -> tuple[str, ...]:
