@@ -42,7 +42,7 @@ from pathlib import Path
 from _common import exit_on_sigterm, machine, median, table, workdir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
-from tests import chaos
+from tests import chaos, sealing
 from tests.chaos import Cluster, Fault, Workload
 from tests.procs import worker_env
 from tokenmill import keys
@@ -152,7 +152,7 @@ class Chaos:
         """A second sealer SIGKILLed at each step of the protocol in turn (the loop runs on)."""
         for step in STEPS:
             f = chaos.crash_sealer(self.c, step)
-            died = f.notes["returncode"] == -9
+            died = f.notes["output"] == "killed"
             log(f"sealer SIGKILL at {step} #{rep + 1}: " + ("died there" if died else "nothing to seal then"))
             if not died and "sealed 0 result(s)" not in f.notes["output"]:
                 self.failures.append(f"sealer crash at {step} #{rep + 1}: {f.notes['output']}")
@@ -242,7 +242,7 @@ def wait_sealed(
     """Wait until the sealer has sealed every done job of ``wls``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = {wl.run: chaos.state_counts(c.client, wl.run)["done"] - chaos.sealed_count(c.client, wl.run)
+        left = {wl.run: chaos.state_counts(c.client, wl.run)["done"] - sealing.sealed_count(c.client, wl.run)
                 for wl in wls}  # fmt: skip
         if not any(left.values()):
             log(f"every done job sealed ({', '.join(wl.run for wl in wls)})")
@@ -289,7 +289,7 @@ def fault_table(faults: list[Fault]) -> str:
     at_kill = ", ".join(str(f.notes["jobs_at_kill"]) for f in faults if f.kind == "producer SIGKILL")
     rows.append(["producer SIGKILL", injected["producer SIGKILL"], f"jobs existing at each kill: {at_kill}"])
     died = Counter(
-        f.notes["step"] for f in faults if f.kind == "sealer SIGKILL" and f.notes["returncode"] == -9
+        f.notes["step"] for f in faults if f.kind == "sealer SIGKILL" and f.notes["output"] == "killed"
     )
     steps = ", ".join(f"{step} {died[step]}" for step in STEPS)
     rows.append(["sealer SIGKILL (--crash-at)", injected["sealer SIGKILL"], f"died at: {steps}"])
@@ -314,7 +314,7 @@ def seal_table(c: Cluster, audits: dict[str, chaos.Audit]) -> str:
     for run, a in audits.items():
         k = keys.RunKeys(run)
         shards = sum(c.client.scard(k.shards(p.decode())) for p in c.client.smembers(k.partitions()))
-        rows.append([run, a.prompts, chaos.sealed_count(c.client, run), shards, a.sealed, a.exported])
+        rows.append([run, a.prompts, sealing.sealed_count(c.client, run), shards, a.sealed, a.exported])
     return table(
         ["run", "jobs", "sealed at the end", "shards", "rows read from shards", "rows exported"], rows
     )

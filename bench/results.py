@@ -46,7 +46,7 @@ from _common import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
 from server_mgr.sim.textgen import VOCAB
-from tests.finishing import all_ids, finish_jobs
+from tests.finishing import all_job_ids, finish_jobs
 from tokenmill import keys
 
 MEAN_OUTPUT_TOKENS = 250
@@ -130,7 +130,7 @@ def _finish_slice(url: str, run: str, ids: list[str]) -> int:
 def finish(url: str, client: redis.Redis, run: str, ids: list[str] | None = None) -> tuple[int, float]:
     """Finish ``ids`` (default: every job) in two processes; then drop what workers would have
     consumed (broker messages, backlog ids). Returns (jobs, seconds)."""
-    ids = all_ids(client, run) if ids is None else ids
+    ids = all_job_ids(client, run) if ids is None else ids
     start = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(2) as pool:
         done = sum(pool.starmap(_finish_slice, [(url, run, ids[0::2]), (url, run, ids[1::2])]))
@@ -285,7 +285,7 @@ def rss_run(args: argparse.Namespace, where: Path, children: Children) -> list[s
     paths, _, _ = write_dataset(where, n, seed=2)
     base = used(client)
     enqueue(where, env, "big", paths)
-    ids = all_ids(client, "big")
+    ids = all_job_ids(client, "big")
     for p in paths:
         p.unlink()
     seal_s = finish_s = 0.0

@@ -136,14 +136,18 @@ def sealed_shards(ledger: Ledger, partition: str) -> list[str]:
     return sorted(x.decode() for x in ledger.r.smembers(ledger.k.shards(partition)))
 
 
+def sealed_by_shard(ledger: Ledger, partition: str) -> dict[str, list[str]]:
+    """Shard id → the jobs the ledger says it seals (one scan of the partition's jobs)."""
+    out: dict[str, list[str]] = {}
+    for job_id, (state, shard) in ledger.iter_jobs(partition, ("state", "shard"), batch=2000):
+        if state == b"sealed" and shard is not None:
+            out.setdefault(shard.decode(), []).append(job_id)
+    return out
+
+
 def jobs_of_shard(ledger: Ledger, partition: str, shard_id: str) -> list[str]:
-    """The jobs the ledger says ``shard_id`` seals (a scan of the partition's jobs)."""
-    want = shard_id.encode()
-    return [
-        job_id
-        for job_id, (state, shard) in ledger.iter_jobs(partition, ("state", "shard"), batch=2000)
-        if state == b"sealed" and shard == want
-    ]
+    """The jobs the ledger says ``shard_id`` seals."""
+    return sealed_by_shard(ledger, partition).get(shard_id, [])
 
 
 def check_shards(ledger: Ledger, reader: ShardReader) -> dict[str, tuple[str, list[str]]]:

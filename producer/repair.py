@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from producer.export_rows import sealed_by_shard
 from tokenmill.ledger import Ledger, register
 from tokenmill.results import ResultStore
 from tokenmill.sealing import Sealer
@@ -46,15 +47,6 @@ class RepairSummary:
                 f"lost too: {', '.join(jobs[:10])}"
             )
         return out
-
-
-def sealed_by_shard(ledger: Ledger, partition: str) -> dict[str, list[str]]:
-    """Shard id → the jobs the ledger says it seals (one scan of the partition's jobs)."""
-    out: dict[str, list[str]] = {}
-    for job_id, (state, shard) in ledger.iter_jobs(partition, ("state", "shard"), batch=2000):
-        if state == b"sealed" and shard is not None:
-            out.setdefault(shard.decode(), []).append(job_id)
-    return out
 
 
 def shard_problem(store: ResultStore, run: str, partition: str, shard_id: str, jobs: list[str]) -> str | None:

@@ -27,6 +27,8 @@ from typing import Any
 import orjson
 import redis
 
+from tests import sealing
+from tests.finishing import all_job_ids
 from tests.pipeline import cli, expected_for, read_export, write_jsonl
 from tests.procs import Proc, RedisServer, spawn, start_sim, wait_for, worker_env
 from tokenmill import keys
@@ -132,15 +134,6 @@ def job_views(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str
     for job_id in ids:
         pipe.hmget(k.job(job_id), list(JOB_FIELDS))
     return {j: _view(j, v) for j, v in zip(ids, pipe.execute(), strict=True)}
-
-
-def all_job_ids(client: redis.Redis, run: str) -> list[str]:
-    """Every job id of ``run``, partition by partition, in enqueue order."""
-    k = keys.RunKeys(run)
-    out: list[str] = []
-    for part in sorted(p.decode() for p in client.smembers(k.partitions())):
-        out += [x.decode() for x in client.lrange(k.jobs(part), 0, -1)]
-    return out
 
 
 def running_jobs(client: redis.Redis, run: str) -> dict[str, JobView]:
@@ -535,18 +528,10 @@ def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> 
 
 
 def crash_sealer(c: Cluster, step: str) -> Fault:
-    """``tokenmill seal --once --all --crash-at STEP``: a sealer that SIGKILLs itself at that step
-    of the protocol (the loop keeps running beside it); its lock is then let go, as its TTL would
-    after at most 30 s."""
-    res = cli("seal", "--once", "--all", "--crash-at", step, env=c.seal_env, check=False, timeout=120)
-    at = time.time()
-    c.client.delete(keys.seal_lock())
-    notes = {"step": step, "returncode": res.returncode, "output": (res.stdout + res.stderr)[-500:]}
-    return _record(c, Fault("sealer SIGKILL", at, {}, notes))
-
-
-def sealed_count(client: redis.Redis, run: str) -> int:
-    return sum(int(v) for v in client.hvals(keys.RunKeys(run).sealed()))
+    """A second sealer (``--once --all``) SIGKILLed at ``step`` of the protocol while the loop
+    runs on (``tests.sealing.crash_sealer``)."""
+    out = sealing.crash_sealer(c.seal_env, step, "--all")
+    return _record(c, Fault("sealer SIGKILL", time.time(), {}, {"step": step, "output": out}))
 
 
 def delete_shard(c: Cluster, run: str) -> Fault:

@@ -13,12 +13,17 @@ from collections.abc import Iterable
 import redis
 
 from server_mgr.sim.textgen import expected_completion
+from tokenmill import keys
 from tokenmill.ledger import Claim, Ledger
 
 
-def all_ids(client: redis.Redis, run: str) -> list[str]:
-    ledger = Ledger(client, run)
-    return [x.decode() for p in sorted(ledger.counts()) for x in client.lrange(ledger.k.jobs(p), 0, -1)]
+def all_job_ids(client: redis.Redis, run: str) -> list[str]:
+    """Every job id of ``run``, partition by partition, in enqueue order."""
+    k = keys.RunKeys(run)
+    out: list[str] = []
+    for part in sorted(p.decode() for p in client.smembers(k.partitions())):
+        out += [x.decode() for x in client.lrange(k.jobs(part), 0, -1)]
+    return out
 
 
 def finish_jobs(
@@ -33,7 +38,7 @@ def finish_jobs(
     each request; returns how many were committed."""
     ledger = Ledger(client, run)
     committed = 0
-    for job_id in list(job_ids) if job_ids is not None else all_ids(client, run):
+    for job_id in list(job_ids) if job_ids is not None else all_job_ids(client, run):
         claim = ledger.claim(job_id, "finisher", 60)
         if not isinstance(claim, Claim):
             continue

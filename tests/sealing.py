@@ -3,6 +3,7 @@ an export holds every distinct prompt exactly once."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,20 @@ def export(env: dict[str, str], run: str, out: Path, *more: str) -> dict[str, by
 def seal(env: dict[str, str], *more: str, check: bool = True) -> str:
     res = cli("seal", "--once", *more, env=env, check=check)
     return res.stdout + res.stderr
+
+
+def crash_sealer(env: dict[str, str], step: str, *more: str) -> str:
+    """``tokenmill seal --once --crash-at STEP``: a sealer that SIGKILLs itself at that step (or
+    finds nothing to seal); then its seal lock is let go, as its TTL would after at most 30 s.
+    Returns what it printed, and ``killed`` when it died there."""
+    res = cli("seal", "--once", *more, "--crash-at", step, env=env, check=False, timeout=120)
+    redis.Redis.from_url(env["TOKENMILL_REDIS_URL"]).delete(keys.seal_lock())
+    return "killed" if res.returncode == -signal.SIGKILL else res.stdout + res.stderr
+
+
+def sealed_count(client: redis.Redis, run: str) -> int:
+    """Jobs of ``run`` sealed so far (the sealed counts hash, summed over partitions)."""
+    return sum(int(v) for v in client.hvals(keys.RunKeys(run).sealed()))
 
 
 def prompts_once(files: dict[str, bytes]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import redis
 from producer.export import export_row
 from producer.export_rows import RowCounts, ShardReader, partition_rows
 from tests import sealing
-from tests.finishing import all_ids, finish_jobs
+from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
 from tokenmill.ledger import Claim, Ledger
@@ -61,7 +61,7 @@ def test_sealed_jobs_keep_only_their_state_hash_and_shard_and_the_export_is_byte
     assert sealing.job_states(rclient, "r") == {"sealed": 400}
     # and each job hash keeps its state, content hash and shard id, and nothing else
     k = keys.RunKeys("r")
-    job_id = all_ids(rclient, "r")[0]
+    job_id = all_job_ids(rclient, "r")[0]
     job = rclient.hgetall(k.job(job_id))
     assert set(job) == {b"state", b"hash", b"shard"} and job[b"hash"] == job_id.encode()
     assert rclient.object("encoding", k.job(job_id)) == b"listpack"
@@ -109,7 +109,7 @@ def test_a_partition_still_running_is_sealed_in_full_batches_then_once_its_oldes
     # Given 250 jobs of which 230 are done and 20 still queued (the partition is not finished)
     env = sealing.sealing_env(redis_url, store, seal_batch_jobs=100, seal_after_s=3600)
     sealing.enqueue_run(tmp_path, env, "r", {"P": 250})
-    finish_jobs(rclient, "r", all_ids(rclient, "r")[:230], mean_output_tokens=sealing.MEAN)
+    finish_jobs(rclient, "r", all_job_ids(rclient, "r")[:230], mean_output_tokens=sealing.MEAN)
 
     # When the sealer runs: only full batches of 100 are due
     assert "sealed 200 result(s) into 2 shard(s)" in sealing.seal(env)
@@ -127,7 +127,7 @@ def test_an_export_of_a_half_sealed_run_equals_the_export_of_an_unsealed_one(
     # sealed before the rest were done (so sealed and Redis rows interleave in enqueue order)
     sealing.done_run(tmp_path, rclient, env, "plain", {"B1": 200})
     sealing.enqueue_run(tmp_path, env, "mixed", {"B1": 200})
-    ids = all_ids(rclient, "mixed")
+    ids = all_job_ids(rclient, "mixed")
     finish_jobs(rclient, "mixed", ids[::2], mean_output_tokens=sealing.MEAN)
     sealing.seal(env, "--run", "mixed", "--all")
     finish_jobs(rclient, "mixed", ids[1::2], mean_output_tokens=sealing.MEAN)
@@ -204,7 +204,7 @@ def test_a_lost_shard_is_named_with_its_jobs_and_repair_brings_every_row_back(
     shard_id = victim.stem
     held = [
         j
-        for j in all_ids(rclient, "r")
+        for j in all_job_ids(rclient, "r")
         if rclient.hget(keys.RunKeys("r").job(j), "shard") == shard_id.encode()
     ]
     assert len(held) == 100
@@ -258,7 +258,7 @@ def test_delete_refuses_while_a_worker_holds_a_job_unless_forced_and_results_rem
     sealing.seal(env)
     cli("enqueue", str(write_jsonl(tmp_path / "more.jsonl", [{"prompt": "one more"}])), "--run", "r", env=env)
     job_id = next(
-        j for j in all_ids(rclient, "r") if rclient.hget(keys.RunKeys("r").job(j), "state") == b"queued"
+        j for j in all_job_ids(rclient, "r") if rclient.hget(keys.RunKeys("r").job(j), "state") == b"queued"
     )
     assert isinstance(Ledger(rclient, "r").claim(job_id, "busy-worker", 60), Claim)
 
@@ -295,9 +295,7 @@ def test_a_sealer_with_another_store_leaves_the_run_to_the_store_it_started_in(
     sealing.seal({**env, "TOKENMILL_SEAL_AFTER_S": "3600"}, "--run", "r")
     cli("enqueue", str(write_jsonl(tmp_path / "x.jsonl", [{"prompt": "late"}])), "--run", "r", env=env)
     finish_jobs(rclient, "r", mean_output_tokens=sealing.MEAN)
-    res = cli("seal", "--once", "--all", "--crash-at", "reserved", env=env, check=False)
-    assert res.returncode == -9, res.stdout + res.stderr
-    rclient.delete(keys.seal_lock())  # what its TTL would do
+    assert sealing.crash_sealer(env, "reserved", "--all") == "killed"
 
     # When a sealer configured with another store runs
     out = sealing.seal({**env, "TOKENMILL_RESULTS_URL": str(tmp_path / "elsewhere")}, "--all")

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from tests import sealing
-from tests.finishing import all_ids
+from tests.finishing import all_job_ids
 from tests.pipeline import cli, expected_for, read_export, wait_run_finished
 from tests.procs import Proc, RedisServer, spawn, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
@@ -28,22 +28,15 @@ ROWS = 2 * MARK_CHUNK + 100  # one shard, marked in three chunks: "half_marked" 
 
 
 def sealer_crash(env: dict[str, str], step: str) -> None:
-    """``tokenmill seal --once`` SIGKILLs itself at ``step``; then its seal lock is let go, as its
-    TTL would let it go after at most 30 s."""
-    res = cli("seal", "--once", "--crash-at", step, env=env, check=False)
-    assert res.returncode == -signal.SIGKILL, f"the sealer did not die at {step}: {res.stdout}{res.stderr}"
-    redis.Redis.from_url(env["TOKENMILL_REDIS_URL"]).delete(keys.seal_lock())
-
-
-def sealed_count(client: redis.Redis, run: str) -> int:
-    return sum(int(v) for v in client.hvals(keys.RunKeys(run).sealed()))
+    out = sealing.crash_sealer(env, step)
+    assert out == "killed", f"the sealer did not die at {step}: {out}"
 
 
 def assert_all_sealed_once(client: redis.Redis, run: str, store: Path, jobs: int) -> None:
     """Every job sealed, no seal half done, no temporary file left."""
     k = keys.RunKeys(run)
     assert sealing.job_states(client, run) == {"sealed": jobs}
-    assert sealed_count(client, run) == jobs
+    assert sealing.sealed_count(client, run) == jobs
     assert client.scard(k.seals_pending()) == 0
     assert list(store.rglob("*.tmp")) == []
 
@@ -142,15 +135,15 @@ def test_a_sealer_loop_rides_through_a_redis_sigkill_mid_run(tmp_path: Path, pro
         procs.append(spawn([sys.executable, "-m", "tokenmill.cli", "seal"], tmp_path / "seal.log", env=env))
 
         # When Redis is SIGKILLed as soon as the first shard is sealed, and restarted 1 s later
-        wait_for(lambda: sealed_count(client, "r") > 0, 60, "the first shard", every=0.005)
+        wait_for(lambda: sealing.sealed_count(client, "r") > 0, 60, "the first shard", every=0.005)
         server.kill(signal.SIGKILL)
         quick = redis.Redis.from_url(server.url, socket_connect_timeout=1)
         server.start()
-        at_restart = sealed_count(quick, "r")
+        at_restart = sealing.sealed_count(quick, "r")
         assert at_restart < 3000, "the sealer finished before Redis was killed: nothing was tested"
 
         # Then the loop carries on and seals every job exactly once
-        wait_for(lambda: sealed_count(client, "r") == 3000, 120, "every job to be sealed")
+        wait_for(lambda: sealing.sealed_count(client, "r") == 3000, 120, "every job to be sealed")
         wait_for(lambda: client.scard(keys.RunKeys("r").seals_pending()) == 0, 30, "no seal half done")
         assert procs[-1].alive(), procs[-1].output()
         assert_all_sealed_once(client, "r", store, 3000)
@@ -178,7 +171,7 @@ def test_a_shard_deleted_under_a_live_pipeline_on_s3_is_named_then_repaired_and_
     procs.append(start_worker(tmp_path, "long", env, concurrency=4))
     procs.append(spawn([sys.executable, "-m", "tokenmill.cli", "seal"], tmp_path / "seal.log", env=env))
     wait_run_finished(rclient, "e2e", 150)
-    wait_for(lambda: sealed_count(rclient, "e2e") == 300, 60, "every result sealed")
+    wait_for(lambda: sealing.sealed_count(rclient, "e2e") == 300, 60, "every result sealed")
 
     # Then the export, read from S3, holds every prompt once with the sim's exact text
     first = sealing.export(env, "e2e", tmp_path / "first")
@@ -204,7 +197,7 @@ def test_a_shard_deleted_under_a_live_pipeline_on_s3_is_named_then_repaired_and_
     out = cli("repair", "--run", "e2e", env=env).stdout
     assert f"shard {shard_id}:" in out and "50 job(s) put back to queued" in out, out
     wait_run_finished(rclient, "e2e", 120)
-    wait_for(lambda: sealed_count(rclient, "e2e") == 300, 60, "the repaired jobs sealed again")
+    wait_for(lambda: sealing.sealed_count(rclient, "e2e") == 300, 60, "the repaired jobs sealed again")
     assert sealing.export(env, "e2e", tmp_path / "again") == first
 
     # And `delete --results` removes the run's objects and keys
@@ -212,4 +205,4 @@ def test_a_shard_deleted_under_a_live_pipeline_on_s3_is_named_then_repaired_and_
         p.stop()
     cli("delete", "--run", "e2e", "--results", env=env)
     assert fs.glob("tm-e2e/results/e2e/**") == [] and list(rclient.scan_iter(match="tm:e2e:*")) == []
-    assert all_ids(rclient, "e2e") == []
+    assert all_job_ids(rclient, "e2e") == []
