@@ -10,9 +10,11 @@ from typing import Any
 import orjson
 import redis
 
+from producer.export import export_row
 from tests.finishing import finish_jobs
 from tests.pipeline import cli, mixed_rows, write_jsonl
 from tokenmill import keys
+from tokenmill.ledger import Ledger
 
 MEAN = 40
 MAX_TOKENS = 60
@@ -66,6 +68,23 @@ def crash_sealer(env: dict[str, str], step: str, *more: str) -> str:
 def sealed_count(client: redis.Redis, run: str) -> int:
     """Jobs of ``run`` sealed so far (the sealed counts hash, summed over partitions)."""
     return sum(int(v) for v in client.hvals(keys.RunKeys(run).sealed()))
+
+
+def export_as_before_sealing(client: redis.Redis, run: str) -> dict[str, bytes]:
+    """The export as tokenmill wrote it before sealing existed (its ``export_run`` up to commit
+    71e4cb9, with ``--include-truncated``): per partition, each done job in enqueue order, its
+    export row as one JSON line. Read from Redis, so only meaningful before anything is sealed."""
+    ledger = Ledger(client, run)
+    out: dict[str, bytes] = {}
+    for partition in sorted(ledger.counts()):
+        lines = []
+        for job_id, (state, spec, result) in ledger.iter_jobs(partition, ("state", "spec", "result")):
+            if state != b"done" or result is None or spec is None:
+                continue
+            row = export_row(job_id, partition, orjson.loads(spec), orjson.loads(result))
+            lines.append(orjson.dumps(row) + b"\n")
+        out[f"{partition}.jsonl"] = b"".join(lines)
+    return out
 
 
 def prompts_once(files: dict[str, bytes]) -> dict[str, int]:

@@ -45,9 +45,11 @@ def shard_files(store: Path, run: str) -> list[Path]:
 def test_sealed_jobs_keep_only_their_state_hash_and_shard_and_the_export_is_byte_identical(
     tmp_path: Path, rclient: redis.Redis, env: dict[str, str], store: Path
 ) -> None:
-    # Given a run of 400 done jobs in two partitions, exported while every result is in Redis
+    # Given a run of 400 done jobs in two partitions, exported while every result is in Redis:
+    # what tokenmill exported before sealing existed
     assert sealing.done_run(tmp_path, rclient, env, "r", SIZES) == 400
     before = sealing.export(env, "r", tmp_path / "before")
+    assert before == sealing.export_as_before_sealing(rclient, "r")
     before_pq = sealing.export(env, "r", tmp_path / "before-pq", "--format", "parquet")
     bytes_done = sealing.run_key_bytes(rclient, "r")
 
