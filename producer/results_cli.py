@@ -40,11 +40,12 @@ def make_sealer(
     store: ResultStore,
     crash_at: str | None = None,
     on_shard: Callable[[], None] | None = None,
+    mark_chunk: int | None = None,
 ) -> Sealer:
     """A sealer building rows with the export's own row builder; ``crash_at`` names a protocol
     step where the process kills itself (the chaos tests' fault hook)."""
     from producer.export import export_row
-    from tokenmill.sealing import Sealer
+    from tokenmill.sealing import MARK_CHUNK, Sealer
 
     def fault(step: str) -> None:
         if step == crash_at:  # the chaos tests' hook: die here, as a crash would
@@ -58,6 +59,7 @@ def make_sealer(
         after_s=settings.seal_after_s,
         fault=fault,
         on_shard=on_shard,
+        mark_chunk=mark_chunk or MARK_CHUNK,
     )
 
 
@@ -75,6 +77,7 @@ def _check_run(client: redis.Redis, run: str) -> None:
 )
 @click.option("--crash-at", type=click.Choice(("reserved", "specs_written", "tmp_written", "shard_written",
               "half_marked")), default=None, hidden=True)  # fmt: skip
+@click.option("--mark-chunk", type=click.IntRange(min=1), default=None, hidden=True)
 @results_url_option
 @redis_option
 def seal(
@@ -82,6 +85,7 @@ def seal(
     once: bool,
     force: bool,
     crash_at: str | None,
+    mark_chunk: int | None,
     results_url: str | None,
     redis_url: str | None,
 ) -> None:
@@ -103,7 +107,7 @@ def seal(
     store = ResultStore(settings.results_location)
     lock = client.lock(keys.seal_lock(), timeout=LOCK_TTL_S)
     token = uuid.uuid4().hex  # this process's: a lock it held when Redis went away is its own
-    sealer = make_sealer(settings, client, store, crash_at, on_shard=lambda: _extend(lock))
+    sealer = make_sealer(settings, client, store, crash_at, lambda: _extend(lock), mark_chunk)
     click.echo(f"sealing into {store.url}" + (f" (runs: {', '.join(runs)})" if runs else ""))
     while True:
         try:

@@ -528,15 +528,15 @@ def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> 
 
 
 def crash_sealer(c: Cluster, step: str) -> Fault:
-    """A second sealer (``--once --all``) SIGKILLed at ``step`` of the protocol while the loop
-    runs on (``tests.sealing.crash_sealer``)."""
-    out = sealing.crash_sealer(c.seal_env, step, "--all")
+    """A second sealer (``--once --all``, marking 5 jobs a call so that ``half_marked`` falls
+    inside small shards) SIGKILLed at ``step`` while the loop runs on."""
+    out = sealing.crash_sealer(c.seal_env, step, "--all", "--mark-chunk", "5")
     return _record(c, Fault("sealer SIGKILL", time.time(), {}, {"step": step, "output": out}))
 
 
 def delete_shard(c: Cluster, run: str) -> Fault:
-    """Delete one sealed shard file of ``run`` from the store; note what export and repair say."""
-    victim = sorted(c.store.glob(f"{run}/*/*.parquet"))[0]
+    """Delete the biggest sealed shard file of ``run``; note what export and repair say."""
+    victim = max(c.store.glob(f"{run}/*/*.parquet"), key=lambda p: p.stat().st_size)
     victim.unlink()
     at = time.time()
     export = cli("export", "--run", run, "--out", str(c.workdir / "lost-export"), env=c.env, check=False)
@@ -644,8 +644,8 @@ class Audit:
     wrong_text: list[str] = field(default_factory=list)
     wrong_usage: list[str] = field(default_factory=list)
     ledger_problems: list[str] = field(default_factory=list)
-    sealed: int = 0  # done jobs whose result was in a shard (their continuation counts are not known)
-    continued_jobs: int = 0
+    sealed: int = 0  # done jobs whose result was in a shard (whether it restarted is not known)
+    continued_jobs: int = 0  # from the run's stats (commits that continued a checkpoint)
     continued_tokens: int = 0
     restarted: int = 0
     kept_tokens: int = 0
@@ -730,10 +730,9 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
         elif s == "done":
             a.done += 1
             a.sealed += not result
-            res = orjson.loads(result or b"{}")
-            a.continued_jobs += bool(res.get("continued_tokens"))
-            a.continued_tokens += int(res.get("continued_tokens") or 0)
-            a.restarted += bool(res.get("restarted"))
+            a.restarted += bool(orjson.loads(result or b"{}").get("restarted"))
+    stats = client.hmget(k.stats(), ["continued_jobs", "continued_tokens"])
+    a.continued_jobs, a.continued_tokens = (int(x or 0) for x in stats)
     counts = state_counts(client, wl.run)
     if any(counts.get(s, 0) != actual.get(s, 0) for s in keys.STATES):
         a.ledger_problems.append(f"the counts hash {counts} disagrees with the jobs' states {actual}")

@@ -107,6 +107,7 @@ class Sealer:
         after_s: float,
         fault: Hook = no_hook,
         on_shard: Callable[[], None] | None = None,
+        mark_chunk: int = MARK_CHUNK,
     ) -> None:
         self.r = client
         self.store = store
@@ -115,6 +116,7 @@ class Sealer:
         self.after_ms = int(after_s * 1000)
         self.fault = fault
         self.on_shard = on_shard or (lambda: None)
+        self.mark_chunk = mark_chunk
         self.warned: set[str] = set()  # runs whose shards are in another store
         self._reserve = register(client, "seal_reserve")
         self._seal = register(client, "seal")
@@ -248,7 +250,8 @@ class Sealer:
         """Step 3: ``seal.lua`` over ``ids`` in chunks, the last one finishing the manifest."""
         k = keys.RunKeys(run)
         head = [k.shard(shard_id), k.seals_pending(), k.shards(partition), k.sealed()]
-        chunks = [ids[i : i + MARK_CHUNK] for i in range(0, len(ids), MARK_CHUNK)] or [[]]
+        step = self.mark_chunk
+        chunks = [ids[i : i + step] for i in range(0, len(ids), step)] or [[]]
         sealed = 0
         for n, chunk in enumerate(chunks):
             last = n == len(chunks) - 1
