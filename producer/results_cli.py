@@ -99,9 +99,9 @@ def seal(
     from tokenmill.results import ResultStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for run in runs:
-        keys.check_run(run)
     settings, client = _connect(redis_url, "seal")
+    for run in runs:
+        _check_run(client, run)
     if results_url:
         settings = settings.replace(results_url=results_url)
     store = ResultStore(settings.results_location)

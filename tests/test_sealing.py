@@ -12,16 +12,19 @@ import re
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
 
 from producer.export import export_row
+from producer.export_parquet import ParquetRows
 from producer.export_rows import RowCounts, ShardReader, partition_rows
 from tests import sealing
 from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
+from tokenmill.errors import ExportError
 from tokenmill.ledger import Claim, Ledger
 from tokenmill.results import ResultStore
 
@@ -103,6 +106,23 @@ def test_the_parquet_export_holds_the_jsonl_rows_as_typed_columns(
     for row, want in zip(rows, jsonl, strict=True):
         messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
         assert {**row, "messages": messages, "metadata": orjson.loads(row["metadata"])} == want
+
+
+def test_the_parquet_export_types_new_fields_and_refuses_a_message_it_cannot_hold(tmp_path: Path) -> None:
+    # A field the export row gains (issue: `sample`) becomes a typed column
+    path = tmp_path / "ok.parquet"
+    with ParquetRows(str(path)) as out:
+        for i in range(3):
+            out.write(
+                orjson.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": "hi"}], "sample": i})
+            )
+    table = pq.read_table(path)
+    assert table.schema.field("sample").type == pa.int64() and table.column("sample").to_pylist() == [0, 1, 2]
+    # A message whose content is a list of parts does not fit the typed column: the job is named
+    parts = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    with pytest.raises(ExportError, match=r"job 'b7': messages\[0\]\.content \(list\).*--format jsonl"):
+        with ParquetRows(str(tmp_path / "bad.parquet")) as out:
+            out.write(orjson.dumps({"id": "b7", "messages": [parts]}))
 
 
 def test_a_partition_still_running_is_sealed_in_full_batches_then_once_its_oldest_waited(
