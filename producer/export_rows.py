@@ -54,21 +54,19 @@ class ShardReader:
         if self.store is None:
             raise FileNotFoundError("the run records no result store")
         with ExitStack() as stack:
-            shard = self._load(stack, shard_id)
-            self.groups[shard_id] = shard.groups
+            self.groups[shard_id] = self._load(stack, shard_id).groups
         return self.groups[shard_id]
 
     def _load(self, stack: ExitStack, shard_id: str) -> ShardFile:
+        """``shard_id`` open for reading until ``stack`` closes."""
         assert self.store is not None
-        source = stack.enter_context(
-            self.store.open(self.store.shard_path(self.run, self.partition, shard_id))
-        )
-        return ShardFile(shard_id, source)
+        path = self.store.shard_path(self.run, self.partition, shard_id)
+        return stack.enter_context(ShardFile(shard_id, stack.enter_context(self.store.open(path))))
 
     def read(self, group: RowGroup) -> list[ShardRow]:
         """The rows of ``group``; its shard is opened for the first of its groups and closed
         after the last."""
-        sid = group.shard.shard_id
+        sid = group.shard_id
         held = self._open.get(sid)
         if held is None:
             stack = ExitStack()
@@ -105,7 +103,7 @@ class GroupMerge:
         passed over."""
         while self.ahead and self.ahead[0][0] <= seq:
             group = heapq.heappop(self.ahead)[2]
-            self._push(group.shard.shard_id, iter(self.reader.read(group)))
+            self._push(group.shard_id, iter(self.reader.read(group)))
         found = None
         while self.heads and self.heads[0][0] <= seq:
             row_seq, _, sid, row, rest = heapq.heappop(self.heads)

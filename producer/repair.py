@@ -53,8 +53,8 @@ def shard_problem(store: ResultStore, run: str, partition: str, shard_id: str, j
     """Why ``shard_id`` cannot serve ``jobs`` (None when it can): read whole, checksums verified."""
     path = store.shard_path(run, partition, shard_id)
     try:
-        with store.open(path) as source:
-            held = {row.job_id for row in ShardFile(shard_id, source).iter_rows()}
+        with store.open(path) as source, ShardFile(shard_id, source) as shard:
+            held = {row.job_id for row in shard.iter_rows()}
     except FileNotFoundError:
         return f"{store.describe(path)} is missing"
     except Exception as exc:

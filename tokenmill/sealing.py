@@ -269,8 +269,8 @@ class Sealer:
         jobs it holds are marked; a done job it lacks goes back to the unsealed set."""
         path = self.store.shard_path(run, partition, shard_id)
         try:
-            with self.store.open(path) as source:
-                in_file = set(ShardFile(shard_id, source).job_ids())
+            with self.store.open(path) as source, ShardFile(shard_id, source) as shard:
+                in_file = set(shard.job_ids())
             nbytes = self.store.size(path)
         except Exception as exc:  # missing or unreadable: `tokenmill repair` takes it from here
             log.error("run %s: shard %s cannot be read (%s); its sealed jobs need repair", run, shard_id, exc)

@@ -128,9 +128,9 @@ def _check_columns(schema: pa.Schema, want: pa.Schema) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RowGroup:
-    """Where one row group of a shard sits in enqueue order."""
+    """Where one row group of a shard sits in enqueue order (it keeps no file open)."""
 
-    shard: ShardFile
+    shard_id: str
     index: int
     min_seq: int
     max_seq: int
@@ -153,7 +153,7 @@ class ShardFile:
             stats: Any = group.column(seq_col).statistics
             if stats is None or not stats.has_min_max:
                 raise ValueError(f"row group {i} has no seq statistics")
-            self.groups.append(RowGroup(self, i, int(stats.min), int(stats.max), group.num_rows))
+            self.groups.append(RowGroup(shard_id, i, int(stats.min), int(stats.max), group.num_rows))
 
     def read_group(self, index: int) -> list[ShardRow]:
         """The rows of row group ``index``, in seq order."""
@@ -171,3 +171,13 @@ class ShardFile:
     def iter_rows(self) -> Iterator[ShardRow]:
         for group in self.groups:
             yield from self.read_group(group.index)
+
+    def close(self) -> None:
+        """Let go of the file (pyarrow holds it open, with its metadata, until then)."""
+        self.file.close()
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
