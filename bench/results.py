@@ -6,8 +6,10 @@ the real CLI for every step: ``tokenmill enqueue``, ``tokenmill seal --once --al
 export``. Between enqueue and seal the jobs are finished through the ledger's own claim and
 commit with the sim's deterministic output for each request, in two processes
 (``tests/finishing.py``): the ledger state a worker's commit leaves, without the HTTP streaming
-that ``bench/e2e.py`` measures. The broker messages and backlog ids workers would have consumed
-are then dropped. Redis bytes are ``INFO memory`` ``used_memory`` deltas divided by jobs.
+that ``bench/e2e.py`` measures; the broker messages and backlog ids workers would have consumed
+are then dropped. ``--finish workers`` has a real worker stream them from the sim instead
+(much slower). Redis bytes are ``INFO memory`` ``used_memory`` deltas divided
+by jobs.
 
 Prompts are ~1.2 KB of text, outputs the sim's with ``--sim-mean-output-tokens 250`` (~1.2 KB of
 reasoning and content): the sizes of the issue's measurement. The export before sealing (every
@@ -16,6 +18,7 @@ row from Redis) and after (every row from shards) must be byte-identical (checke
     .venv/bin/python bench/results.py                          # 100,000 jobs
     .venv/bin/python bench/results.py --jobs 10000             # quicker
     .venv/bin/python bench/results.py --rss-rows 1000000       # + a 1M-row run: export RSS
+    .venv/bin/python bench/results.py --jobs 10000 --finish workers
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from _common import (
     Measured,
     machine,
     run_measured,
+    start_sim,
+    start_worker,
     table,
     verdict,
+    wait_for,
     wait_quiet,
     workdir,
 )
@@ -56,6 +62,10 @@ PARTITIONS = ("A", "B")  # 70% / 30% of the rows
 TARGET_SEALED = 300
 TARGET_QUEUED_RATIO = 1.5
 TARGET_RSS_MB = 500
+FINISHED_BY = {
+    "ledger": "finish (claim + commit, 2 processes)",
+    "workers": "finish (a worker, 64 threads, streaming from the sim)",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +74,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rss-rows", type=int, default=0, help="also export a run of this many rows from shards")
     p.add_argument(
         "--chunk", type=int, default=100_000, help="jobs finished, then sealed, at a time (RSS run)"
+    )
+    p.add_argument(
+        "--finish",
+        choices=("ledger", "workers"),
+        default="ledger",
+        help="finish the main run's jobs through the ledger (fast) or with real workers and the sim",
     )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args()
@@ -139,6 +155,26 @@ def finish(url: str, client: redis.Redis, run: str, ids: list[str] | None = None
     return done, time.perf_counter() - start
 
 
+def finish_with_workers(
+    children: Children, where: Path, url: str, client: redis.Redis, run: str
+) -> tuple[int, float]:
+    """Finish every job of ``run`` with a real worker streaming from the sim (1 ms a step)."""
+    knobs = ["--reasoning-parser", "qwen3", "--sim-mean-output-tokens", str(MEAN_OUTPUT_TOKENS),
+             "--sim-step-ms", "1", "--sim-prefill-tokens-per-ms", "100000"]  # fmt: skip
+    _, sim_url = start_sim(children, where, knobs)
+    start = time.perf_counter()
+    start_worker(children, where, "short", 64, {"TOKENMILL_REDIS_URL": url, "TOKENMILL_SERVER_URL": sim_url})
+    k = keys.RunKeys(run)
+
+    def finished() -> int:
+        counts = {f.decode(): int(v) for f, v in client.hgetall(k.counts()).items()}
+        left = sum(v for f, v in counts.items() if f.startswith(("queued|", "running|")))
+        return 0 if left else sum(v for f, v in counts.items() if f.startswith("done|"))
+
+    done = wait_for(finished, 7200, f"the jobs of run {run} to finish", 1.0)
+    return done, time.perf_counter() - start
+
+
 def digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.jsonl"))}
 
@@ -204,7 +240,10 @@ def main_run(args: argparse.Namespace, where: Path, children: Children) -> list[
     enqueue(where, env, "r", paths)
     queued = (used(client) - base) / n
 
-    done, finish_s = finish(server.url, client, "r")
+    if args.finish == "workers":
+        done, finish_s = finish_with_workers(children, where, server.url, client, "r")
+    else:
+        done, finish_s = finish(server.url, client, "r")
     assert done == n, f"{done} of {n} jobs finished"
     done_bytes = (used(client) - base) / n
 
@@ -246,7 +285,7 @@ def main_run(args: argparse.Namespace, where: Path, children: Children) -> list[
     ]))  # fmt: skip
     print()
     print(table(["step", "rows", "wall s", "rows/s", "CPU s", "max RSS MB"], [
-        ["finish (claim + commit, 2 processes)", f"{n:,}", f"{finish_s:.1f}", f"{n / finish_s:,.0f}", "", ""],
+        [FINISHED_BY[args.finish], f"{n:,}", f"{finish_s:.1f}", f"{n / finish_s:,.0f}", "", ""],
         step_row("export JSONL from Redis (before sealing)", n, before),
         step_row("tokenmill seal --once --all", n, sealed_run),
         step_row("export JSONL from shards", n, after),

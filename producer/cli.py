@@ -34,6 +34,11 @@ redis_option = click.option(
     help="Redis URL (default redis://127.0.0.1:6379/0).",
 )
 run_option = click.option("--run", "run", required=True, help="The run's name.")
+run_store_option = click.option(
+    "--results-url",
+    default=None,
+    help="Where the run's shards are, if they moved (default: the store the ledger recorded).",
+)
 max_queued_option = click.option(
     "--max-queued",
     type=click.IntRange(min=1),
@@ -190,11 +195,7 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     show_default=True,
     help="OUT/<partition>.jsonl, or a typed OUT/<partition>.parquet.",
 )
-@click.option(
-    "--results-url",
-    default=None,
-    help="Read the run's shards from here instead of the store its ledger records (if they moved).",
-)
+@run_store_option
 @redis_option
 def export(
     run: str, out_dir: str, include_truncated: bool, fmt: str, results_url: str | None, redis_url: str | None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 from redis.exceptions import LockError, RedisError
 
-from producer.cli import _connect, redis_option, run_option
+from producer.cli import _connect, redis_option, run_option, run_store_option
 from tokenmill import keys
 from tokenmill.errors import TokenmillError
 
@@ -155,7 +155,7 @@ def _extend(lock: Lock) -> None:
 
 @click.command()
 @run_option
-@results_url_option
+@run_store_option
 @redis_option
 def repair(run: str, results_url: str | None, redis_url: str | None) -> None:
     """Put the jobs of lost or corrupt shards back to queued, so they are generated again."""
@@ -178,7 +178,7 @@ def repair(run: str, results_url: str | None, redis_url: str | None) -> None:
 @run_option
 @click.option("--results", is_flag=True, help="Also delete the run's shards from the result store.")
 @click.option("--force", is_flag=True, help="Delete even while workers still hold the run's jobs.")
-@results_url_option
+@run_store_option
 @redis_option
 def delete(run: str, results: bool, force: bool, results_url: str | None, redis_url: str | None) -> None:
     """Delete a run's keys from Redis (and, with --results, its shards)."""
