@@ -157,7 +157,7 @@ class ShardFile:
 
     def read_group(self, index: int) -> list[ShardRow]:
         """The rows of row group ``index``, in seq order."""
-        table = self.file.read_row_group(index, columns=list(SHARD_SCHEMA.names))
+        table = self.file.read_row_group(index, columns=list(SHARD_SCHEMA.names), use_threads=False)
         ids = table.column("job_id").to_pylist()
         seqs = table.column("seq").to_pylist()
         truncated = table.column("truncated").to_pylist()
