@@ -147,31 +147,38 @@ class Sealer:
             counts.setdefault(partition, {})[state] = int(value)
         for partition in sorted(counts):
             idle = counts[partition].get("queued", 0) + counts[partition].get("running", 0) == 0
-            while True:
-                shard_id = new_shard_id()
-                reply = self._reserve(
-                    [k.unsealed(partition), k.seal_since(), k.shard(shard_id), k.seals_pending(),
-                     k.results_store()],
-                    [shard_id, partition, self.batch_jobs, self.after_ms, int(force or idle), self.store.url],
-                )  # fmt: skip
-                verdict = reply[0].decode()
-                if verdict == "store":
-                    report.other_store[run] = reply[1].decode()
-                    if run not in self.warned:  # once per run, not every pass
-                        self.warned.add(run)
-                        log.warning(
-                            "run %s: its shards are in %s, not here; not sealed", run, reply[1].decode()
-                        )
-                    return report
-                if verdict != "ok":
-                    break
-                self.fault("reserved")
-                rows, nbytes = self._write_and_mark(run, partition, shard_id, orjson.loads(reply[1]))
-                report.shards += 1
-                report.jobs += rows
-                report.bytes += nbytes
-                self.on_shard()
+            if not self._seal_partition(run, partition, force or idle, report):
+                break
         return report
+
+    def _seal_partition(self, run: str, partition: str, force: bool, report: SealReport) -> bool:
+        """Seal the partition's due results, a shard at a time; False when the run's shards
+        are in another store (nothing was done)."""
+        k = keys.RunKeys(run)
+        while True:
+            shard_id = new_shard_id()
+            reply = self._reserve(
+                [
+                    k.unsealed(partition),
+                    k.seal_since(),
+                    k.shard(shard_id),
+                    k.seals_pending(),
+                    k.results_store(),
+                ],
+                [shard_id, partition, self.batch_jobs, self.after_ms, int(force), self.store.url],
+            )
+            verdict = reply[0].decode()
+            if verdict == "store":
+                self._elsewhere(report, run, reply[1].decode())
+                return False
+            if verdict != "ok":
+                return True
+            self.fault("reserved")
+            rows, nbytes = self._write_and_mark(run, partition, shard_id, orjson.loads(reply[1]))
+            report.shards += 1
+            report.jobs += rows
+            report.bytes += nbytes
+            self.on_shard()
 
     def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
