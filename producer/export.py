@@ -10,17 +10,17 @@ crash never leaves half a file. ``--format parquet`` writes ``DIR/<partition>.pa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from producer.export_parquet import ParquetRows
 from producer.export_rows import RowCounts, ShardReader, check_shards, partition_rows
 from tokenmill.errors import ShardLostError
 from tokenmill.ledger import Ledger
 from tokenmill.results import ResultStore
-
-FORMATS = ("jsonl", "parquet")
 
 
 @dataclass(slots=True)
@@ -95,25 +95,12 @@ def export_run(
     return summary
 
 
-class _writer:
-    """A context manager giving ``write(row_json)`` for one output file of ``fmt``."""
-
-    def __init__(self, fmt: str, path: Path) -> None:
-        self.fmt = fmt
-        self.path = path
-        self.fh: IO[bytes] | None = None
-        self.parquet: ParquetRows | None = None
-
-    def __enter__(self) -> Any:
-        if self.fmt == "parquet":
-            self.parquet = ParquetRows(str(self.path)).__enter__()
-            return self.parquet.write
-        self.fh = self.path.open("wb")
-        fh = self.fh
-        return lambda row: fh.write(row + b"\n")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.parquet is not None:
-            self.parquet.__exit__(*exc)
-        if self.fh is not None:
-            self.fh.close()
+@contextmanager
+def _writer(fmt: str, path: Path) -> Iterator[Callable[[bytes], object]]:
+    """``write(row_json)`` for one output file of ``fmt``."""
+    if fmt == "parquet":
+        with ParquetRows(str(path)) as rows:
+            yield rows.write
+        return
+    with path.open("wb") as fh:
+        yield lambda row: fh.write(row + b"\n")
