@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.export_parquet import ParquetRows
-from producer.export_rows import RowCounts, ShardReader, check_shards, partition_rows
+from producer.export_rows import RowCounts, ShardReader, check_shards, check_store_reachable, partition_rows
 from tokenmill.errors import ShardLostError
 from tokenmill.ledger import Ledger
 from tokenmill.results import ResultStore
@@ -70,6 +70,7 @@ def export_run(
     for reader in readers.values():
         lost.update(check_shards(ledger, reader))
     if lost:
+        check_store_reachable(store, ledger.run)
         raise ShardLostError(ledger.run, lost)
     for partition, reader in readers.items():
         target = out / f"{partition}.{fmt}"

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from tokenmill.errors import ShardLostError
+from tokenmill.errors import ResultStoreError, ShardLostError
 from tokenmill.ledger import Ledger
 from tokenmill.results import ResultStore
 from tokenmill.shards import RowGroup, ShardFile, ShardRow
@@ -216,6 +216,17 @@ def _sealed_row(
         why = _why(reader, shard_id, ValueError(f"it has no row for job {job_id!r} (seq {seq})"))
         raise ShardLostError(ledger.run, {shard_id: (why, jobs)})
     return found
+
+
+def check_store_reachable(store: ResultStore | None, run: str) -> None:
+    """Refuse (before anything reads or requeues) when the run's folder is not in ``store`` at
+    all: a store not mounted, or moved, looks like every shard lost."""
+    if store is not None and not store.exists(store.run_dir(run)):
+        where = store.describe(store.run_dir(run))
+        raise ResultStoreError(
+            f"run {run}: its shards were sealed into {store.url}, but {where} does not exist here; "
+            "mount or reach the store at that path, or pass --results-url where the shards are now"
+        )
 
 
 def run_store(ledger: Ledger, override: str | None = None) -> ResultStore | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.export_rows import sealed_by_shard
+from producer.export_rows import check_store_reachable, sealed_by_shard
 from tokenmill.ledger import Ledger, register
 from tokenmill.results import ResultStore
 from tokenmill.sealing import Sealer
@@ -72,6 +72,8 @@ def repair_run(
     summary = RepairSummary(completed=sealer.recover(run) if sealer is not None else 0)
     if store is None:
         return summary
+    if any(client.scard(ledger.k.shards(p)) for p in ledger.counts()):
+        check_store_reachable(store, run)  # else every shard would look lost and be regenerated
     for partition in sorted(ledger.counts()):
         listed = {x.decode() for x in client.smembers(ledger.k.shards(partition))}
         if not listed:

@@ -255,6 +255,25 @@ def test_a_lost_shard_is_named_with_its_jobs_and_repair_brings_every_row_back(
     assert sealing.export(env, "r", tmp_path / "after") == before
 
 
+def test_a_store_not_found_at_its_recorded_path_is_refused_not_repaired(
+    tmp_path: Path, rclient: redis.Redis, env: dict[str, str], store: Path
+) -> None:
+    # Given a sealed run whose store was moved away from the path the ledger recorded
+    sealing.done_run(tmp_path, rclient, env, "r", {"B1": 120})
+    before = sealing.export(env, "r", tmp_path / "before")
+    sealing.seal(env)
+    store.rename(tmp_path / "moved")
+
+    # Then export and repair refuse, naming the path, and repair requeues nothing
+    for args in (["export", "--out", str(tmp_path / "x")], ["repair"]):
+        res = cli(*args, "--run", "r", env=env, check=False)
+        assert res.returncode == 2 and f"{store / 'r'} does not exist here" in res.stderr, res.stderr
+    assert sealing.job_states(rclient, "r") == {"sealed": 120}
+    # and with --results-url the export reads the moved shards
+    moved = sealing.export(env, "r", tmp_path / "after", "--results-url", str(tmp_path / "moved"))
+    assert moved == before
+
+
 def test_repair_names_the_jobs_it_cannot_regenerate_when_the_spec_file_is_lost_too(
     tmp_path: Path, rclient: redis.Redis, env: dict[str, str], store: Path
 ) -> None:
