@@ -72,7 +72,7 @@ class Settings:
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
-    seal_after_s: float = 60.0  # ...or once the oldest has waited this long
+    seal_after_s: float = 60.0  # ...or once they have waited this long (from a sealer's first sight)
     seal_check_s: float = 5.0  # how often a sealer looks
 
     @property
