@@ -91,8 +91,8 @@ def seal(
 ) -> None:
     """Move done results out of Redis into Parquet shards of the result store.
 
-    A partition is sealed once TOKENMILL_SEAL_BATCH_JOBS results are done, or its oldest done
-    result waited TOKENMILL_SEAL_AFTER_S, or it has no job left to run. Several sealers may run:
+    A partition is sealed once TOKENMILL_SEAL_BATCH_JOBS results are done, or its done results
+    have waited TOKENMILL_SEAL_AFTER_S, or it has no job left to run. Several sealers may run:
     one works at a time (a Redis lock), and a crashed one's half-done shards are completed by
     the next pass. Runs until interrupted unless --once.
     """
