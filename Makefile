@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/enqueue.py
 	$(BIN)/python bench/e2e.py
 	$(BIN)/python bench/admission.py
+	$(BIN)/python bench/results.py
 
 clean:
 	rm -rf $(VENV) demo-output

@@ -11,6 +11,12 @@ all real processes. Two runs share them:
 - ``chaos-enqueue``: ``--enqueue-rows`` rows (~700 bytes each) whose ``tokenmill enqueue`` is
   SIGKILLed ``--reps`` times mid-way and rerun to the end; 4-token outputs, on the long queue.
 
+A ``tokenmill seal`` loop seals done results into shards all along (40 a shard, or after 2 s),
+so Redis crashes and pauses also strike it; each round a second sealer is SIGKILLed at each step
+of the sealing protocol in turn (``--crash-at``). Once the runs finish and everything is sealed,
+a shard of the ``chaos`` run is deleted: the export must name it, ``tokenmill repair`` requeue its
+jobs, and the workers and the sealer bring them back.
+
 Then both runs are audited (one ``done`` per distinct prompt, one export row each, byte-exact
 against the sim, counts that match) and a table reports the faults, what was lost, duplicated
 and continued, the tokens generated (the sims' counters, summed over restarts) and thrown away,
@@ -36,9 +42,11 @@ from pathlib import Path
 from _common import exit_on_sigterm, machine, median, table, workdir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
-from tests import chaos
+from tests import chaos, sealing
 from tests.chaos import Cluster, Fault, Workload
 from tests.procs import worker_env
+from tokenmill import keys
+from tokenmill.sealing import STEPS
 
 MEAN = 300
 SIM = ("--reasoning-parser", "qwen3", "--sim-step-ms", "10", "--sim-mean-output-tokens", str(MEAN),
@@ -140,8 +148,19 @@ class Chaos:
             c.start_workers(1, concurrency=self.concurrency)
         return f
 
+    def crash_sealers(self, rep: int, log: Callable[[str], None]) -> None:
+        """A second sealer SIGKILLed at each step of the protocol in turn (the loop runs on)."""
+        for step in STEPS:
+            f = chaos.crash_sealer(self.c, step)
+            out = f.notes["output"]
+            said = "died there" if out == "killed" else f"did not get there: {out.strip().splitlines()[-1]}"
+            log(f"sealer SIGKILL at {step} #{rep + 1}: {said}")
+            if "Traceback" in out or "error" in out.lower():
+                self.failures.append(f"sealer crash at {step} #{rep + 1}: {out[-300:]}")
+
     def rounds(self, reps: int, log: Callable[[str], None]) -> None:
         for rep in range(reps):
+            self.crash_sealers(rep, log)
             for kind in KINDS:
                 if _finished(self.c, self.wl):
                     self.failures.append(f"the run finished before {kind} #{rep + 1}")
@@ -218,6 +237,22 @@ def wait_finished(c: Cluster, wl: Workload, timeout_s: float, log: Callable[[str
         time.sleep(0.5)
 
 
+def wait_sealed(
+    c: Cluster, wls: tuple[Workload, ...], log: Callable[[str], None], timeout_s: float = 300
+) -> None:
+    """Wait until the sealer has sealed every done job of ``wls``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {wl.run: chaos.state_counts(c.client, wl.run)["done"] - sealing.sealed_count(c.client, wl.run)
+                for wl in wls}  # fmt: skip
+        if not any(left.values()):
+            log(f"every done job sealed ({', '.join(wl.run for wl in wls)})")
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not sealed after {timeout_s:.0f} s: {left}")
+        time.sleep(0.5)
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -233,6 +268,7 @@ def report(
     thrown = generated - kept
     heads = ["tokens generated (sims, over restarts)", "kept (exported)", "thrown away", "% of kept"]
     print(table(heads, [[generated, kept, thrown, f"{100 * thrown / max(kept, 1):.2f}%"]]), end="\n\n")
+    print(seal_table(c, audits), end="\n\n")
     print(reclaim_table(watch))
     env = worker_env("", "")
     print(f"(lease TTL {env['TOKENMILL_LEASE_TTL_S']} s, reaper every {env['TOKENMILL_REAPER_PERIOD_S']} s)")
@@ -253,6 +289,15 @@ def fault_table(faults: list[Fault]) -> str:
     rows: list[list[object]] = [[k, injected[k], f"{hit[k]} jobs mid-stream"] for k in KINDS]
     at_kill = ", ".join(str(f.notes["jobs_at_kill"]) for f in faults if f.kind == "producer SIGKILL")
     rows.append(["producer SIGKILL", injected["producer SIGKILL"], f"jobs existing at each kill: {at_kill}"])
+    died = Counter(
+        f.notes["step"] for f in faults if f.kind == "sealer SIGKILL" and f.notes["output"] == "killed"
+    )
+    steps = ", ".join(f"{step} {died[step]}" for step in STEPS)
+    rows.append(["sealer SIGKILL (--crash-at)", injected["sealer SIGKILL"], f"died at: {steps}"])
+    for f in faults:
+        if f.kind == "shard deleted":
+            named = "named by export" if f.notes["export_named_it"] else "NOT named by export"
+            rows.append(["shard deleted", 1, f"{f.notes['shard']}: {named}; repair: {f.notes['repair'][-1]}"])
     return table(["fault", "injected", "hit"], rows)
 
 
@@ -263,6 +308,17 @@ def outcome_table(audits: dict[str, chaos.Audit]) -> str:
              len(a.wrong_text), len(a.wrong_usage), a.continued_jobs, a.continued_tokens, a.retries]
             for name, a in audits.items()]  # fmt: skip
     return table(heads, rows)
+
+
+def seal_table(c: Cluster, audits: dict[str, chaos.Audit]) -> str:
+    rows = []
+    for run, a in audits.items():
+        k = keys.RunKeys(run)
+        shards = sum(c.client.scard(k.shards(p.decode())) for p in c.client.smembers(k.partitions()))
+        rows.append([run, a.prompts, sealing.sealed_count(c.client, run), shards, a.sealed, a.exported])
+    return table(
+        ["run", "jobs", "sealed at the end", "shards", "rows read from shards", "rows exported"], rows
+    )
 
 
 def reclaim_table(watch: ReclaimWatch) -> str:
@@ -284,6 +340,11 @@ def problems(c: Cluster, audits: dict[str, chaos.Audit], watch: ReclaimWatch, ch
     if crashes:
         found.append(f"{len(crashes)} task(s) crashed in workers, e.g. {crashes[0]}")
     found += ch.failures
+    for f in c.faults:
+        if f.kind == "shard deleted" and not (
+            f.notes["export_named_it"] and f.notes["repair_returncode"] == 0
+        ):
+            found.append(f"the deleted shard {f.notes['shard']} was not named and repaired: {f.notes}")
     found += [f"a worker stopped by itself (replaced): {why}" for why in c.deaths]
     env = worker_env("", "")
     bound = float(env["TOKENMILL_LEASE_TTL_S"]) + float(env["TOKENMILL_REAPER_PERIOD_S"]) + RECLAIM_SLACK_S
@@ -313,15 +374,23 @@ def main() -> int:
             feed_wl = Workload("chaos-enqueue", feed_rows, 4, MEAN, queue="long")
             c.start_workers(args.workers, concurrency=args.concurrency)
             c.start_workers(1, concurrency=32, queue="long")
+            c.start_sealer(seal_batch_jobs=40, seal_after_s=2, seal_check_s=0.5)
             log(c.enqueue(main_wl).strip())
             kill_producer_rounds(c, feed_wl, args.reps, log)
             watch = ReclaimWatch(c, main_wl.run)
             watch.start()
             ch = Chaos(c, main_wl, watch, args.concurrency)
             ch.rounds(args.reps, log)
-            audits = {}
             for wl in (main_wl, feed_wl):
                 wait_finished(c, wl, args.timeout, log)
+            wait_sealed(c, (main_wl, feed_wl), log)
+            f = chaos.delete_shard(c, main_wl.run)
+            log(f"shard {f.notes['shard']} deleted: named by export {f.notes['export_named_it']}; "
+                f"repair: {' / '.join(f.notes['repair'])}")  # fmt: skip
+            wait_finished(c, main_wl, args.timeout, log)
+            wait_sealed(c, (main_wl,), log)
+            audits = {}
+            for wl in (main_wl, feed_wl):
                 audits[wl.run] = chaos.audit(c, wl, where / f"out-{wl.run}", timeout=60)
                 log(f"run {wl.run} finished and audited")
             watch.stop.set()

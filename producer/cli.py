@@ -1,4 +1,5 @@
-"""Producer commands: ``enqueue``, ``status``, ``export``, ``resume``."""
+"""Producer commands: ``enqueue``, ``status``, ``export``, ``resume`` (``seal``, ``repair`` and
+``delete`` are in ``producer/results_cli.py``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ redis_option = click.option(
     help="Redis URL (default redis://127.0.0.1:6379/0).",
 )
 run_option = click.option("--run", "run", required=True, help="The run's name.")
+run_store_option = click.option(
+    "--results-url",
+    default=None,
+    help="Where the run's shards are, if they moved (default: the store the ledger recorded).",
+)
 max_queued_option = click.option(
     "--max-queued",
     type=click.IntRange(min=1),
@@ -195,19 +201,35 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
 @run_option
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--include-truncated", is_flag=True, help="Also export jobs that finished on max_tokens.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(("jsonl", "parquet")),
+    default="jsonl",
+    show_default=True,
+    help="OUT/<partition>.jsonl, or a typed OUT/<partition>.parquet.",
+)
+@run_store_option
 @redis_option
-def export(run: str, out_dir: str, include_truncated: bool, redis_url: str | None) -> None:
-    """Write every done job as OUT/<partition>.jsonl (training-ready rows)."""
+def export(
+    run: str, out_dir: str, include_truncated: bool, fmt: str, results_url: str | None, redis_url: str | None
+) -> None:
+    """Write every done job as OUT/<partition>.jsonl (training-ready rows), from Redis and from
+    the run's sealed shards."""
     from producer.export import export_run
+    from producer.export_rows import run_store
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
     _, client = _connect(redis_url, "export")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis")
-    summary = export_run(Ledger(client, run), out_dir, include_truncated)
+    ledger = Ledger(client, run)
+    summary = export_run(ledger, out_dir, include_truncated, fmt, run_store(ledger, results_url))
     for path, n in summary.files.items():
         click.echo(f"{path}: {n} rows")
+    if summary.from_shards:
+        click.echo(f"{summary.from_shards} rows read from sealed shards, {summary.from_redis} from Redis")
     notes = []
     if summary.not_done:
         notes.append(f"{summary.not_done} jobs not done yet (not exported)")

@@ -214,7 +214,7 @@ class Enqueuer:
             elif outcome == "backlog":
                 new[spec.queue] += 1
                 s.backlog += 1
-            elif outcome == "done":
+            elif outcome in ("done", "sealed"):
                 s.done += 1
             elif outcome in ("queued", "running"):
                 s.queued += 1

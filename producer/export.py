@@ -1,22 +1,27 @@
-"""Export: the ledger's done jobs → ``DIR/<partition>.jsonl``, one training-ready row each.
+"""Export: the run's done jobs → ``DIR/<partition>.jsonl``, one training-ready row each.
 
-Rows come in enqueue order; each job is one ledger entry, so a row can never appear twice.
-Files are written to a temporary name and renamed, so a crash never leaves half a file.
+Rows come in enqueue order; each job is one ledger entry, so a row can never appear twice. A
+done job's row is built from Redis, a sealed one's read from its shard (``producer/export_rows``).
+Every sealed shard is checked before anything is written: a missing or unreadable one stops the
+export, naming the shard and its jobs. Files are written to a temporary name and renamed, so a
+crash never leaves half a file. ``--format parquet`` writes ``DIR/<partition>.parquet``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from producer.export_parquet import ParquetRows
+from producer.export_rows import RowCounts, ShardReader, check_shards, check_store_reachable, partition_rows
+from tokenmill.errors import ShardLostError
 from tokenmill.jobspec import prompt_id
 from tokenmill.ledger import Ledger
-
-FIELDS = ("state", "spec", "result", "truncated")
+from tokenmill.results import ResultStore
 
 
 @dataclass(slots=True)
@@ -25,6 +30,8 @@ class ExportSummary:
     skipped_truncated: int = 0
     not_done: int = 0
     cancelled: int = 0
+    from_shards: int = 0
+    from_redis: int = 0
 
 
 def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -53,28 +60,56 @@ def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[s
     return row
 
 
-def export_run(ledger: Ledger, out_dir: str | Path, include_truncated: bool = False) -> ExportSummary:
+def export_run(
+    ledger: Ledger,
+    out_dir: str | Path,
+    include_truncated: bool = False,
+    fmt: str = "jsonl",
+    store: ResultStore | None = None,
+) -> ExportSummary:
+    """Write every done or sealed job of the run, one file per partition; ``store`` holds the
+    run's shards (None: nothing was sealed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = ExportSummary()
-    for partition in sorted(ledger.counts()):
-        target = out / f"{partition}.jsonl"
+    readers = {p: ShardReader(store, ledger.run, p) for p in sorted(ledger.counts())}
+    lost: dict[str, tuple[str, list[str]]] = {}
+    for reader in readers.values():
+        lost.update(check_shards(ledger, reader))
+    if lost:
+        check_store_reachable(store, ledger.run)
+        raise ShardLostError(ledger.run, lost)
+    for partition, reader in readers.items():
+        target = out / f"{partition}.{fmt}"
         tmp = target.with_name(f".{target.name}.tmp")
+        counts = RowCounts()
         n = 0
-        with tmp.open("wb") as fh:
-            for job_id, (state, spec, result, truncated) in ledger.iter_jobs(partition, FIELDS):
-                if state != b"done" or result is None or spec is None:
-                    if state == b"cancelled":
-                        summary.cancelled += 1
-                    else:
-                        summary.not_done += 1
-                    continue
-                if truncated == b"1" and not include_truncated:
-                    summary.skipped_truncated += 1
-                    continue
-                row = export_row(job_id, partition, orjson.loads(spec), orjson.loads(result))
-                fh.write(orjson.dumps(row) + b"\n")
-                n += 1
+        try:
+            with _writer(fmt, tmp) as write:
+                for _, truncated, row in partition_rows(ledger, reader, counts, export_row):
+                    if truncated and not include_truncated:
+                        summary.skipped_truncated += 1
+                        continue
+                    write(row)
+                    n += 1
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, target)
         summary.files[str(target)] = n
+        summary.not_done += counts.not_done
+        summary.cancelled += counts.cancelled
+        summary.from_shards += counts.from_shards
+        summary.from_redis += counts.from_redis
     return summary
+
+
+@contextmanager
+def _writer(fmt: str, path: Path) -> Iterator[Callable[[bytes], object]]:
+    """``write(row_json)`` for one output file of ``fmt``."""
+    if fmt == "parquet":
+        with ParquetRows(str(path)) as rows:
+            yield rows.write
+        return
+    with path.open("wb") as fh:
+        yield lambda row: fh.write(row + b"\n")

@@ -43,7 +43,12 @@ def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ())
     pipe.hgetall(k.stats())
     pipe.hgetall(k.failures())
     pipe.hgetall(k.failure_last())
-    tput, stats, failures, last = pipe.execute()
+    pipe.hgetall(k.sealed())
+    pipe.get(k.results_store())
+    pipe.scard(k.seals_pending())
+    for partition in partitions:
+        pipe.scard(k.shards(partition))
+    tput, stats, failures, last, sealed, store, sealing, *shards = pipe.execute()
     tokens_per_s = sum(_i(v) for v in tput) / WINDOW_S
     stats = {a.decode(): _i(b) for a, b in stats.items()}
     done = totals["done"]
@@ -69,6 +74,12 @@ def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ())
         "servers": servers,
         "admission": {name: admission_view(client, name) for name in names},
         "lengths": length_view(client, run),
+        "results": {  # sealed jobs also count as done above
+            "store": store.decode() if store else None,
+            "sealed": {a.decode(): _i(b) for a, b in sealed.items()},
+            "shards": sum(_i(n) for n in shards),
+            "sealing": _i(sealing),
+        },
         "at": time.time(),
     }
 

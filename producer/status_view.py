@@ -30,6 +30,13 @@ def _lengths_line(lv: dict[str, Any]) -> str:
     )
 
 
+def _sealed_line(results: dict[str, Any], done: int) -> str:
+    """How much of the done work has left Redis for the result store."""
+    line = f"sealed: {sum(results['sealed'].values())} of {done} done results, in {results['shards']} shards"
+    line += f" at {results['store']}"
+    return line + (f" ({results['sealing']} shard(s) being sealed)" if results["sealing"] else "")
+
+
 def render(doc: dict[str, Any]) -> Group:
     """One screen: what a person watching a run needs, without reading logs."""
     t = doc["totals"]
@@ -56,6 +63,8 @@ def render(doc: dict[str, Any]) -> Group:
             *(str(c.get(state, 0)) for state in states),
         )
     items: list[Any] = [head, parts]
+    if (doc.get("results") or {}).get("store"):
+        items.append(Text(_sealed_line(doc["results"], t["done"])))
     if doc["failures"]:
         fails = Table("failure class", "jobs", "latest message", box=None)
         for cls, n in sorted(doc["failures"].items()):

@@ -27,6 +27,8 @@ from typing import Any
 import orjson
 import redis
 
+from tests import sealing
+from tests.finishing import all_job_ids
 from tests.pipeline import cli, expected_for, read_export, write_jsonl
 from tests.procs import Proc, RedisServer, spawn, start_sim, wait_for, worker_env
 from tokenmill import keys
@@ -132,15 +134,6 @@ def job_views(client: redis.Redis, run: str, job_ids: Iterable[str]) -> dict[str
     for job_id in ids:
         pipe.hmget(k.job(job_id), list(JOB_FIELDS))
     return {j: _view(j, v) for j, v in zip(ids, pipe.execute(), strict=True)}
-
-
-def all_job_ids(client: redis.Redis, run: str) -> list[str]:
-    """Every job id of ``run``, partition by partition, in enqueue order."""
-    k = keys.RunKeys(run)
-    out: list[str] = []
-    for part in sorted(p.decode() for p in client.smembers(k.partitions())):
-        out += [x.decode() for x in client.lrange(k.jobs(part), 0, -1)]
-    return out
 
 
 def running_jobs(client: redis.Redis, run: str) -> dict[str, JobView]:
@@ -276,6 +269,7 @@ class Cluster:
     deaths: list[str] = field(default_factory=list)  # workers that stopped by themselves
     faults: list[Fault] = field(default_factory=list)
     generated_by_dead_sims: int = 0
+    sealer: Proc | None = None
     _client: redis.Redis | None = None
 
     @classmethod
@@ -377,6 +371,25 @@ class Cluster:
             for line in p.output().splitlines()
             if TASK_CRASH in line
         ]
+
+    @property
+    def store(self) -> Path:
+        """The result store the sealer writes shards to."""
+        return self.workdir / "store"
+
+    @property
+    def seal_env(self) -> dict[str, str]:
+        return {**self.env, "TOKENMILL_RESULTS_URL": str(self.store)}
+
+    def start_sealer(self, **settings: Any) -> Proc:
+        """A ``tokenmill seal`` loop on the cluster's result store."""
+        env = {**self.seal_env, **{f"TOKENMILL_{k.upper()}": str(v) for k, v in settings.items()}}
+        args = [sys.executable, "-m", "tokenmill.cli", "seal"]
+        self.sealer = spawn(args, self.workdir / f"sealer-{free_port()}.log", env=env)
+        self.procs.append(self.sealer)
+        wait_for(lambda: "sealing into" in self.sealer.output() or not self.sealer.alive(), 30, "the sealer")
+        assert self.sealer.alive(), self.sealer.output()
+        return self.sealer
 
     def close(self) -> None:
         """Kill every process this cluster started (the test or benchmark is over)."""
@@ -514,6 +527,29 @@ def kill_redis(c: Cluster, run: str, min_jobs: int = 3, down_s: float = 1.5) -> 
     return _record(c, Fault("redis SIGKILL", at, hit, notes))
 
 
+def crash_sealer(c: Cluster, step: str) -> Fault:
+    """A second sealer (``--once --all``, marking 5 jobs a call so that ``half_marked`` falls
+    inside small shards) SIGKILLed at ``step`` while the loop runs on."""
+    out = sealing.crash_sealer(c.seal_env, step, "--all", "--mark-chunk", "5")
+    return _record(c, Fault("sealer SIGKILL", time.time(), {}, {"step": step, "output": out}))
+
+
+def delete_shard(c: Cluster, run: str) -> Fault:
+    """Delete the biggest sealed shard file of ``run``; note what export and repair say."""
+    victim = max(c.store.glob(f"{run}/*/*.parquet"), key=lambda p: p.stat().st_size)
+    victim.unlink()
+    at = time.time()
+    export = cli("export", "--run", run, "--out", str(c.workdir / "lost-export"), env=c.env, check=False)
+    repair = cli("repair", "--run", run, env=c.env, check=False)
+    notes = {
+        "shard": victim.stem,
+        "export_named_it": export.returncode == 2 and f"shard {victim.stem}" in export.stderr,
+        "repair": repair.stdout.strip().splitlines(),
+        "repair_returncode": repair.returncode,
+    }
+    return _record(c, Fault("shard deleted", at, {}, notes))
+
+
 def resume(c: Cluster, run: str) -> str:
     """``tokenmill resume --run RUN``: the manual path after a broker loss."""
     return cli("resume", "--run", run, env=c.env).stdout.strip()
@@ -608,7 +644,8 @@ class Audit:
     wrong_text: list[str] = field(default_factory=list)
     wrong_usage: list[str] = field(default_factory=list)
     ledger_problems: list[str] = field(default_factory=list)
-    continued_jobs: int = 0
+    sealed: int = 0  # done jobs whose result was in a shard (whether it restarted is not known)
+    continued_jobs: int = 0  # from the run's stats (commits that continued a checkpoint)
     continued_tokens: int = 0
     restarted: int = 0
     kept_tokens: int = 0
@@ -682,6 +719,7 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
     failed_keys: set[bytes] = set()
     for state, result, error_class, retries, attempts, spec in pipe.execute():
         s = (state or b"?").decode()
+        s = "done" if s == "sealed" else s  # a sealed job is done; its result is in its shard
         actual[s] = actual.get(s, 0) + 1
         a.retries += int(retries or 0)
         a.max_attempts = max(a.max_attempts, int(attempts or 0))
@@ -689,12 +727,12 @@ def _audit_ledger(client: redis.Redis, wl: Workload, a: Audit) -> set[bytes]:
             cls = (error_class or b"?").decode()
             a.failed[cls] = a.failed.get(cls, 0) + 1
             failed_keys.add(prompt_key(orjson.loads(spec)["request"]["messages"]))
-        elif s == "done" and result:
-            res = orjson.loads(result)
+        elif s == "done":
             a.done += 1
-            a.continued_jobs += bool(res.get("continued_tokens"))
-            a.continued_tokens += int(res.get("continued_tokens") or 0)
-            a.restarted += bool(res.get("restarted"))
+            a.sealed += not result
+            a.restarted += bool(orjson.loads(result or b"{}").get("restarted"))
+    stats = client.hmget(k.stats(), ["continued_jobs", "continued_tokens"])
+    a.continued_jobs, a.continued_tokens = (int(x or 0) for x in stats)
     counts = state_counts(client, wl.run)
     if any(counts.get(s, 0) != actual.get(s, 0) for s in keys.STATES):
         a.ledger_problems.append(f"the counts hash {counts} disagrees with the jobs' states {actual}")

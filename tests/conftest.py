@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.procs import Proc, RedisServer
+from tests.procs import Proc, RedisServer, start_s3
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +39,20 @@ def procs(tmp_path: Path) -> Iterator[list[Proc]]:
     yield started
     for p in reversed(started):
         p.stop(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real S3-compatible server (moto, server mode) on loopback for the session: the
+    environment variables that point a client at it."""
+    proc, env = start_s3(tmp_path_factory.mktemp("s3"))
+    yield env
+    proc.kill()
+
+
+@pytest.fixture
+def s3_env(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``s3_server``'s environment, also set in this process (s3fs reads it from there)."""
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    return s3_server

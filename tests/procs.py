@@ -201,3 +201,25 @@ def start_worker(
     wait_for(lambda: " ready." in proc.output() or not proc.alive(), 60, f"worker {name} ready")
     assert proc.alive(), proc.output()
     return proc
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def start_s3(workdir: Path) -> tuple[Proc, dict[str, str]]:
+    """A real S3-compatible HTTP server (moto's server mode) on a loopback port; returns it and
+    the environment that points boto/s3fs at it (``AWS_ENDPOINT_URL`` and test credentials)."""
+    port = free_port()
+    proc = spawn(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], workdir / "s3.log"
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for(
+        lambda: http_status(f"{url}/moto-api/") == 200 or not proc.alive(), 60, f"the S3 server on {url}"
+    )
+    assert proc.alive(), proc.output()
+    return proc, {**S3_ENV, "AWS_ENDPOINT_URL": url}

@@ -69,6 +69,9 @@ def test_demo_exports_both_partitions_and_leaves_nothing_running(tmp_path: Path)
     # Then it exported both partitions
     assert "200 new" in stdout and f"Completions are in {out}" in stdout
     assert len(re.findall(r"127\.0\.0\.1:\d+", stdout)) >= 2, stdout  # redis and the sim, loopback only
+    # and sealed every result into shards before the export, which read them from there
+    assert "sealed  200 of 200 done results" in stdout, stdout
+    assert "200 rows read from sealed shards, 0 from Redis" in stdout, stdout
     rows = {p.stem: [orjson.loads(x) for x in p.read_bytes().splitlines()] for p in out.glob("*.jsonl")}
     assert sorted(rows) == ["B1", "B2"] and len(rows["B1"]) == 120 and len(rows["B2"]) == 80
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in rows["B1"])

@@ -19,6 +19,13 @@ def test_run_keys_have_one_shape() -> None:
     assert k.stats() == "tm:synth:stats"
     assert k.throughput() == "tm:synth:tput"
     assert k.lengths() == "tm:synth:lengths"
+    assert k.unsealed("B1") == "tm:synth:unsealed:B1"
+    assert k.seal_since() == "tm:synth:seal_since"
+    assert k.shard("mx3-ab12") == "tm:synth:shard:mx3-ab12"
+    assert k.shards("B1") == "tm:synth:shards:B1"
+    assert k.seals_pending() == "tm:synth:seals_pending"
+    assert k.sealed() == "tm:synth:sealed"
+    assert k.results_store() == "tm:synth:results"
 
 
 def test_shared_keys_live_under_the_shared_prefix() -> None:
@@ -29,6 +36,7 @@ def test_shared_keys_live_under_the_shared_prefix() -> None:
         keys.server_events("a"),
         keys.admission("a"),
         keys.pump_lock(),
+        keys.seal_lock(),
         keys.worker_control(),
     ):
         assert key.startswith("tm:_:")

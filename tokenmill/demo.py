@@ -1,7 +1,8 @@
 """``tokenmill demo``: the whole pipeline on one machine, with nothing running beforehand.
 
-A private redis-server (AOF on), the sim engine, a short and a long worker, the bundled
-two-partition dataset, live progress, an export, and a clean shutdown of everything it started.
+A private redis-server (AOF on), the sim engine, a short and a long worker, a sealer moving
+done results into Parquet shards in the work directory, the bundled two-partition dataset, live
+progress, an export (from the shards), and a clean shutdown of everything it started.
 Each part is started through the same CLI a user runs, so the demo exercises the real contract.
 """
 
@@ -116,6 +117,10 @@ def demo(out_dir: str, keep: bool) -> None:
                 _tm("worker", "--queue", queue, "--concurrency", threads), work / f"worker-{queue}.log", env
             )
         console.print(f"[bold]workers[/] short x32, long x8 (logs in {work})")
+        results = work / "results"
+        seal_env = {**env, "TOKENMILL_RESULTS_URL": str(results), "TOKENMILL_SEAL_CHECK_S": "1"}
+        stack.spawn(_tm("seal"), work / "sealer.log", seal_env)
+        console.print(f"[bold]sealer[/]  done results → Parquet shards in {results}")
         files = [str(data.joinpath(f"{p}.jsonl")) for p in ("B1", "B2")]
         enq = subprocess.run(
             _tm(
@@ -138,7 +143,9 @@ def demo(out_dir: str, keep: bool) -> None:
         if enq.returncode:
             raise click.ClickException(f"enqueue failed: {enq.stderr.strip()}")
         console.print(f"[bold]enqueue[/] {enq.stdout.strip()}")
-        _watch(console, redis.Redis.from_url(rds.url), timeout_s=600)
+        client = redis.Redis.from_url(rds.url)
+        _watch(console, client, timeout_s=600)
+        _wait_sealed(console, client, timeout_s=60)
         exp = subprocess.run(
             _tm("export", "--run", RUN, "--out", str(out), "--include-truncated"),
             env={**os.environ, **env},
@@ -159,6 +166,21 @@ def demo(out_dir: str, keep: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
     else:
         console.print(f"Logs and the Redis AOF are kept in {work}")
+
+
+def _wait_sealed(console: Console, client: redis.Redis, timeout_s: float) -> None:
+    """Wait for the sealer to take every done result out of Redis (it seals a partition as soon
+    as nothing in it is left to run), then say what Redis holds per job."""
+    ledger = Ledger(client, RUN)
+    deadline = time.monotonic() + timeout_s
+    done = sum(c["done"] for c in ledger.counts().values())
+    while True:
+        sealed = sum(int(v) for v in client.hvals(ledger.k.sealed()))
+        if sealed >= done or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    shards = sum(client.scard(ledger.k.shards(p)) for p in ledger.counts())
+    console.print(f"[bold]sealed[/]  {sealed} of {done} done results, in {shards} shards")
 
 
 def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:

@@ -57,6 +57,34 @@ class ServerStartError(TokenmillError):
     """A managed inference server did not become ready; the message carries its last error."""
 
 
+class ResultStoreError(TokenmillError):
+    """The result store cannot be reached, written or read; the message names the URL or file."""
+
+
+class ShardLostError(ResultStoreError):
+    """Sealed shards are missing or unreadable: each is named with the jobs it held."""
+
+    def __init__(self, run: str, lost: dict[str, tuple[str, list[str]]]) -> None:
+        lines = [f"run {run}: {len(lost)} sealed shard(s) cannot be read; their results are not exported:"]
+        for shard_id, (why, job_ids) in sorted(lost.items()):
+            shown = ", ".join(job_ids[:10]) + (f", … ({len(job_ids) - 10} more)" if len(job_ids) > 10 else "")
+            lines.append(f"  shard {shard_id}: {why}; it held {len(job_ids)} job(s): {shown}")
+        lines.append(
+            f"Run `tokenmill repair --run {run}` to put those jobs back to queued and generate them again."
+        )
+        super().__init__("\n".join(lines))
+        self.run = run
+        self.lost = lost
+
+
+class ExportError(TokenmillError):
+    """A row cannot be written in the requested export format; the message names the job."""
+
+
+class RunBusyError(TokenmillError):
+    """A run cannot be deleted while workers still hold its jobs."""
+
+
 class LedgerError(TokenmillError):
     """A ledger transition was refused."""
 

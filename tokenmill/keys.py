@@ -106,6 +106,11 @@ def pump_lock() -> str:
     return f"{PREFIX}:_:lock:pump"
 
 
+def seal_lock() -> str:
+    """Lock held by the one sealer at a time (a worker's seal thread or ``tokenmill seal``)."""
+    return f"{PREFIX}:_:lock:seal"
+
+
 def worker_control() -> str:
     """Hash of flags every worker reads (e.g. a paused reason), written by the server manager."""
     return f"{PREFIX}:_:control"
@@ -182,3 +187,33 @@ class RunKeys:
     def throughput(self) -> str:
         """Hash: unix second → completion tokens committed in that second (trimmed)."""
         return f"{self.prefix}:tput"
+
+    # -- sealing: done results move into shards of the result store (tokenmill/sealing.py) ------
+
+    def unsealed(self, partition: str) -> str:
+        """Sorted set: done job id not yet sealed → its enqueue sequence."""
+        return f"{self.prefix}:unsealed:{partition}"
+
+    def seal_since(self) -> str:
+        """Hash: partition → when (ms) its oldest unsealed result started waiting for a shard."""
+        return f"{self.prefix}:seal_since"
+
+    def shard(self, shard_id: str) -> str:
+        """Hash: one shard's manifest (partition, state, job ids while it is being sealed)."""
+        return f"{self.prefix}:shard:{shard_id}"
+
+    def shards(self, partition: str) -> str:
+        """Set: the sealed shards of a partition (export reads exactly these)."""
+        return f"{self.prefix}:shards:{partition}"
+
+    def seals_pending(self) -> str:
+        """Set: shards whose manifest is recorded but whose jobs are not all sealed yet."""
+        return f"{self.prefix}:seals_pending"
+
+    def sealed(self) -> str:
+        """Hash: partition → sealed jobs (they also count as ``done`` in the counts hash)."""
+        return f"{self.prefix}:sealed"
+
+    def results_store(self) -> str:
+        """String: the result store URL the run's shards are written to (set by the first seal)."""
+        return f"{self.prefix}:results"

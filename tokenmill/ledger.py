@@ -27,6 +27,9 @@ from tokenmill.messages import task_message
 
 SCRIPT_NAMES = (
     "enqueue",
+    "seal_reserve",
+    "seal",
+    "unseal",
     "claim",
     "heartbeat",
     "commit",
@@ -180,7 +183,14 @@ class Ledger:
         length curve learns how long the completion was."""
         k = self.k
         usage = result.get("usage") or {}
-        script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()]
+        script_keys = [
+            k.job(claim.job_id),
+            k.counts(),
+            k.leases(),
+            k.stats(),
+            k.throughput(),
+            k.unsealed(claim.partition),
+        ]
         args: list[Any] = [
             claim.job_id,
             claim.token,

@@ -76,10 +76,25 @@ class Settings:
     # worker shutdown
     shutdown_grace_s: float = 30.0
 
+    # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
+    results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
+    seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
+    seal_after_s: float = 60.0  # ...or once they have waited this long (from a sealer's first sight)
+    seal_check_s: float = 5.0  # how often a sealer looks
+
     @property
     def server_urls(self) -> tuple[str, ...]:
         """``server_url`` split on commas (several servers, or one router)."""
         return tuple(u.strip().rstrip("/") for u in self.server_url.split(",") if u.strip())
+
+    @property
+    def results_location(self) -> str:
+        """Where shards go: ``results_url``, else the local default
+        ``$XDG_DATA_HOME/tokenmill/results`` (``~/.local/share/tokenmill/results``)."""
+        if self.results_url:
+            return self.results_url
+        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        return os.path.join(base, "tokenmill", "results")
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -120,6 +135,11 @@ class Settings:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.admission_queue_share <= 1:
             raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
+        if self.seal_batch_jobs < 1:
+            raise ConfigError(f"seal_batch_jobs must be at least 1, got {self.seal_batch_jobs}")
+        for name in ("seal_after_s", "seal_check_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.admission_fraction <= 1:
             raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
         for name in ("admission_usage_ceiling", "admission_backoff"):

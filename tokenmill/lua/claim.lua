@@ -6,13 +6,15 @@
 --       delayed retry is dropped. Counts move queued -> running (none move on a takeover).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed.  ARGV: 1 job id, 2 worker, 3 lease ttl ms.
 -- Returns {'ok', token, attempts, spec, ckpt_content, ckpt_reasoning, ckpt_tokens, partition,
---          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | cancelled | busy.
+--          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | cancelled | busy
+--          (a sealed job is done).
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
 local state, lease, partition = f[1], tonumber(f[2] or '0'), f[3]
 if not state then return {'missing'} end
 if state == 'done' or state == 'failed' or state == 'cancelled' then return {state} end
+if state == 'sealed' then return {'done'} end
 if state == 'running' and lease > now_ms then return {'busy'} end
 if state == 'running' and f[4] then return {'cancelled'} end
 if state == 'queued' then

@@ -2,15 +2,16 @@
 -- Pre:  the job is `running` under ARGV token (or already `done`: a no-op).
 -- Post: the job is `done` with its result; the checkpoint and lease are gone; counts move
 --       running -> done; run totals and the throughput bucket grow, and the run's last
---       activity time is now. With KEYS 6, the run's lengths hash counts one more request
+--       activity time is now; the job waits in its partition's unsealed set (scored by its
+--       enqueue seq) for the sealer. With KEYS 7, the run's lengths hash counts one more request
 --       ended in ARGV 9's bin and reached ARGV 10...'s.
--- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, [6 run lengths].
+-- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), [7 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
 --       [9 lengths field ended in (e<bin>), 10... lengths fields reached (r<bin>)].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
-local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition')
-if f[1] == 'done' then return 'done' end
+local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
+if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 'stale' end
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -19,6 +20,8 @@ redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[3], 'done_ms', now_m
 redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'ckpt_prompt', 'lease',
   'worker')
 redis.call('ZREM', KEYS[3], ARGV[1])
+-- a job enqueued before jobs had a seq is never sealed: its result stays in the job hash
+if f[4] then redis.call('ZADD', KEYS[6], f[4], ARGV[1]) end
 redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
 redis.call('HINCRBY', KEYS[2], 'done|' .. f[3], 1)
 redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[4])
@@ -29,8 +32,8 @@ if tonumber(ARGV[6]) > 0 then
   redis.call('HINCRBY', KEYS[4], 'continued_tokens', ARGV[6])
 end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[4], 'truncated', 1) end
-if KEYS[6] then
-  for i = 9, #ARGV do redis.call('HINCRBY', KEYS[6], ARGV[i], 1) end
+if KEYS[7] then
+  for i = 9, #ARGV do redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
 end
 local n = tonumber(ARGV[7])
 if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end

@@ -1,20 +1,22 @@
 -- enqueue: create each job if absent and publish it, or report what the ledger already holds.
 -- Pre:  nothing (any job may or may not exist).
--- Post: a new job is `queued`, counted in `queued|partition`, appended to the partition's list,
---       and its message is on the broker list of its queue, or its id on the queue's backlog when
---       the broker list already holds max_depth messages. An existing job is untouched. When
---       any job is new, the run's first enqueue time is set if absent and its last activity
---       time is now.
+-- Post: a new job is `queued`, counted in `queued|partition`, appended to the partition's list
+--       (its `seq` field is its index in that list), and its message is on the broker list of
+--       its queue, or its id on the queue's backlog when the broker list already holds max_depth
+--       messages. An existing job is untouched. When any job is new, the run's first enqueue
+--       time is set if absent and its last activity time is now.
 -- KEYS: 1 runs, 2 partitions, 3 counts, 4 jobs(partition), 5 broker short, 6 broker long,
 --       7 backlog short, 8 backlog long, 9 stats, 10.. one job key per job.
 -- ARGV: 1 run, 2 partition, 3 max_depth, then 6 per job: id, hash, source, queue, spec, message.
 -- Returns one entry per job: new | backlog | conflict:<source> | the state the job is in
+--         (a conflict with a sealed job names its shard: it no longer keeps its source).
 local run, partition, max_depth = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
 local broker = {short = KEYS[5], long = KEYS[6]}
 local backlog = {short = KEYS[7], long = KEYS[8]}
 local out = {}
 local ids = {}
+local seq0 = redis.call('LLEN', KEYS[4])
 -- Messages (and backlogged ids) are pushed with one call per queue after the loop: one
 -- redis.call per message cost about 9 us of Redis CPU each, half of the whole enqueue. LPUSH of
 -- m1..mn leaves the order n single pushes leave, so workers still take them first in, first out.
@@ -24,15 +26,15 @@ for i = 10, #KEYS do
   local a = 4 + (i - 10) * 6
   local job, hash, queue = KEYS[i], ARGV[a + 1], ARGV[a + 3]
   if redis.call('EXISTS', job) == 1 then
-    local prior = redis.call('HMGET', job, 'state', 'hash', 'source')
+    local prior = redis.call('HMGET', job, 'state', 'hash', 'source', 'shard')
     if prior[2] ~= hash then
-      out[#out + 1] = 'conflict:' .. prior[3]
+      out[#out + 1] = 'conflict:' .. (prior[3] or ('sealed shard ' .. tostring(prior[4])))
     else
       out[#out + 1] = prior[1]
     end
   else
     redis.call('HSET', job, 'state', 'queued', 'partition', partition, 'queue', queue,
-      'hash', hash, 'source', ARGV[a + 2], 'spec', ARGV[a + 4])
+      'hash', hash, 'source', ARGV[a + 2], 'spec', ARGV[a + 4], 'seq', seq0 + #ids)
     ids[#ids + 1] = ARGV[a]
     if depth[queue] < max_depth then
       local pending = messages[queue]

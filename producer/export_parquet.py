@@ -1,0 +1,117 @@
+"""``tokenmill export --format parquet``: the export rows as a typed Parquet file per partition.
+
+Columns follow the export row: ``id``, ``partition``, ``finish_reason`` and ``model`` are
+strings; ``messages`` is a list of ``{role, content, reasoning_content, name}`` structs (absent
+keys are null), what chat-training loaders expect; ``usage`` is a struct of two integers;
+``metadata`` (free-form per row) is JSON text. A field the export row gains later (``sample``)
+becomes a column typed by its first value (nested values as JSON text). Rows are written in
+row groups of :data:`BATCH`, so memory stays flat. A message Parquet's struct cannot hold
+(other keys, non-text content) is refused with the job named: export such a run as JSONL.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokenmill.errors import ExportError
+
+BATCH = 1000
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "name")
+MESSAGE = pa.struct([pa.field(k, pa.string()) for k in MESSAGE_KEYS])
+KNOWN: dict[str, pa.DataType] = {
+    "id": pa.string(),
+    "partition": pa.string(),
+    "messages": pa.list_(MESSAGE),
+    "finish_reason": pa.string(),
+    "usage": pa.struct([pa.field("prompt_tokens", pa.int64()), pa.field("completion_tokens", pa.int64())]),
+    "model": pa.string(),
+    "metadata": pa.string(),
+}
+
+
+def _extra_type(value: Any) -> pa.DataType:
+    if isinstance(value, bool):
+        return pa.bool_()
+    if isinstance(value, int):
+        return pa.int64()
+    if isinstance(value, float):
+        return pa.float64()
+    return pa.string()
+
+
+def _check_messages(row: dict[str, Any]) -> None:
+    for i, message in enumerate(row.get("messages") or ()):
+        for key, value in message.items():
+            if key not in MESSAGE_KEYS or not isinstance(value, str):
+                raise ExportError(
+                    f"job {row.get('id')!r}: messages[{i}].{key} ({type(value).__name__}) does not fit "
+                    f"the Parquet messages column ({', '.join(MESSAGE_KEYS)}: text); export this run "
+                    "with --format jsonl"
+                )
+
+
+class ParquetRows:
+    """Write export rows (JSON bytes) to ``path``; the schema is fixed by the first row."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.schema: pa.Schema | None = None
+        self.writer: pq.ParquetWriter | None = None
+        self.batch: list[dict[str, Any]] = []
+
+    def write(self, row_json: bytes) -> None:
+        row = orjson.loads(row_json)
+        _check_messages(row)
+        if self.schema is None:
+            extra = [pa.field(k, _extra_type(v)) for k, v in row.items() if k not in KNOWN]
+            self.schema = pa.schema([pa.field(k, t) for k, t in KNOWN.items()] + extra)
+        unknown = set(row) - set(self.schema.names)
+        if unknown:
+            raise ExportError(f"job {row.get('id')!r} has field(s) {sorted(unknown)} earlier rows lack")
+        self.batch.append(row)
+        if len(self.batch) >= BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.batch or self.schema is None:
+            return
+        columns = []
+        for f in self.schema:
+            values = [_cell(f, row.get(f.name)) for row in self.batch]
+            columns.append(pa.array(values, f.type))
+        table = pa.Table.from_arrays(columns, schema=self.schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        self.writer.write_table(table)
+        self.batch = []
+
+    def close(self) -> None:
+        self._flush()
+        if self.writer is None:  # no row at all: still a valid, empty file
+            self.schema = self.schema or pa.schema([pa.field(k, t) for k, t in KNOWN.items()])
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        self.writer.close()
+
+    def __enter__(self) -> ParquetRows:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.close()
+        elif self.writer is not None:
+            self.writer.close()
+
+
+def _cell(f: pa.Field, value: Any) -> Any:
+    if value is None:
+        return None
+    if f.name == "metadata" or (pa.types.is_string(f.type) and not isinstance(value, str)):
+        return orjson.dumps(value).decode()
+    return value

@@ -1,0 +1,183 @@
+"""The shard file format: Parquet with zstd, one row per sealed job, rows in enqueue order.
+
+A shard's columns are ``job_id``, ``seq`` (the job's index in its partition's enqueue order),
+``truncated`` (it finished on ``max_tokens``) and ``row``: the export row exactly as
+``tokenmill export`` writes it, as JSON text, so an export from shards is byte for byte the export
+from Redis and fields added to the export row travel without a schema change. Rows are split into
+row groups of at most :data:`ROW_GROUP_ROWS`, and a new group starts wherever ``seq`` jumps by
+more than that: a result that finished late (a long prompt, a retried job) sits in a small group
+of its own, so a reader merging shards in enqueue order holds few rows at a time.
+
+A spec file beside each shard keeps what enqueue stored for each job (``queue``, ``hash``,
+``source``, ``spec``), so the jobs of a lost shard can be generated again. Both files carry page
+checksums, and readers verify them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROW_GROUP_ROWS = 256
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("row", pa.string(), nullable=False),
+    ]
+)
+SPEC_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("queue", pa.string(), nullable=False),
+        pa.field("hash", pa.string(), nullable=False),
+        pa.field("source", pa.string()),
+        pa.field("spec", pa.string(), nullable=False),
+    ]
+)
+_WRITE = {"compression": "zstd", "write_page_checksum": True, "write_statistics": ["seq"]}
+
+
+class ShardRow(NamedTuple):
+    """One sealed job's row: its id, enqueue seq, truncated flag and export row (JSON bytes)."""
+
+    job_id: str
+    seq: int
+    truncated: bool
+    row: bytes
+
+
+class SpecRow(NamedTuple):
+    """What enqueue stored for one job: enough to put it back to ``queued``."""
+
+    job_id: str
+    seq: int
+    queue: str
+    hash: str
+    source: str
+    spec: bytes
+
+
+def row_groups(seqs: Sequence[int], limit: int = ROW_GROUP_ROWS) -> list[tuple[int, int]]:
+    """``(start, stop)`` slices of sorted ``seqs``: at most ``limit`` rows each, split where seq
+    jumps by more than ``limit``."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(seqs) + 1):
+        if i == len(seqs) or i - start >= limit or seqs[i] - seqs[i - 1] > limit:
+            groups.append((start, i))
+            start = i
+    return groups
+
+
+def shard_bytes(rows: Sequence[ShardRow]) -> bytes:
+    """A shard file holding ``rows`` (sorted by seq here)."""
+    ordered = sorted(rows, key=lambda r: r.seq)
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(sink, SHARD_SCHEMA, **_WRITE) as writer:
+        for start, stop in row_groups([r.seq for r in ordered]):
+            part = ordered[start:stop]
+            columns = [
+                pa.array([r.job_id for r in part], pa.string()),
+                pa.array([r.seq for r in part], pa.int64()),
+                pa.array([r.truncated for r in part], pa.bool_()),
+                pa.array([r.row for r in part], pa.binary()).cast(pa.string()),
+            ]
+            writer.write_table(pa.Table.from_arrays(columns, schema=SHARD_SCHEMA), row_group_size=len(part))
+    return bytes(sink.getvalue())
+
+
+def specs_bytes(rows: Sequence[SpecRow]) -> bytes:
+    """A spec file holding ``rows``."""
+    columns = [
+        pa.array([r.job_id for r in rows], pa.string()),
+        pa.array([r.seq for r in rows], pa.int64()),
+        pa.array([r.queue for r in rows], pa.string()),
+        pa.array([r.hash for r in rows], pa.string()),
+        pa.array([r.source for r in rows], pa.string()),
+        pa.array([r.spec for r in rows], pa.binary()).cast(pa.string()),
+    ]
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_arrays(columns, schema=SPEC_SCHEMA), sink, **_WRITE)
+    return bytes(sink.getvalue())
+
+
+def read_specs(source: str | IO[bytes]) -> list[SpecRow]:
+    """Every row of a spec file (checksums verified)."""
+    table = pq.ParquetFile(source, page_checksum_verification=True).read()
+    _check_columns(table.schema, SPEC_SCHEMA)
+    cols = [table.column(name) for name in SPEC_SCHEMA.names]
+    spec = table.column("spec").cast(pa.binary()).to_pylist()
+    return [
+        SpecRow(j, s, q, h, src or "", sp)
+        for j, s, q, h, src, sp in zip(*(c.to_pylist() for c in cols[:5]), spec, strict=True)
+    ]
+
+
+def _check_columns(schema: pa.Schema, want: pa.Schema) -> None:
+    missing = [f.name for f in want if schema.get_field_index(f.name) < 0]
+    if missing:
+        raise ValueError(f"not a tokenmill file: column(s) {', '.join(missing)} missing")
+
+
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """Where one row group of a shard sits in enqueue order (it keeps no file open)."""
+
+    shard_id: str
+    index: int
+    min_seq: int
+    max_seq: int
+    rows: int
+
+
+class ShardFile:
+    """A shard opened for reading: its footer is read (and checked) at once, rows on demand."""
+
+    def __init__(self, shard_id: str, source: str | IO[bytes]) -> None:
+        self.shard_id = shard_id
+        self.file = pq.ParquetFile(source, page_checksum_verification=True)
+        _check_columns(self.file.schema_arrow, SHARD_SCHEMA)
+        meta = self.file.metadata
+        self.rows = meta.num_rows
+        seq_col = self.file.schema_arrow.get_field_index("seq")
+        self.groups: list[RowGroup] = []
+        for i in range(meta.num_row_groups):
+            group = meta.row_group(i)
+            stats: Any = group.column(seq_col).statistics
+            if stats is None or not stats.has_min_max:
+                raise ValueError(f"row group {i} has no seq statistics")
+            self.groups.append(RowGroup(shard_id, i, int(stats.min), int(stats.max), group.num_rows))
+
+    def read_group(self, index: int) -> list[ShardRow]:
+        """The rows of row group ``index``, in seq order."""
+        table = self.file.read_row_group(index, columns=list(SHARD_SCHEMA.names), use_threads=False)
+        ids = table.column("job_id").to_pylist()
+        seqs = table.column("seq").to_pylist()
+        truncated = table.column("truncated").to_pylist()
+        rows = table.column("row").cast(pa.binary()).to_pylist()
+        return [ShardRow(*r) for r in zip(ids, seqs, truncated, rows, strict=True)]
+
+    def job_ids(self) -> list[str]:
+        """Every job id in the shard (one column read)."""
+        return [str(x) for x in self.file.read(columns=["job_id"]).column("job_id").to_pylist()]
+
+    def iter_rows(self) -> Iterator[ShardRow]:
+        for group in self.groups:
+            yield from self.read_group(group.index)
+
+    def close(self) -> None:
+        """Let go of the file (pyarrow holds it open, with its metadata, until then)."""
+        self.file.close()
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
