@@ -36,7 +36,7 @@ def test_a_server_url_that_is_not_sglang_makes_jobs_wait_not_fail(
     assert all(int(rclient.hget(k, "retries") or 0) == 0 for k in rclient.scan_iter("tm:r:job:*"))
 
 
-def test_enqueue_warns_when_redis_would_lose_or_evict_work(tmp_path: Path) -> None:
+def test_enqueue_warns_when_redis_would_lose_or_evict_work_or_double_its_memory(tmp_path: Path) -> None:
     rds = RedisServer(tmp_path / "r").start()
     try:
         client = rds.client()
@@ -48,6 +48,11 @@ def test_enqueue_warns_when_redis_would_lose_or_evict_work(tmp_path: Path) -> No
         assert "maxmemory-policy=allkeys-lru" in res.stderr and "noeviction" in res.stderr
         client.config_set("appendonly", "yes")
         client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("hash-max-listpack-value", "64")  # Redis's own default
+        roomy = cli("enqueue", str(data), "--run", "r", env={"TOKENMILL_REDIS_URL": rds.url})
+        assert "hash-max-listpack-value=64" in roomy.stderr and "appendonly" not in roomy.stderr
+        assert "CONFIG SET hash-max-listpack-value 8192" in roomy.stderr
+        client.config_set("hash-max-listpack-value", "8192")
         quiet = cli("enqueue", str(data), "--run", "r", env={"TOKENMILL_REDIS_URL": rds.url})
         assert "WARNING" not in quiet.stderr
     finally:

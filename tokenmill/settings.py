@@ -70,7 +70,7 @@ class Settings:
     admission_queue_target: int = 4  # requests to keep waiting on the server (or 10% of running)
     admission_usage_ceiling: float = 0.95  # the window grows only while KV use is below this
     admission_backoff: float = 0.75  # the window after a retraction, of what is on the server
-    max_queued: int = 20000
+    max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
     server_wait_s: float = 1.0
 
     # worker shutdown
