@@ -121,6 +121,16 @@ class LiveFigures:
             self.figures["retractions"] = float(self.retractions)
             self.changed = True
 
+    def merge_metrics(self, figures: dict[str, float]) -> None:
+        """Take /metrics figures in; event counters only ever grow (the log may count first)."""
+        counted = figures.pop("retractions", None)
+        if counted is not None and counted > self.retractions:
+            self.retractions = int(counted)
+        self.figures.update(figures)
+        if self.retractions or counted is not None:
+            self.figures["retractions"] = float(self.retractions)
+        self.changed = True
+
     def quiet_for(self) -> float:
         """Seconds since the last batch line (infinite when there was none)."""
         return time.monotonic() - self.last_batch_at if self.last_batch_at else float("inf")

@@ -283,8 +283,7 @@ class Supervisor:
         engine.remember_members()
         if c.enable_metrics:
             try:
-                self.live.figures.update(server_report.metrics(c.probe_url, c.health_timeout_s))
-                self.live.changed = True
+                self.live.merge_metrics(server_report.metrics(c.probe_url, c.health_timeout_s))
             except (OSError, ValueError) as exc:
                 log.debug("[%s] /metrics failed: %s", c.name, exc)
         self._report(force=True)

@@ -89,6 +89,19 @@ def test_decode_lines_and_retractions_accumulate_into_live_figures() -> None:
     assert live.figures["retractions"] == 5 and live.decode_lines == 1
 
 
+def test_metrics_figures_never_take_the_retraction_count_back() -> None:
+    # Given 5 retractions counted from the log
+    live = LiveFigures()
+    live.feed("[t] KV cache pool is full. Retract requests. #retracted_reqs: 5, #new_token_ratio: 0.4 -> 0.6")
+    # When /metrics answers with an older count (its counter lags or is not there yet)
+    live.merge_metrics({"retractions": 0.0, "running_req": 2.0})
+    # Then the count stays, and the other figures are taken
+    assert live.figures["retractions"] == 5 and live.figures["running_req"] == 2
+    # And a count /metrics saw first is taken too
+    live.merge_metrics({"retractions": 7.0})
+    assert live.figures["retractions"] == 7 and live.retractions == 7
+
+
 def test_capacity_and_fraction_come_from_the_startup_lines() -> None:
     line = (
         "[t TP0] max_total_num_tokens=2243474, chunked_prefill_size=8192, max_prefill_tokens=16384, "
