@@ -48,6 +48,11 @@ SCRIPT_NAMES = (
 _SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
 
 
+def script_source(name: str) -> str:
+    """The Lua source of the named script of ``tokenmill/lua/``."""
+    return _SOURCES[name]
+
+
 def register(client: redis.Redis | aioredis.Redis, name: str) -> Any:
     """The named Lua script of ``tokenmill/lua/`` registered on ``client``."""
     return client.register_script(_SOURCES[name])

@@ -1,0 +1,159 @@
+"""What one job costs a worker outside streaming: CPU per job and Redis commands per job.
+
+Jobs are cut to ``max_tokens`` 2, so the per-job work (Celery delivery, task events, the
+ledger's and admission's round trips, building the request, the commit) dominates the stream.
+One real ``short`` worker (``--concurrency 150``, default settings) on a private redis-server
+and the sim:
+
+- worker CPU per job: the worker process's CPU (/proc) from the moment it is ready and idle to
+  the last commit, over the jobs;
+- the stream path per 2-token request: the same requests through ``workers.stream.stream_chat``
+  on the worker's own openai client, in this process (what bench/e2e.py --per-request measures);
+- outside streaming = the difference;
+- Redis commands per job: ``INFO commandstats`` deltas over the run, less the enqueue's own
+  commands (measured by enqueuing the same jobs with no worker running, before) and this
+  process's polls. EVALSHA calls are tokenmill's scripts (one round trip each); Celery's are
+  BRPOP, the MULTI/EXEC of kombu's unacked bookkeeping, PUBLISH of task events.
+
+    .venv/bin/python bench/jobcost.py                  # 1,500 jobs, 3 rounds: ~2 min
+    .venv/bin/python bench/jobcost.py --jobs 600 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import redis
+from _common import (
+    Children,
+    MachineLoad,
+    exit_on_sigterm,
+    machine,
+    median,
+    proc_cpu_s,
+    start_sim,
+    start_worker,
+    table,
+    wait_for,
+    wait_quiet,
+    workdir,
+)
+from e2e import PARTITION, Knobs, _stream_path, direct_requests, routing, write_dataset
+
+from tokenmill.trips import TripCounter
+
+RUN = "jobcost"
+
+
+def enqueue(client: redis.Redis, data: Path, k: Knobs) -> None:
+    from producer.enqueue import Enqueuer
+    from tokenmill.ledger import Ledger
+
+    enq = Enqueuer(Ledger(client, RUN), routing(k), max_queued=100_000)
+    enq.enqueue_file(data, PARTITION)
+    assert enq.summary.total_new == k.prompts, enq.summary.line(RUN)
+
+
+def one_round(
+    work: Path, k: Knobs, data: Path, client: redis.Redis, redis_url: str, name: str, count: bool
+) -> dict[str, Any]:
+    """One run of every job through a fresh worker; with ``count``, its round trips (MONITOR)."""
+    where = work / name
+    client.flushall()
+    enq_trips: Counter[str] = Counter()
+    if count:  # calibration: the enqueue's own round trips, with no worker running
+        with TripCounter(redis_url) as enq_counter:
+            enqueue(client, data, k)
+        enq_trips = enq_counter.counts
+        client.flushall()
+    with Children() as ch:
+        _sim, url = start_sim(ch, where, k.sim)
+        env = {"TOKENMILL_REDIS_URL": redis_url, "TOKENMILL_SERVER_URL": url}
+        worker = start_worker(ch, where, "short", k.short_concurrency, env)
+        time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
+        polls = 0
+        done_field = f"done|{PARTITION}"
+        counts_key = f"tm:{RUN}:counts"
+
+        def finished() -> bool:
+            nonlocal polls
+            polls += 1
+            if not worker.alive():
+                raise RuntimeError(f"the worker died:\n{worker.output()[-2000:]}")
+            return int(client.hget(counts_key, done_field) or 0) >= k.prompts
+
+        with TripCounter(redis_url) if count else contextlib.nullcontext() as counter:
+            cpu0 = proc_cpu_s(worker.pid)
+            start = time.perf_counter()
+            enqueue(client, data, k)
+            wait_for(finished, 600, "the jobs to finish", 0.05)
+            wall = time.perf_counter() - start
+            cpu = proc_cpu_s(worker.pid) - cpu0
+    trips: Counter[str] = Counter()
+    if counter is not None:
+        trips = counter.counts
+        trips.subtract(enq_trips)
+        trips["hget"] -= polls
+        trips = +trips
+    return {"cpu_s": cpu, "wall_s": wall, "trips": trips}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=1500)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=150)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    exit_on_sigterm()
+    sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
+    # every prompt short, max_tokens 2: the jobs are all per-job cost
+    k = Knobs(a.jobs, 0, 2, 2, 10_000, a.concurrency, 32, sim)
+    print(f"machine: {machine()}")
+    print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
+    rounds: list[dict[str, Any]] = []
+    stream: list[float] = []
+    with workdir(a.keep) as work, Children() as children:
+        load = MachineLoad()
+        data = write_dataset(work / f"{PARTITION}.jsonl", k)
+        reqs = direct_requests(data, k)
+        server = children.redis(work / "redis")
+        client = redis.Redis.from_url(server.url)
+        for rnd in range(1, a.rounds + 1):
+            r = one_round(work, k, data, client, server.url, f"round-{rnd}", count=False)
+            rounds.append(r)
+            with Children() as ch:
+                _, url = start_sim(ch, work / f"stream-{rnd}", k.sim)
+                cpu, _tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, True))
+            stream.append(cpu / len(reqs))
+            print(
+                f"round {rnd}: worker {r['cpu_s']:.2f} CPU s for {a.jobs} jobs "
+                f"({r['cpu_s'] / a.jobs * 1e3:.2f} ms each) in {r['wall_s']:.1f} s; "
+                f"stream path {stream[-1] * 1e3:.2f} ms per request"
+            )
+        print(load.line())
+        counted = one_round(work, k, data, client, server.url, "count", count=True)["trips"]
+    per_job = median([r["cpu_s"] / a.jobs for r in rounds])
+    per_stream = median(stream)
+    print(f"\n{a.jobs} jobs of 2 tokens, one short worker (-c {a.concurrency}), median of {a.rounds}:")
+    print(
+        table(
+            ["worker CPU ms / job", "stream path ms / request", "outside streaming ms / job"],
+            [[f"{per_job * 1e3:.2f}", f"{per_stream * 1e3:.2f}", f"{(per_job - per_stream) * 1e3:.2f}"]],
+        )
+    )
+    rows = [[n, f"{c / a.jobs:.2f}"] for n, c in counted.most_common()]
+    rows.append(["all round trips", f"{sum(counted.values()) / a.jobs:.2f}"])
+    print("\nRedis round trips per job (a separate run under MONITOR; the worker and its pump, the")
+    print("enqueue and this process's polls left out; MULTI..EXEC counts once):")
+    print(table(["command", "per job"], rows))
+
+
+if __name__ == "__main__":
+    main()
