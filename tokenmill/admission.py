@@ -38,7 +38,7 @@ from typing import Any
 import redis
 
 from tokenmill import keys
-from tokenmill.ledger import LengthReport, SlotUpdate, register
+from tokenmill.ledger import AdmitRequest, LengthReport, SlotUpdate, register
 from tokenmill.lengths import Survival, bin_of, parse_counts, reached
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
@@ -195,19 +195,28 @@ class Admission:
     def try_admit(self, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
         """A slot on ``server``, or None when its window (or, without a fresh window, its token
         budget), or the queue's share of it, has no room."""
+        req = self.request(server, capacity, tokens, queue)
+        if req is None:
+            return Slot(server, uuid.uuid4().hex, 0)  # no known capacity and no closed loop: not limited
+        ok = self._admit(list(req.keys), req.args)
+        return Slot(server, str(req.args[0]), tokens) if ok else None
+
+    def request(self, server: str, capacity: int | None, tokens: int, queue: str) -> AdmitRequest | None:
+        """What ``admit.lua`` (alone, or inside ``start.lua`` with the claim) needs for a slot of
+        ``tokens`` on ``server``; None when admission does not limit this server (admission off,
+        or no known capacity and no closed loop)."""
         s = self.s
-        member = uuid.uuid4().hex
         budget = self.budget(capacity)
         if not s.admission or (budget is None and not s.admission_closed_loop):
-            return Slot(server, member, 0)  # no known capacity and no closed loop: not limited
+            return None
         if budget is None:
             budget = 10**15  # unknown capacity: only a fresh window limits
         other = "long" if queue == "short" else "short"
         fresh_ms = int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000) if s.admission_closed_loop else 0
-        ok = self._admit(
-            [keys.admission(server), keys.admission_used(server)],
+        return AdmitRequest(
+            (keys.admission(server), keys.admission_used(server)),
             [
-                member,
+                uuid.uuid4().hex,
                 tokens,
                 queue,
                 budget,
@@ -218,7 +227,6 @@ class Admission:
                 fresh_ms,
             ],
         )
-        return Slot(server, member, tokens) if ok else None
 
     def adapt(self, server: str, load: Load, retractions: int | None) -> int:
         """Steer ``server``'s window by what it reports now (``adapt.lua``); the new window."""
@@ -246,6 +254,10 @@ class Admission:
         if slot.tokens:
             self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
             self.line.wake_head()
+
+    def released(self) -> None:
+        """A slot was given back by another script (``finish.lua``): let this process's line ask."""
+        self.line.wake_head()
 
 
 def admission_view(client: redis.Redis, server: str) -> dict[str, Any]:

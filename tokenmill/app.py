@@ -47,7 +47,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_send_task_events": True,
+        # Off unless asked (settings.task_events): Flower turns them on in running workers itself.
+        "worker_send_task_events": settings.task_events,
         "task_send_sent_event": False,
         "worker_hijack_root_logger": False,
         "broker_heartbeat": 0,

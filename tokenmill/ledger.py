@@ -44,8 +44,24 @@ SCRIPT_NAMES = (
     "wait",
     "cancel",
     "retry",
+    "start",
+    "finish",
 )
-_SOURCES = {n: resources.files("tokenmill").joinpath(f"lua/{n}.lua").read_text() for n in SCRIPT_NAMES}
+# Scripts made of others: each part's body becomes a local function of the same name, taking its
+# own KEYS and ARGV (one round trip doing what the parts do, by the parts' own code).
+COMPOSED = {"start": ("admit", "claim"), "finish": ("commit", "unadmit")}
+
+
+def _read(name: str) -> str:
+    return resources.files("tokenmill").joinpath(f"lua/{name}.lua").read_text()
+
+
+def _compose(name: str) -> str:
+    parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
+    return "".join(parts) + _read(name)
+
+
+_SOURCES = {n: _compose(n) for n in SCRIPT_NAMES}
 
 
 def script_source(name: str) -> str:
@@ -91,6 +107,17 @@ class Claim:
     slot: tuple[str, str, str] | None = (
         None  # admission (slots key, used key, member), renewed with the lease
     )
+
+
+class AdmitRequest(NamedTuple):
+    """What ``admit.lua`` needs to take a slot on one server (built by tokenmill.admission)."""
+
+    keys: tuple[str, str]  # the server's slots zset and used hash
+    args: list[Any]  # admit.lua's ARGV; the first is the slot's member id
+
+    def slot_ref(self) -> tuple[str, str, str]:
+        """(slots key, used key, member): what a claim carries to renew and release the slot."""
+        return self.keys[0], self.keys[1], str(self.args[0])
 
 
 class SlotUpdate(NamedTuple):
@@ -159,6 +186,31 @@ class Ledger:
             [k.job(job_id), k.counts(), k.leases(), k.delayed()],
             [job_id, worker, int(lease_ttl_s * 1000)],
         )
+        return self._claimed(job_id, res)
+
+    def start(
+        self,
+        job_id: str,
+        worker: str,
+        lease_ttl_s: float,
+        admit: AdmitRequest,
+        spec: dict[str, Any] | None = None,
+    ) -> Claim | str:
+        """Admission and claim in one round trip (``start.lua``): a :class:`Claim` holding the
+        admitted slot, ``full`` (no room: nothing claimed), or why the job cannot be claimed (as
+        :meth:`claim`; nothing admitted). The job's waiting lease is dropped with the claim.
+        ``spec``, when the caller already read it (it never changes), is not parsed again."""
+        k = self.k
+        res = self._scripts["start"](
+            [k.job(job_id), k.counts(), k.leases(), k.delayed(), k.waiting(), *admit.keys],
+            [job_id, worker, int(lease_ttl_s * 1000), *admit.args],
+        )
+        claim = self._claimed(job_id, res, spec)
+        if isinstance(claim, Claim):
+            claim.slot = admit.slot_ref()
+        return claim
+
+    def _claimed(self, job_id: str, res: list[Any], spec: dict[str, Any] | None = None) -> Claim | str:
         if _s(res[0]) != "ok":
             return _s(res[0])
         return Claim(
@@ -166,7 +218,7 @@ class Ledger:
             job_id=job_id,
             token=_s(res[1]),
             attempt=int(res[2]),
-            spec=orjson.loads(res[3]),
+            spec=spec if spec is not None else orjson.loads(res[3]),
             checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6]), int(res[10])),
             partition=_s(res[7]),
             queue=_s(res[8]),
@@ -182,10 +234,17 @@ class Ledger:
         )
 
     def commit(
-        self, claim: Claim, result: dict[str, Any], new_tokens: int, lengths: LengthReport | None = None
+        self,
+        claim: Claim,
+        result: dict[str, Any],
+        new_tokens: int,
+        lengths: LengthReport | None = None,
+        release_slot: bool = False,
     ) -> str:
         """Record the result: ``ok``, ``done`` (already) or ``stale``. With ``lengths``, the run's
-        length curve learns how long the completion was."""
+        length curve learns how long the completion was. With ``release_slot`` and a claim that
+        holds an admission slot, the slot is given back in the same round trip (``finish.lua``),
+        whatever the verdict."""
         k = self.k
         usage = result.get("usage") or {}
         script_keys = [
@@ -209,6 +268,9 @@ class Ledger:
         if lengths is not None:
             script_keys.append(k.lengths())
             args += [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        if release_slot and claim.slot is not None:
+            slots_key, used_key, member = claim.slot
+            return _s(self._scripts["finish"]([*script_keys, slots_key, used_key], [*args, member]))
         return _s(self._scripts["commit"](script_keys, args))
 
     def fail(self, claim: Claim, error: JobError) -> str:

@@ -76,6 +76,11 @@ class Settings:
     # worker shutdown
     shutdown_grace_s: float = 30.0
 
+    # monitoring: Celery task events (received/started/succeeded) cost a worker three Redis
+    # publishes and their encoding per job; only Flower and other event consumers read them.
+    # Off by default: a running Flower turns them on in the workers it sees by itself.
+    task_events: bool = False
+
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...

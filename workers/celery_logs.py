@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from celery.app import trace
+from celery.worker import strategy
 from celery.worker.consumer import consumer
 
 CARRIES_ON = (
@@ -32,6 +34,19 @@ class ReconnectMessages(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         cancel_failed = isinstance(record.msg, str) and record.msg.startswith(_CANCEL_FAILED)
         return not (cancel_failed and isinstance(exc, NotImplementedError))
+
+
+# Celery's per-task INFO lines ("Task ... received", "Task ... succeeded in ..."): two formatted
+# log records per job, and the ledger already records every job's outcome.
+PER_TASK_LOGGERS = (strategy.logger.name, trace.logger.name)
+
+
+def quiet_per_task(loglevel: int) -> None:
+    """Log Celery's per-task lines only at DEBUG. Call before the consumer starts: Celery reads
+    these loggers' levels once, when it builds each task's strategy and tracer."""
+    level = logging.DEBUG if loglevel <= logging.DEBUG else logging.WARNING
+    for name in PER_TASK_LOGGERS:
+        logging.getLogger(name).setLevel(level)
 
 
 def install() -> None:

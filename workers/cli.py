@@ -26,6 +26,12 @@ from tokenmill import keys
 )
 @click.option("--hostname", "-n", default=None, help="Celery node name (default <queue>-<pid>@<host>).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option(
+    "--task-events/--no-task-events",
+    default=None,
+    help="Send Celery task events from the start (default: TOKENMILL_TASK_EVENTS, off; a running "
+    "Flower turns them on by itself).",
+)
 def worker(
     queue: str,
     concurrency: int | None,
@@ -33,12 +39,13 @@ def worker(
     server_url: str | None,
     hostname: str | None,
     loglevel: str,
+    task_events: bool | None,
 ) -> None:
     """Run a Celery worker on one queue (``celery -A tokenmill.app worker`` also works)."""
     from tokenmill.app import configure
     from tokenmill.settings import Settings
 
-    settings = Settings.load(redis_url=redis_url, server_url=server_url)
+    settings = Settings.load(redis_url=redis_url, server_url=server_url, task_events=task_events)
     app = configure(settings)
     threads = concurrency or (150 if queue == "short" else 32)
     app.worker_main(

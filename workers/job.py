@@ -40,17 +40,23 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
         return "missing"
     if peeked.state in ("done", "failed", "cancelled"):
         return peeked.state
-    admitted = _admit(rt, ledger, job_id, peeked.spec["request"], peeked.queue, ahead=peeked.attempts > 0)
-    if admitted is None:
+    started = _admit(rt, ledger, job_id, peeked.spec, peeked.queue, ahead=peeked.attempts > 0)
+    if started is None:
         return "stopping"
-    server, slot = admitted
+    if isinstance(started, str):
+        log.info("job %s/%s not claimed: %s", run, job_id, started)
+        return started
+    server, slot, claim = started
+    released = False
     try:
-        return _claim_and_run(rt, ledger, run, job_id, server.url, slot)
+        outcome, released = _run(rt, ledger, claim, server.url, slot)
+        return outcome
     finally:
-        try:
-            rt.admission.release(slot)
-        except redis.RedisError as exc:  # the slot's lease expires on its own
-            log.warning("could not release an admission slot: %s", exc)
+        if not released:
+            try:
+                rt.admission.release(slot)
+            except redis.RedisError as exc:  # the slot's lease expires on its own
+                log.warning("could not release an admission slot: %s", exc)
 
 
 REDIS_RETRY_S = 120.0
@@ -73,20 +79,24 @@ def durable(fn: Callable[[], T]) -> T:
 
 
 def _admit(
-    rt: Runtime, ledger: Ledger, job_id: str, request: dict, queue: str, ahead: bool = False
-) -> tuple[ServerView, Slot] | None:
-    """Wait for a ready server with room for this request in its budget (least loaded first).
+    rt: Runtime, ledger: Ledger, job_id: str, spec: dict, queue: str, ahead: bool = False
+) -> tuple[ServerView, Slot, Claim] | str | None:
+    """Wait for a ready server with room for this request in its budget (least loaded first),
+    and claim the job with the slot in the same round trip (``start.lua``). Returns the server,
+    the slot and the claim; why the job could not be claimed (nothing admitted); or None when
+    the worker stops first.
 
     Waiting threads stand in this process's line: only the first asks Redis for room, at once
     when a slot is freed here and every ``admission_wait_s`` for slots freed elsewhere. A job
     whose earlier attempt was cut (``ahead``) goes before the jobs that never ran. While
     it waits the job holds a waiting lease, so that if this worker dies the job is republished
     at once instead of when the broker's visibility timeout restores the message; a job
-    admitted at once never needs one (two Redis calls fewer per job).
+    admitted at once never needs one, and the claim drops it (no Redis call of its own).
     """
     s = rt.settings
     said = False
     held_at = 0.0
+    claimed = False
 
     def hold() -> None:  # about to wait: take (or renew) the waiting lease
         nonlocal held_at
@@ -103,8 +113,10 @@ def _admit(
                         turn.wait(LINE_CHECK_S)
                         continue
                     turn.arm()
-                    got = _try_servers(rt, ledger.run, request, queue)
-                    if isinstance(got, tuple):
+                    got = _try_servers(rt, ledger, job_id, spec, queue)
+                    if isinstance(got, tuple | str):
+                        # start.lua dropped the waiting lease with the claim; a plain claim did not
+                        claimed = isinstance(got, tuple) and got[2].slot is not None
                         return got
                     hold()
                 except redis.RedisError as exc:
@@ -120,53 +132,71 @@ def _admit(
                     rt.stopping.wait(s.admission_wait_s)
             return None
     finally:
-        if held_at:
+        if held_at and not claimed:
             with contextlib.suppress(redis.RedisError):
                 ledger.hold_waiting(job_id, s.lease_ttl_s, hold=False)
 
 
-def _try_servers(rt: Runtime, run: str, request: dict, queue: str) -> tuple[ServerView, Slot] | bool:
-    """A server and a slot, or whether any server is ready (True: ready but full)."""
+def _try_servers(
+    rt: Runtime, ledger: Ledger, job_id: str, spec: dict, queue: str
+) -> tuple[ServerView, Slot, Claim] | str | bool:
+    """Admitted and claimed on a server; why the job cannot be claimed; or whether any server
+    is ready (True: ready but full)."""
     adm = rt.admission
-    tokens = adm.estimate(run, request)
+    s = rt.settings
+    request = spec["request"]
+    tokens = adm.estimate(ledger.run, request)
     views = rt.pool.ready_views()
-    views.sort(key=lambda v: adm.load(v.name) / (adm.budget(v.capacity) or float("inf")))
+    if len(views) > 1:
+        views.sort(key=lambda v: adm.load(v.name) / (adm.budget(v.capacity) or float("inf")))
     for view in views:
-        slot = adm.try_admit(view.name, view.capacity, tokens, queue)
-        if slot is not None:
-            return view, slot
+        admit = adm.request(view.name, view.capacity, tokens, queue)
+        if admit is None:  # not limited: a plain claim, no slot
+            claim = ledger.claim(job_id, rt.worker_id, s.lease_ttl_s)
+            slot = Slot(view.name, "", 0)
+        else:
+            claim = ledger.start(job_id, rt.worker_id, s.lease_ttl_s, admit, spec)
+            if claim == "full":
+                continue
+            slot = Slot(view.name, str(admit.args[0]), tokens)
+        if isinstance(claim, str):
+            return claim
+        return view, slot, claim
     return bool(views)
 
 
-def _claim_and_run(rt: Runtime, ledger: Ledger, run: str, job_id: str, url: str, slot: Slot) -> str:
+def _run(rt: Runtime, ledger: Ledger, claim: Claim, url: str, slot: Slot) -> tuple[str, bool]:
+    """Stream the claimed job and commit it or settle its error: (what happened, whether the
+    admission slot was given back with the commit)."""
     s = rt.settings
-    claim = durable(lambda: ledger.claim(job_id, rt.worker_id, s.lease_ttl_s))
-    if isinstance(claim, str):
-        log.info("job %s/%s not claimed: %s", run, job_id, claim)
-        return claim
+    run, job_id = claim.run, claim.job_id
     base = claim.checkpoint if s.continue_partial else Checkpoint()
     state = AttemptState(base=base, progress=Progress())
     tracker = None
     if slot.tokens:
-        claim.slot = slot.ref()
         tracker = rt.admission.tracker(run, claim.spec["request"], base.tokens)
         state.slot_update = tracker.update
+    else:
+        claim.slot = None
     try:
         outcome = _attempt(rt, claim, url, state)
     except errors.GenerationError as exc:
         failure = exc
-        return durable(lambda: _settle(rt, ledger, claim, url, failure, state))
+        return durable(lambda: _settle(rt, ledger, claim, url, failure, state)), False
     except errors.StaleClaimError as exc:
         log.warning("%s", exc)
-        return "stale"
+        return "stale", False
     outcome.result["server"] = url
     if claim.checkpoint and not s.continue_partial:
         outcome.result["restarted"] = True  # a checkpoint existed; continue_partial is off
     lengths = tracker.finish(outcome.result["usage"]["completion_tokens"]) if tracker else None
-    verdict = durable(lambda: ledger.commit(claim, outcome.result, outcome.new_tokens, lengths))
+    release = claim.slot is not None
+    verdict = durable(lambda: ledger.commit(claim, outcome.result, outcome.new_tokens, lengths, release))
+    if release:
+        rt.admission.released()
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", run, job_id, verdict)
-    return "done" if verdict == "ok" else verdict
+    return ("done" if verdict == "ok" else verdict), release
 
 
 def _attempt(rt: Runtime, claim: Claim, url: str, state: AttemptState) -> Outcome:

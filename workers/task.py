@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from celery import Task
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
 from tokenmill import redis_conn
 from tokenmill.app import TASK_NAME, app
@@ -39,6 +39,12 @@ def _stop_consuming(task: Task) -> None:
     queue = (task.request.delivery_info or {}).get("routing_key")
     if queue and task.request.hostname:
         task.app.control.cancel_consumer(queue, destination=[task.request.hostname])
+
+
+@celeryd_after_setup.connect
+def _on_after_setup(instance: Any = None, **_: Any) -> None:
+    level = getattr(instance, "loglevel", logging.INFO)
+    celery_logs.quiet_per_task(level if isinstance(level, int) else logging.getLevelName(str(level).upper()))
 
 
 @worker_ready.connect

@@ -1,0 +1,15 @@
+-- finish: commit and give the admission slot back in one round trip.
+-- Composed by tokenmill/ledger.py: the bodies of commit.lua and unadmit.lua are prepended as the
+-- local functions commit(KEYS, ARGV) and unadmit(KEYS, ARGV).
+-- Pre:  as commit.lua.
+-- Post: commit.lua's post; and whatever the commit's verdict, the slot is released (unadmit.lua).
+-- KEYS: commit.lua's (6 or 7), then 2 admission slots, 1 admission used (the last two).
+-- ARGV: commit.lua's, then the slot member (the last).
+-- Returns commit.lua's reply.
+local nk, na = #KEYS, #ARGV
+local ckeys, cargv = {}, {}
+for i = 1, nk - 2 do ckeys[i] = KEYS[i] end
+for i = 1, na - 1 do cargv[i] = ARGV[i] end
+local verdict = commit(ckeys, cargv)
+unadmit({KEYS[nk - 1], KEYS[nk]}, {ARGV[na]})
+return verdict

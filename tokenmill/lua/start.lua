@@ -1,0 +1,26 @@
+-- start: admission and claim in one round trip (the worker's usual way to begin a job).
+-- Composed by tokenmill/ledger.py: the bodies of admit.lua and claim.lua are prepended as the
+-- local functions admit(KEYS, ARGV) and claim(KEYS, ARGV), so their rules are the same code.
+-- Pre:  nothing.
+-- Post: when the job can be claimed (claim.lua's precondition) and the server has room
+--       (admit.lua's rules), both happen: the slot is held, the job is claimed (claim.lua's
+--       post), and its waiting lease is dropped. When it cannot be claimed, nothing is admitted;
+--       when there is no room, nothing is claimed (admit.lua records the refusal, as it does).
+-- KEYS: 1 job, 2 counts, 3 leases, 4 delayed (claim.lua's), 5 waiting zset,
+--       6 admission slots, 7 admission used (admit.lua's).
+-- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's nine ARGV.
+-- Returns claim.lua's reply, or {'full'} when the server has no room.
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'cancel')
+local state, lease = f[1], tonumber(f[2] or '0')
+-- claim.lua's refusals, checked before anything is admitted
+if not state or state == 'done' or state == 'failed' or state == 'cancelled' or state == 'sealed'
+  or (state == 'running' and (lease > now_ms or f[3])) then
+  return claim({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {ARGV[1], ARGV[2], ARGV[3]})
+end
+local aargv = {}
+for i = 4, #ARGV do aargv[#aargv + 1] = ARGV[i] end
+if admit({KEYS[6], KEYS[7]}, aargv) == 0 then return {'full'} end
+redis.call('ZREM', KEYS[5], ARGV[1])
+return claim({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {ARGV[1], ARGV[2], ARGV[3]})
