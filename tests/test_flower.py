@@ -20,6 +20,7 @@ from tokenmill.ledger import Ledger
 from tokenmill.local_redis import free_port
 
 USER, PASSWORD = "ops", "correct-horse"
+TASK_EVENTS_ON = "Events of group {task} enabled by remote"  # Celery's log line
 NO_AUTH = {"TOKENMILL_FLOWER_BASIC_AUTH": "", "FLOWER_BASIC_AUTH": ""}
 
 
@@ -60,7 +61,8 @@ def test_flower_shows_the_runs_tasks_with_readable_args_behind_basic_auth(
     flower, url = start_flower(tmp_path, redis_url, auth=f"{USER}:{PASSWORD}")
     procs.append(flower)
     env = worker_env(redis_url, sim_url)
-    procs.append(start_worker(tmp_path, "short", env, concurrency=4, name="fl-short"))
+    worker = start_worker(tmp_path, "short", env, concurrency=4, name="fl-short")
+    procs.append(worker)
     wait_for(
         lambda: any(
             n.startswith("fl-short@") and up for n, up in get(f"{url}/api/workers?status=true")[1].items()
@@ -68,6 +70,8 @@ def test_flower_shows_the_runs_tasks_with_readable_args_behind_basic_auth(
         20,
         "Flower to see the worker's heartbeat",
     )
+    # task events are off by default (settings.task_events): Flower turns them on by itself
+    wait_for(lambda: TASK_EVENTS_ON in worker.output(), 20, "Flower to turn the worker's task events on")
 
     # When five short prompts and two long ones are enqueued (no long worker runs)
     rows = [{"id": f"s{i}", "prompt": f"short question {i}"} for i in range(5)]
