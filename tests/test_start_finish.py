@@ -1,0 +1,117 @@
+"""``start.lua`` (admission + claim) and ``finish.lua`` (commit + unadmit): each outcome's
+states on a real redis-server, against what the separate scripts do."""
+
+from __future__ import annotations
+
+import redis
+
+from tests.test_ledger import counts, spec
+from tokenmill import keys
+from tokenmill.admission import Admission
+from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.settings import Settings
+
+RUN = "sf"
+SERVER = "srv"
+
+
+def admission(rclient: redis.Redis) -> Admission:
+    return Admission(rclient, Settings.load(env={}, admission_fraction=1.0, admission_queue_share=1.0))
+
+
+def used(rclient: redis.Redis) -> dict[str, str]:
+    raw = rclient.hgetall(keys.admission_used(SERVER))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def slots(rclient: redis.Redis) -> list[str]:
+    return [m.decode() for m in rclient.zrange(keys.admission(SERVER), 0, -1)]
+
+
+def test_start_admits_claims_and_drops_the_waiting_lease_in_one_call(rclient: redis.Redis) -> None:
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    ledger.hold_waiting(job.job_id, 30)
+    req = adm.request(SERVER, 1000, 400, "short")
+    assert req is not None
+
+    claim = ledger.start(job.job_id, "w1", 30, req)
+
+    assert isinstance(claim, Claim) and claim.attempt == 1
+    assert claim.spec["request"]["messages"][0]["content"] == "q1"
+    assert claim.slot == (keys.admission(SERVER), keys.admission_used(SERVER), req.args[0])
+    assert counts(ledger) == {"queued": 0, "running": 1, "done": 0, "failed": 0}
+    assert ledger.job(job.job_id)["worker"] == "w1"
+    assert slots(rclient) == [req.args[0]]
+    u = used(rclient)
+    assert (u["total"], u["n"], u[f"slot:{req.args[0]}"]) == ("400", "1", "400")
+    assert rclient.zscore(keys.RunKeys(RUN).waiting(), job.job_id) is None
+    # the heartbeat renews the slot the claim carries, as it does for a separately admitted one
+    assert ledger.heartbeat(claim, 30)
+
+
+def test_start_without_room_claims_nothing_and_keeps_the_waiting_lease(rclient: redis.Redis) -> None:
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    a, b = spec(1), spec(2)
+    ledger.enqueue_batch("P", [a, b], 100)
+    first = adm.request(SERVER, 1000, 900, "short")
+    assert first is not None and isinstance(ledger.start(a.job_id, "w1", 30, first), Claim)
+    ledger.hold_waiting(b.job_id, 30)
+    second = adm.request(SERVER, 1000, 500, "short")
+    assert second is not None
+
+    assert ledger.start(b.job_id, "w1", 30, second) == "full"
+
+    assert ledger.job(b.job_id)["state"] == "queued" and "token" not in ledger.job(b.job_id)
+    assert counts(ledger)["queued"] == 1 and counts(ledger)["running"] == 1
+    assert slots(rclient) == [first.args[0]] and used(rclient)["refused"] == "1"
+    assert rclient.zscore(keys.RunKeys(RUN).waiting(), b.job_id) is not None
+
+
+def test_start_on_a_job_that_cannot_be_claimed_admits_nothing(rclient: redis.Redis) -> None:
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    done, busy, cancelled = spec(1), spec(2), spec(3)
+    ledger.enqueue_batch("P", [done, busy, cancelled], 100)
+    c = ledger.claim(done.job_id, "w0", 30)
+    assert isinstance(c, Claim) and ledger.commit(c, {"content": "x", "usage": {}}, 0) == "ok"
+    assert isinstance(ledger.claim(busy.job_id, "w0", 30), Claim)
+    assert isinstance(ledger.claim(cancelled.job_id, "w0", 30), Claim)
+    # its worker died (the lease is past) after `cancel` marked it: the reaper ends it cancelled
+    rclient.hset(keys.RunKeys(RUN).job(cancelled.job_id), mapping={"cancel": "1", "lease": "0"})
+
+    for job, reason in ((done, "done"), (busy, "busy"), (cancelled, "cancelled")):
+        req = adm.request(SERVER, 1000, 10, "short")
+        assert req is not None
+        assert ledger.start(job.job_id, "w1", 30, req) == reason
+    req = adm.request(SERVER, 1000, 10, "short")
+    assert req is not None and ledger.start("P:nope", "w1", 30, req) == "missing"
+
+    assert slots(rclient) == [] and used(rclient).get("n", "0") == "0"
+
+
+def test_finish_commits_and_releases_the_slot_whatever_the_verdict(rclient: redis.Redis) -> None:
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    a, b = spec(1), spec(2)
+    ledger.enqueue_batch("P", [a, b], 100)
+    claims = []
+    for job in (a, b):
+        req = adm.request(SERVER, 1000, 300, "short")
+        assert req is not None
+        claim = ledger.start(job.job_id, "w1", 30, req)
+        assert isinstance(claim, Claim)
+        claims.append(claim)
+    assert used(rclient)["n"] == "2"
+    result = {"content": "hi", "usage": {"completion_tokens": 2, "prompt_tokens": 5}}
+
+    assert ledger.commit(claims[0], result, 2, release_slot=True) == "ok"
+    assert ledger.job(a.job_id)["state"] == "done"
+    assert slots(rclient) == [claims[1].slot[2]]  # type: ignore[index]
+    assert (used(rclient)["n"], used(rclient)["total"]) == ("1", "300")
+
+    # a stale claim (another worker took the job over) commits nothing, but its slot is freed
+    ledger.release(claims[1], JobError("x", "y"), delay_s=0, burn=False, max_attempts=8)
+    assert ledger.commit(claims[1], result, 2, release_slot=True) == "stale"
+    assert ledger.job(b.job_id)["state"] == "queued"
+    assert slots(rclient) == [] and (used(rclient)["n"], used(rclient)["total"]) == ("0", "0")
+    assert counts(ledger) == {"queued": 1, "running": 0, "done": 1, "failed": 0}
