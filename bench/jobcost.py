@@ -24,6 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
+import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -60,8 +63,24 @@ def enqueue(client: redis.Redis, data: Path, k: Knobs) -> None:
     assert enq.summary.total_new == k.prompts, enq.summary.line(RUN)
 
 
+def py_spy() -> str:
+    """py-spy beside this Python (a venv's bin) or on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("--profile needs py-spy (pip install py-spy)")
+    return found
+
+
 def one_round(
-    work: Path, k: Knobs, data: Path, client: redis.Redis, redis_url: str, name: str, count: bool
+    work: Path,
+    k: Knobs,
+    data: Path,
+    client: redis.Redis,
+    redis_url: str,
+    name: str,
+    count: bool,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """One run of every job through a fresh worker; with ``count``, its round trips (MONITOR)."""
     where = work / name
@@ -88,6 +107,12 @@ def one_round(
                 raise RuntimeError(f"the worker died:\n{worker.output()[-2000:]}")
             return int(client.hget(counts_key, done_field) or 0) >= k.prompts
 
+        spy = None
+        if profile is not None:  # py-spy samples the worker's threads (collapsed stacks)
+            args = [py_spy(), "record", "--pid", str(worker.pid), "--format", "raw", "--rate", "250",
+                    "--nonblocking", "--threads", "-o", str(profile)]  # fmt: skip
+            spy = ch.spawn("py-spy", args, where / "py-spy.log")
+            time.sleep(1.0)
         with TripCounter(redis_url) if count else contextlib.nullcontext() as counter:
             cpu0 = proc_cpu_s(worker.pid)
             start = time.perf_counter()
@@ -95,6 +120,9 @@ def one_round(
             wait_for(finished, 600, "the jobs to finish", 0.05)
             wall = time.perf_counter() - start
             cpu = proc_cpu_s(worker.pid) - cpu0
+        if spy is not None:
+            spy.proc.send_signal(signal.SIGINT)
+            spy.proc.wait(30)
     trips: Counter[str] = Counter()
     if counter is not None:
         trips = counter.counts
@@ -110,6 +138,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=150)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="also profile one run's worker with py-spy into this file"
+    )
     a = ap.parse_args()
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
@@ -139,6 +170,10 @@ def main() -> None:
             )
         print(load.line())
         counted = one_round(work, k, data, client, server.url, "count", count=True)["trips"]
+        if a.profile is not None:
+            py_spy()
+            one_round(work, k, data, client, server.url, "profile", count=False, profile=a.profile)
+            print(f"py-spy profile of one run's worker (collapsed stacks): {a.profile}")
     per_job = median([r["cpu_s"] / a.jobs for r in rounds])
     per_stream = median(stream)
     print(f"\n{a.jobs} jobs of 2 tokens, one short worker (-c {a.concurrency}), median of {a.rounds}:")
