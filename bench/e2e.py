@@ -208,7 +208,15 @@ def start_server(ch: Children, where: Path, k: Knobs) -> tuple[int, str]:
     return sim.pid, url
 
 
-def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_url: str, rnd: int) -> Result:
+def run_tokenmill(
+    work: Path,
+    k: Knobs,
+    data: Path,
+    client: redis.Redis,
+    redis_url: str,
+    rnd: int,
+    worker_env: dict[str, str] | None = None,
+) -> Result:
     from producer.enqueue import Enqueuer
     from tokenmill.ledger import Ledger
 
@@ -216,7 +224,7 @@ def run_tokenmill(work: Path, k: Knobs, data: Path, client: redis.Redis, redis_u
     where = work / f"tokenmill-{rnd}"
     with Children() as ch:
         server_pid, url = start_server(ch, where, k)
-        env = {"TOKENMILL_REDIS_URL": redis_url, "TOKENMILL_SERVER_URL": url}
+        env = {**(worker_env or {}), "TOKENMILL_REDIS_URL": redis_url, "TOKENMILL_SERVER_URL": url}
         workers = [
             start_worker(ch, where, "short", k.short_concurrency, env),
             start_worker(ch, where, "long", k.long_concurrency, env),
@@ -510,6 +518,13 @@ def parse_args() -> argparse.Namespace:
         help="the short-output workload: 1,500 prompts, outputs ~170 tokens (overrides --prompts and "
         "--mean-output-tokens)",
     )
+    ap.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a TOKENMILL_* setting for the workers (a diagnostic; repeatable)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     ap.add_argument(
         "--per-token", type=int, metavar="N", default=0, help="only the stream path: N requests, in process"
@@ -551,6 +566,9 @@ def main() -> None:
     if a.per_request:
         per_request(k, a.per_request, a.rounds)
         return
+    worker_env = dict(kv.split("=", 1) for kv in a.worker_env)
+    if worker_env:
+        print(f"worker settings: {' '.join(a.worker_env)}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []
     with workdir(a.keep) as work, Children() as children:
@@ -566,7 +584,7 @@ def main() -> None:
         for rnd in range(1, a.rounds + 1):
             for variant in ("tokenmill", "direct"):
                 if variant == "tokenmill":
-                    r = run_tokenmill(work, k, data, client, server.url, rnd)
+                    r = run_tokenmill(work, k, data, client, server.url, rnd, worker_env)
                 else:
                     r = run_direct(work, k, reqs_path, rnd)
                 results.append(r)
