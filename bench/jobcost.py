@@ -119,8 +119,8 @@ def one_round(
 
         spy = None
         if profile is not None:  # py-spy samples the worker's threads (collapsed stacks)
-            args = [py_spy(), "record", "--pid", str(worker.pid), "--format", "raw", "--rate", "250",
-                    "--nonblocking", "--threads", "-o", str(profile)]  # fmt: skip
+            args = [py_spy(), "record", "--pid", str(worker.pid), "--format", "raw", "--rate", "200",
+                    "--threads", "-o", str(profile)]  # fmt: skip
             spy = ch.spawn("py-spy", args, where / "py-spy.log")
             time.sleep(1.0)
         with TripCounter(redis_url) if count else contextlib.nullcontext() as counter:
@@ -149,13 +149,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=150)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument(
+        "--max-tokens", type=int, default=2, help="the jobs' max_tokens (default 2: all per-job cost)"
+    )
+    ap.add_argument(
         "--profile", type=Path, default=None, help="also profile one run's worker with py-spy into this file"
     )
     a = ap.parse_args()
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
     # every prompt short, max_tokens 2: the jobs are all per-job cost
-    k = Knobs(a.jobs, 0, 2, 2, 10_000, a.concurrency, 32, sim)
+    k = Knobs(a.jobs, 0, a.max_tokens, a.max_tokens, 10_000, a.concurrency, 32, sim)
     print(f"machine: {machine()}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     rounds: list[dict[str, Any]] = []
@@ -186,7 +189,8 @@ def main() -> None:
             print(f"py-spy profile of one run's worker (collapsed stacks): {a.profile}")
     per_job = median([r["cpu_s"] / a.jobs for r in rounds])
     per_stream = median(stream)
-    print(f"\n{a.jobs} jobs of 2 tokens, one short worker (-c {a.concurrency}), median of {a.rounds}:")
+    where = f"one short worker (-c {a.concurrency}), median of {a.rounds}"
+    print(f"\n{a.jobs} jobs of {a.max_tokens} tokens at most, {where}:")
     print(
         table(
             ["worker CPU ms / job", "stream path ms / request", "outside streaming ms / job"],
