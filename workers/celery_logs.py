@@ -36,13 +36,15 @@ class ReconnectMessages(logging.Filter):
         return not (cancel_failed and isinstance(exc, NotImplementedError))
 
 
-# Celery's per-task INFO lines ("Task ... received", "Task ... succeeded in ..."): two formatted
-# log records per job, and the ledger already records every job's outcome.
-PER_TASK_LOGGERS = (strategy.logger.name, trace.logger.name)
+# Per-job INFO lines: Celery's "Task ... received" and "Task ... succeeded in ...", and httpx2's
+# "HTTP Request: POST .../v1/chat/completions 200 OK" (the openai client's transport): three
+# formatted log records per job, on the consumer, a task thread and the event loop. The ledger
+# already records every job's outcome.
+PER_TASK_LOGGERS = (strategy.logger.name, trace.logger.name, "httpx2")
 
 
 def quiet_per_task(loglevel: int) -> None:
-    """Log Celery's per-task lines only at DEBUG. Call before the consumer starts: Celery reads
+    """Log the per-job lines only at DEBUG. Call before the consumer starts: Celery reads
     these loggers' levels once, when it builds each task's strategy and tracer."""
     level = logging.DEBUG if loglevel <= logging.DEBUG else logging.WARNING
     for name in PER_TASK_LOGGERS:
