@@ -27,8 +27,8 @@ PERIODIC = {
 }  # fmt: skip
 # A job, when nothing goes wrong: BRPOP, kombu's unacked bookkeeping (MULTI/EXEC on delivery and
 # on the ack), the peek, start.lua, finish.lua; a job that waits in line takes a waiting lease
-# (one more). Before issue 14 it was 13.3 (task events, a separate claim, unadmit, and the
-# waiting lease's drop).
+# (one more). Before issue 14 it was 12.5 on bench/jobcost.py's workload (task events, the
+# admission load, separate admit and claim, commit and unadmit, the waiting lease's drop).
 MAX_TRIPS_PER_JOB = 7.5
 
 
