@@ -14,10 +14,11 @@
 --          stops piling up requests the server cannot start yet;
 --       3. nothing waits on the server, its KV use is below ARGV 9 of its pool, and the window is
 --          what limits tokenmill (a request was refused since the last figures): the window grows
---          by half the requests the free KV below the ceiling would hold, each at the larger of
---          the running requests' present mean use and the mean peak admission projects for the
---          requests in flight (`total` / `n`: the safe prior until outputs end), and by at least
---          the queue target (so it jumps while the pool is nearly empty and creeps as it fills);
+--          by half the requests that would still fit below the ceiling if every request were
+--          the size of the larger of the running requests' present mean use and the mean peak
+--          admission projects for the requests in flight (`total` / `n`: the safe prior until
+--          outputs end), and by at least the queue target (so it jumps while the pool has room
+--          for many more and creeps by the target once it has not);
 --          too much growth is cheap: the server queues what it cannot start and rule 2 takes
 --          it back;
 --       the window never goes below ARGV 10. The first figures start it at what is in flight and
@@ -62,8 +63,8 @@ elseif not holding then
     if running > 0 then each = used / running end
     if n > 0 then each = math.max(each, tonumber(f[8] or '0') / n) end
     local room = 0  -- nothing to size a request by: grow by the target only
-    if each > 0 then room = math.floor((tonumber(ARGV[9]) * capacity - used) / each / 2) end
-    window = window + math.max(target, room)
+    if each > 0 then room = math.floor(tonumber(ARGV[9]) * capacity / each) - n end
+    window = window + math.max(target, math.floor(room / 2))
   end
 end
 window = math.max(smallest, window)
