@@ -79,6 +79,29 @@ def load(running: int, waiting: int = 0, used: int = 0, capacity: int = 10_000) 
     return Load(running, waiting, used, capacity)
 
 
+def set_window(client: redis.Redis, window: int, **fields: int) -> None:
+    """A window on "srv" as a watcher left it just now (fresh), with other fields of its hash."""
+    seconds, micros = client.time()
+    stamp = seconds * 1000 + micros // 1000
+    client.hset("tm:_:admit:srv:used", mapping={"window": window, "window_ms": stamp, **fields})
+
+
+def test_a_stale_window_starts_again_from_what_is_in_flight(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=3)
+    client_stale = 1_000  # a window stamped long ago: the token budget decided since
+    rclient.hset("tm:_:admit:srv:used", mapping={"window": 40, "window_ms": client_stale})
+    assert a.adapt("srv", load(0), None) == 2  # nothing in flight: small again
+
+
+def test_the_first_figures_start_from_what_is_in_flight_and_may_grow_at_once(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=3)
+    # Given 5 requests the token budget let in, each projected to peak at 400 tokens
+    assert all(a.try_admit("srv", 10_000, 400, "short") for _ in range(5))
+    # When the server first reports them (100 tokens each so far), the window starts at 5 and
+    # grows by half the 18 more that fit below the ceiling at 400 each
+    assert a.adapt("srv", load(5, used=500), None) == 5 + 9
+
+
 def admit_all(a: Admission, n: int, queue: str = "short", tokens: int = 10**6) -> list[Slot]:
     """Up to ``n`` slots, stopping at the first refusal."""
     slots = []
@@ -102,33 +125,42 @@ def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis
 def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
     a.adapt("srv", load(0), None)
-    held = admit_all(a, 2)
-    assert a.adapt("srv", load(2, used=1000), None) == 5  # +the queue target
-    assert a.adapt("srv", load(2, used=1000), None) == 5  # only while the window is what limits
+    held = admit_all(a, 3)  # two fit, the third is refused: the window is what limits
+    assert a.adapt("srv", load(2, used=1000), None) == 5  # +the queue target (at least)
+    assert a.adapt("srv", load(2, used=1000), None) == 5  # no refusal since: no growth
     held += admit_all(a, 10)
     assert len(held) == 5
     assert a.adapt("srv", load(5, used=9600), None) == 5  # no growth above the usage ceiling
+    assert a.try_admit("srv", 1000, 1, "short") is None
     assert a.adapt("srv", load(3, waiting=2, used=5000), None) == 5  # something waits: no growth
+    assert a.try_admit("srv", 1000, 1, "short") is None
     assert a.adapt("srv", load(5, used=5000), None) == 8
 
 
-def test_no_growth_while_requests_sent_are_not_yet_in_the_servers_figures(rclient: redis.Redis) -> None:
+def test_the_window_jumps_while_the_pool_has_room_for_many_and_creeps_once_it_has_not(
+    rclient: redis.Redis,
+) -> None:
     a = adm(rclient, admission_queue_target=3)
-    rclient.hset("tm:_:admit:srv:used", mapping={"window": 10, "n": 10})
-    assert a.adapt("srv", load(7, used=1000), None) == 10  # 3 sent, not yet seen: wait for them
-    assert a.adapt("srv", load(10, used=1000), None) == 13  # all seen, none waiting: grow
+    # 10 in flight, each projected to peak at 400 tokens (the safe prior: prompt + max_tokens)
+    set_window(rclient, 10, n=10, total=4000, refused=1)
+    # they use 100 tokens now; at 400 each, 23 fit below 9,500: half the 13 more
+    assert a.adapt("srv", load(10, used=100), None) == 10 + 6
+    # 20 in flight and running, 400 each: 3 more would fit: at least the target
+    rclient.hset("tm:_:admit:srv:used", mapping={"n": 20, "total": 8000, "refused": 2})
+    assert a.adapt("srv", load(20, used=8000), None) == 16 + 3
 
 
 def test_a_deep_server_queue_shrinks_the_window_to_running_plus_the_target(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=4)
-    rclient.hset("tm:_:admit:srv:used", "window", 40)
-    assert a.adapt("srv", load(20, waiting=30, used=9000), None) == 24
+    set_window(rclient, 40)
+    assert a.adapt("srv", load(20, waiting=30, used=9000), None) == 40  # once: a burst, maybe
+    assert a.adapt("srv", load(20, waiting=30, used=9000), None) == 24  # twice: a queue
     assert a.adapt("srv", load(100, waiting=30, used=9000), None) == 24  # target: 10% of running
 
 
 def test_a_retraction_shrinks_the_window_and_holds_it_there(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_backoff=0.5)
-    rclient.hset("tm:_:admit:srv:used", mapping={"window": 20, "n": 20})
+    set_window(rclient, 20, n=20)
     assert a.adapt("srv", load(16, waiting=4, used=9900), 3) == 20  # first reading: just noted
     assert a.adapt("srv", load(16, waiting=4, used=9900), 5) == 10  # two more: half of 20
     assert a.adapt("srv", load(10, used=100), 5) == 10  # held: no growth during the hold
@@ -146,11 +178,11 @@ def test_a_stale_window_leaves_the_decision_to_the_token_budget(rclient: redis.R
 
 def test_in_a_window_a_queue_gets_its_share_while_the_other_is_active(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_share=0.5)
-    rclient.hset("tm:_:admit:srv:used", "window", 8)
+    set_window(rclient, 8)
     a.adapt("srv", load(0), None)
     assert len(admit_all(a, 8, "long")) == 8  # short idle: long may fill the window
     assert a.try_admit("srv", 1000, 1, "short") is None  # full; short now wants in...
-    rclient.hset("tm:_:admit:srv:used", "window", 12)
+    set_window(rclient, 12)
     a.adapt("srv", load(8, waiting=1), None)
     assert len(admit_all(a, 10, "short")) == 4 and a.try_admit("srv", 1000, 1, "long") is None
 

@@ -245,6 +245,7 @@ class Admission:
                 s.admission_usage_ceiling,
                 SMALLEST_WINDOW,
                 -1 if retractions is None else retractions,
+                int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
             ],
         )
         self.line.wake_head()  # a wider window: let the head of this process's line ask now

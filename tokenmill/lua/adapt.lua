@@ -9,17 +9,25 @@
 --          window shrinks to ARGV 7 (a fraction) of what is on the server and holds still for
 --          ARGV 8 ms; retractions during the hold come from the same overflow and are only noted;
 --       2. the server's own queue is deeper than the target (ARGV 5, or ARGV 6 of its running
---          requests): the window shrinks to running + target, so tokenmill stops piling up
---          requests the server cannot start yet;
---       3. nothing waits on the server and nothing tokenmill sent is unseen by it (in flight <=
---          running + waiting: its scheduler took everything), its KV use is below ARGV 9 of its
---          pool, and the window is what limits tokenmill (in flight >= window - 1): the window
---          grows by the queue target, so that the next figures find a few requests waiting;
---       the window never goes below ARGV 10. The first figures start it at what is in flight.
+--          requests) in these figures and the last ones (a burst of arrivals the scheduler has
+--          not taken in yet shows once): the window shrinks to running + target, so tokenmill
+--          stops piling up requests the server cannot start yet;
+--       3. nothing waits on the server, its KV use is below ARGV 9 of its pool, and the window is
+--          what limits tokenmill (a request was refused since the last figures): the window grows
+--          by half the requests that would still fit below the ceiling if every request were
+--          the size of the larger of the running requests' present mean use and the mean peak
+--          admission projects for the requests in flight (`total` / `n`: the safe prior until
+--          outputs end), and by at least the queue target (so it jumps while the pool has room
+--          for many more and creeps by the target once it has not);
+--          too much growth is cheap: the server queues what it cannot start and rule 2 takes
+--          it back;
+--       the window never goes below ARGV 10. The first figures start it at what is in flight and
+--       let rule 3 apply at once (until then the token budget decided, not a window).
 -- KEYS: 1 used hash (as admit.lua).
 -- ARGV: 1 running, 2 waiting, 3 KV tokens used, 4 KV capacity, 5 queue target (requests),
 --       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
---       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown).
+--       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown),
+--       12 how long a window stays fresh (ms; admit.lua's ARGV 9).
 -- Returns the new window.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -27,10 +35,18 @@ local running, waiting = tonumber(ARGV[1]), tonumber(ARGV[2])
 local used, capacity = tonumber(ARGV[3]), tonumber(ARGV[4])
 local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])))
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
-local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until')
+local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
+  'refused_seen', 'srv_waiting', 'total', 'window_ms')
 local n = tonumber(f[1] or '0')
+local refused = tonumber(f[5] or '0')
+local limiting = refused > tonumber(f[6] or '0')
 local window = tonumber(f[2] or '0')
-if window <= 0 then window = math.max(smallest, n) end
+if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
+  -- first figures (or the first after the window went stale and the budget decided): from what
+  -- is in flight, free to grow at once
+  window = math.max(smallest, n)
+  limiting = limiting or n > 0
+end
 local seen = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
 if retractions >= 0 and seen >= 0 and retractions > seen then
@@ -40,14 +56,19 @@ if retractions >= 0 and seen >= 0 and retractions > seen then
     redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
   end
 elseif not holding then
-  if waiting > target then
+  if waiting > target and tonumber(f[7] or '0') > target then
     window = math.min(window, running + target)
-  elseif waiting == 0 and n <= running and capacity > 0 and used < tonumber(ARGV[9]) * capacity
-      and n >= window - 1 then
-    window = window + target
+  elseif waiting == 0 and limiting and capacity > 0 and used < tonumber(ARGV[9]) * capacity then
+    local each = 0
+    if running > 0 then each = used / running end
+    if n > 0 then each = math.max(each, tonumber(f[8] or '0') / n) end
+    local room = 0  -- nothing to size a request by: grow by the target only
+    if each > 0 then room = math.floor(tonumber(ARGV[9]) * capacity / each) - n end
+    window = window + math.max(target, math.floor(room / 2))
   end
 end
 window = math.max(smallest, window)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
-  'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions)
+  'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
+  'refused_seen', refused)
 return window
