@@ -125,19 +125,20 @@ def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis
 def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
     a.adapt("srv", load(0), None)
-    held = admit_all(a, 3)  # two fit, the third is refused: the window is what limits
-    assert a.adapt("srv", load(2, used=1000), None) == 5  # +the queue target (at least)
-    assert a.adapt("srv", load(2, used=1000), None) == 5  # no refusal since: no growth
-    held += admit_all(a, 10)
-    assert len(held) == 5
-    assert a.adapt("srv", load(5, used=9600), None) == 5  # no growth above the usage ceiling
+    held = admit_all(a, 3, tokens=500)  # two fit, the third is refused: the window is what limits
+    # 2 running use 1,000 (500 each): 19 fit below 9,500, half the 17 more
+    assert a.adapt("srv", load(2, used=1000), None) == 2 + 8
+    assert a.adapt("srv", load(2, used=1000), None) == 10  # no refusal since: no growth
+    held += admit_all(a, 20, tokens=500)
+    assert len(held) == 10
+    assert a.adapt("srv", load(10, used=9600), None) == 10  # no growth above the usage ceiling
     assert a.try_admit("srv", 1000, 1, "short") is None
-    assert a.adapt("srv", load(3, waiting=2, used=5000), None) == 5  # something waits: no growth
+    assert a.adapt("srv", load(8, waiting=2, used=5000), None) == 10  # something waits: no growth
     assert a.try_admit("srv", 1000, 1, "short") is None
-    assert a.adapt("srv", load(5, used=5000), None) == 8
+    assert a.adapt("srv", load(10, used=5000), None) == 10 + 4  # 19 fit at 500 each: half of 9
 
 
-def test_the_window_jumps_while_the_pool_has_room_for_many_and_creeps_once_it_has_not(
+def test_the_window_jumps_while_the_pool_has_room_for_many_and_stops_where_it_would_be_full(
     rclient: redis.Redis,
 ) -> None:
     a = adm(rclient, admission_queue_target=3)
@@ -145,9 +146,18 @@ def test_the_window_jumps_while_the_pool_has_room_for_many_and_creeps_once_it_ha
     set_window(rclient, 10, n=10, total=4000, refused=1)
     # they use 100 tokens now; at 400 each, 23 fit below 9,500: half the 13 more
     assert a.adapt("srv", load(10, used=100), None) == 10 + 6
-    # 20 in flight and running, 400 each: 3 more would fit: at least the target
-    rclient.hset("tm:_:admit:srv:used", mapping={"n": 20, "total": 8000, "refused": 2})
-    assert a.adapt("srv", load(20, used=8000), None) == 16 + 3
+    # 21 in flight: 2 more would fit: one
+    rclient.hset("tm:_:admit:srv:used", mapping={"n": 21, "total": 8400, "refused": 2})
+    assert a.adapt("srv", load(21, used=6000), None) == 16 + 1
+    # 23 in flight would fill the pool at their peaks: no growth, whatever they use now
+    rclient.hset("tm:_:admit:srv:used", mapping={"n": 23, "total": 9200, "refused": 3})
+    assert a.adapt("srv", load(23, used=5000), None) == 17
+
+
+def test_with_nothing_to_size_a_request_by_the_window_grows_by_the_target(rclient: redis.Redis) -> None:
+    a = adm(rclient, admission_queue_target=3)
+    set_window(rclient, 4, refused=1)
+    assert a.adapt("srv", load(0), None) == 4 + 3
 
 
 def test_a_deep_server_queue_shrinks_the_window_to_running_plus_the_target(rclient: redis.Redis) -> None:

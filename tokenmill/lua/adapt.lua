@@ -17,8 +17,9 @@
 --          by half the requests that would still fit below the ceiling if every request were
 --          the size of the larger of the running requests' present mean use and the mean peak
 --          admission projects for the requests in flight (`total` / `n`: the safe prior until
---          outputs end), and by at least the queue target (so it jumps while the pool has room
---          for many more and creeps by the target once it has not);
+--          outputs end): it jumps while the pool has room for many more, creeps as it fills,
+--          and stops where the requests in flight would fill it at their projected peaks (by
+--          the queue target while nothing sizes a request yet);
 --          too much growth is cheap: the server queues what it cannot start and rule 2 takes
 --          it back;
 --       the window never goes below ARGV 10. The first figures start it at what is in flight and
@@ -62,9 +63,12 @@ elseif not holding then
     local each = 0
     if running > 0 then each = used / running end
     if n > 0 then each = math.max(each, tonumber(f[8] or '0') / n) end
-    local room = 0  -- nothing to size a request by: grow by the target only
-    if each > 0 then room = math.floor(tonumber(ARGV[9]) * capacity / each) - n end
-    window = window + math.max(target, math.floor(room / 2))
+    if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
+      local room = math.floor(tonumber(ARGV[9]) * capacity / each) - n
+      if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
+    else  -- nothing to size a request by yet
+      window = window + target
+    end
   end
 end
 window = math.max(smallest, window)
