@@ -39,6 +39,7 @@ import redis
 from _common import (
     Children,
     MachineLoad,
+    exit_on_sigterm,
     machine,
     pin_clients,
     proc_cpu_s,
@@ -249,6 +250,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="variants, comma-separated (see above)")
     ap.add_argument("--trace", action="store_true", help="print a 0.5 s timeline of each variant")
     args = ap.parse_args()
+    exit_on_sigterm()
     real = args.engine == "sglang"
     args.prompts = args.prompts or (96 if real else 400)
     args.kv = args.kv or (4000 if real else 24000)

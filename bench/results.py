@@ -39,6 +39,7 @@ from _common import (
     Children,
     MachineLoad,
     Measured,
+    exit_on_sigterm,
     machine,
     run_measured,
     start_sim,
@@ -363,6 +364,7 @@ def rss_run(args: argparse.Namespace, where: Path, children: Children) -> list[s
 
 def main() -> int:
     args = parse_args()
+    exit_on_sigterm()
     print(f"waiting for a quiet machine... (busy cores: {wait_quiet():.2f})", flush=True)
     load = MachineLoad()
     started = time.strftime("%Y-%m-%d %H:%M")
