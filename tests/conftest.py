@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,14 @@ import pytest
 import redis
 
 from tests.procs import Proc, RedisServer, start_s3
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests Ctrl-C child processes (`status --watch`, `server up`). A suite started in the
+    background by a non-interactive shell has SIGINT ignored, and an ignored signal stays ignored
+    across exec: catch it here, so that children start with the default disposition."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
