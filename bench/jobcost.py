@@ -10,8 +10,6 @@ and the sim:
 - the stream path per 2-token request: the same requests through ``workers.stream.stream_chat``
   on the worker's own openai client, in this process (what bench/e2e.py --per-request measures);
 - outside streaming = the difference;
-- the worker's sealer is held off (its batch and wait set beyond the run): sealing results into
-  shards is a cost per batch, measured by bench/results.py;
 - Redis round trips per job: a separate run under ``MONITOR`` (:mod:`tokenmill.trips`), less
   the enqueue's own (counted by enqueuing the same jobs with no worker running, before) and this
   process's polls. ``evalsha:<name>`` are tokenmill's scripts; Celery's are BRPOP, kombu's
@@ -98,11 +96,7 @@ def one_round(
         env = {
             "TOKENMILL_REDIS_URL": redis_url,
             "TOKENMILL_SERVER_URL": url,
-            # the worker's sealer (results into Parquet shards) is a cost of its own, per batch of
-            # results: kept out of this measurement, and out of the default result store
-            "TOKENMILL_SEAL_BATCH_JOBS": str(10 * k.prompts),
-            "TOKENMILL_SEAL_AFTER_S": "86400",
-            "TOKENMILL_RESULTS_URL": str(where / "results"),
+            "TOKENMILL_RESULTS_URL": str(where / "results"),  # workers do not seal; kept local anyway
         }
         worker = start_worker(ch, where, "short", k.short_concurrency, env)
         time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
