@@ -49,6 +49,7 @@ from _common import (
 )
 from e2e import PARTITION, Knobs, _stream_path, direct_requests, routing, write_dataset
 
+from tokenmill import keys
 from tokenmill.trips import TripCounter
 
 RUN = "jobcost"
@@ -101,8 +102,8 @@ def one_round(
         worker = start_worker(ch, where, "short", k.short_concurrency, env)
         time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
         polls = 0
-        done_field = f"done|{PARTITION}"
-        counts_key = f"tm:{RUN}:counts"
+        done_field = keys.count_field("done", PARTITION)
+        counts_key = keys.RunKeys(RUN).counts()
 
         def finished() -> bool:
             nonlocal polls

@@ -9,6 +9,7 @@ from collections import Counter
 import redis
 
 from tests.procs import wait_for
+from tokenmill import keys
 from tokenmill.admission import Admission, LengthTracker, Slot, admission_view, length_view
 from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
 from tokenmill.server_report import Load
@@ -79,17 +80,20 @@ def load(running: int, waiting: int = 0, used: int = 0, capacity: int = 10_000) 
     return Load(running, waiting, used, capacity)
 
 
+USED = keys.admission_used("srv")
+
+
 def set_window(client: redis.Redis, window: int, **fields: int) -> None:
     """A window on "srv" as a watcher left it just now (fresh), with other fields of its hash."""
     seconds, micros = client.time()
     stamp = seconds * 1000 + micros // 1000
-    client.hset("tm:_:admit:srv:used", mapping={"window": window, "window_ms": stamp, **fields})
+    client.hset(USED, mapping={"window": window, "window_ms": stamp, **fields})
 
 
 def test_a_stale_window_starts_again_from_what_is_in_flight(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
     client_stale = 1_000  # a window stamped long ago: the token budget decided since
-    rclient.hset("tm:_:admit:srv:used", mapping={"window": 40, "window_ms": client_stale})
+    rclient.hset(USED, mapping={"window": 40, "window_ms": client_stale})
     assert a.adapt("srv", load(0), None) == 2  # nothing in flight: small again
 
 
@@ -147,10 +151,10 @@ def test_the_window_jumps_while_the_pool_has_room_for_many_and_stops_where_it_wo
     # they use 100 tokens now; at 400 each, 23 fit below 9,500: half the 13 more
     assert a.adapt("srv", load(10, used=100), None) == 10 + 6
     # 21 in flight: 2 more would fit: one
-    rclient.hset("tm:_:admit:srv:used", mapping={"n": 21, "total": 8400, "refused": 2})
+    rclient.hset(USED, mapping={"n": 21, "total": 8400, "refused": 2})
     assert a.adapt("srv", load(21, used=6000), None) == 16 + 1
     # 23 in flight would fill the pool at their peaks: no growth, whatever they use now
-    rclient.hset("tm:_:admit:srv:used", mapping={"n": 23, "total": 9200, "refused": 3})
+    rclient.hset(USED, mapping={"n": 23, "total": 9200, "refused": 3})
     assert a.adapt("srv", load(23, used=5000), None) == 17
 
 
