@@ -59,6 +59,8 @@ PARTITION = "P"
 RUN_KEYS = keys.RunKeys(RUN)
 _RETRACT_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 _USED_RE = re.compile(r"#token: (\d+)")
+_PREFILL_RE = re.compile(r"Prefill batch[^#]*#new-seq: (\d+)")
+_DECODE_RE = re.compile(r"Decode batch[^#]*#running-req: (\d+)")
 
 
 def get_json(url: str) -> Any:
@@ -101,6 +103,20 @@ class Server:
             sum(int(x["num_waiting_reqs"]) for x in loads),
             sum(int(x["num_used_tokens"]) for x in loads),
         )
+
+    def batches(self) -> dict[str, float]:
+        """What SGLang's log says of its forward passes: prefill batches and the requests each
+        took in; the mean running requests of the decode steps it logged (every 40th)."""
+        if self.engine == "sim":
+            return {}
+        text = self.log.read_text(errors="replace")
+        seqs = [int(n) for n in _PREFILL_RE.findall(text)]
+        running = [int(n) for n in _DECODE_RE.findall(text)]
+        return {
+            "prefills": len(seqs),
+            "per_prefill": round(sum(seqs) / len(seqs), 1) if seqs else 0.0,
+            "decode_running": round(statistics.fmean(running), 1) if running else 0.0,
+        }
 
     def retractions_and_peak(self) -> tuple[int, int | None]:
         if self.engine == "sim":
@@ -172,6 +188,7 @@ def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission
             "tokens": int(client.hget(RUN_KEYS.stats(), "completion_tokens") or 0),
             "worker_cpu_s": round(proc_cpu_s(worker.pid) - worker0, 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
+            **server.batches(),
         }
 
 
@@ -209,6 +226,7 @@ def run_direct(work: Path, data: Path, args: argparse.Namespace, *, concurrency:
             "tokens": sum(t for t, _, _ in doc["outputs"].values()),
             "worker_cpu_s": round(doc["cpu_s"], 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
+            **server.batches(),
         }
 
 

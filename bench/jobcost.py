@@ -115,7 +115,7 @@ def one_round(
         spy = None
         if profile is not None:  # py-spy samples the worker's threads (collapsed stacks)
             args = [py_spy(), "record", "--pid", str(worker.pid), "--format", "raw", "--rate", "200",
-                    "--threads", "-o", str(profile)]  # fmt: skip
+                    "--threads", "--gil", "-o", str(profile)]  # fmt: skip
             spy = ch.spawn("py-spy", args, where / "py-spy.log")
             time.sleep(1.0)
         with TripCounter(redis_url) if count else contextlib.nullcontext() as counter:

@@ -1,4 +1,5 @@
-"""Guards around two places where kombu's Redis transport (5.7) dies on a lost broker.
+"""Two guards around places where kombu's Redis transport (5.7) dies on a lost broker, and one
+cost it pays on every message.
 
 When Redis goes away while a threads-pool worker is acking, kombu closes the channel and then:
 
@@ -11,6 +12,13 @@ Celery treats both as unrecoverable and stops the worker (found by tests/test_ch
 operation could reach Redis anyway: the messages stay in kombu's unacked hash, and tokenmill's
 leases, waiting leases and reconciler put their jobs back on the queue. So the first is logged,
 and the second raises the ``redis.ConnectionError`` that kombu and Celery already recover from.
+
+The cost: every delivery and every ack (``QoS.append``, ``QoS.ack``) asks ``conn_or_acquire`` for
+a client, and kombu builds a new ``redis.Redis`` on the channel's pool each time; redis-py's
+``Redis.__init__`` sets up its table of response callbacks, ~10% of a short-job worker's
+GIL-holding time (py-spy, bench/jobcost.py --profile). A client is only a view of its pool and is
+safe to share between threads, so the channel keeps one per pool: a channel whose pool is
+replaced (after a reconnect) gets a new one.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from kombu.transport import redis as kombu_redis
 log = logging.getLogger("tokenmill.kombu")
 _original_restore = kombu_redis.QoS.restore_unacked
 _original_connparams = kombu_redis.Channel._connparams
+_original_create_client = kombu_redis.Channel._create_client
 
 
 def _restore_unacked(self: Any, client: Any = None) -> Any:
@@ -45,7 +54,18 @@ def _connparams(self: Any, asynchronous: bool = False) -> Any:
     return _original_connparams(self, asynchronous)
 
 
+def _create_client(self: Any, asynchronous: bool = False) -> Any:
+    if asynchronous:
+        return _original_create_client(self, True)
+    pool = self.pool
+    client = self.__dict__.get("_tokenmill_client")
+    if client is None or client.connection_pool is not pool:
+        client = self._tokenmill_client = _original_create_client(self, False)
+    return client
+
+
 def apply() -> None:
-    """Install the guards (idempotent)."""
+    """Install the guards and the shared client (idempotent)."""
     kombu_redis.QoS.restore_unacked = _restore_unacked  # type: ignore[method-assign]
     kombu_redis.Channel._connparams = _connparams  # type: ignore[method-assign]
+    kombu_redis.Channel._create_client = _create_client  # type: ignore[method-assign]

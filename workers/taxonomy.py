@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import httpx2
 import openai
 
 from tokenmill import errors
@@ -63,6 +64,13 @@ def from_exception(exc: BaseException) -> errors.GenerationError:
         cause = exc.__cause__ or exc
         return errors.ServerConnectionError(f"connection to the server failed: {cause}")
     return errors.StreamError(f"{type(exc).__name__}: {exc}")
+
+
+def from_send_error(exc: httpx2.TransportError) -> errors.GenerationError:
+    """Classify a request that got no answer (the SDK's APITimeoutError / APIConnectionError)."""
+    if isinstance(exc, httpx2.TimeoutException):
+        return errors.RequestTimeoutError(f"request timed out: {exc}")
+    return errors.ServerConnectionError(f"connection to the server failed: {exc}")
 
 
 def _status_message(exc: openai.APIStatusError) -> str:
