@@ -207,7 +207,7 @@ def start_sim(children: Children, where: Path, knobs: Sequence[str], name: str =
 SERVER_CPUS = "1"  # benchmarks pin SGLang here and everything else on the other core
 
 
-def start_sglang(children: Children, where: Path, *flags: str) -> tuple[Any, str]:
+def start_sglang(children: Children, where: Path, *flags: str, split: bool = False) -> tuple[Any, str]:
     """Real SGLang 0.5.23 (the tiny CPU model of ``make sglang-env``, as the test tier runs it) on
     a free port, ready; stopped with the stack, leaving nothing. Returns (engine, base URL); the
     engine's ``pid`` is its launcher, the group leader of its scheduler and detokenizer.
@@ -215,13 +215,36 @@ def start_sglang(children: Children, where: Path, *flags: str) -> tuple[Any, str
     It runs on core ``SERVER_CPUS`` with one torch thread, and :func:`pin_clients` keeps the
     benchmark's own processes on the other core, as a GPU server and its clients are apart:
     sharing both cores, the model's two torch threads stalled on each other whenever a client ran,
-    and the same run took from 5 to 30 s depending on what else was running."""
+    and the same run took from 5 to 30 s depending on what else was running.
+
+    With ``split``, only the scheduler (the process that drives the model, a GPU's stand-in)
+    stays on ``SERVER_CPUS``; its HTTP front end and detokenizer join the clients on the other
+    core (:func:`split_server`)."""
     sys.path.insert(0, str(ROOT))  # tests/ is not an installed package
     from tests.engines import start_engine
 
     engine = start_engine("sglang", where, *flags, cpus=SERVER_CPUS)
     children.callback(engine.stop)
+    if split:
+        split_server(engine.pid)
     return engine, engine.url
+
+
+def split_server(launcher: int) -> None:
+    """Leave SGLang's scheduler alone on ``SERVER_CPUS`` (the "GPU") and move its HTTP front end
+    (the launcher) and detokenizer to the other cores, every thread of each."""
+    from server_mgr.process import descendants
+
+    server = {int(c) for c in SERVER_CPUS.split(",")}
+    others = set(range(os.cpu_count() or 1)) - server
+    for pid in (launcher, *descendants(launcher)):
+        try:
+            comm = Path(f"/proc/{pid}/cmdline").read_bytes()
+            cpus = server if b"sglang::scheduler" in comm else others
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            continue
 
 
 def pin_clients() -> str:

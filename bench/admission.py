@@ -82,7 +82,7 @@ class Server:
     def __init__(self, children: Children, where: Path, args: argparse.Namespace) -> None:
         self.engine = args.engine
         if self.engine == "sglang":
-            engine, self.url = start_sglang(children, where, "--max-total-tokens", str(args.kv))
+            engine, self.url = start_sglang(children, where, "--max-total-tokens", str(args.kv), split=True)
             self.pid, self.log = engine.pid, engine.log
         else:
             knobs = [
@@ -280,7 +280,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {label: [] for label, _, _ in chosen}
     print(f"machine: {machine()}")
     if real:
-        print(f"cores: {pin_clients()}")
+        print(f"cores: {pin_clients()}; only its scheduler stays on its core, its HTTP front end and detokenizer run beside the clients")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     load = MachineLoad()
     with workdir(prefix="tm-bench-adm-") as work:

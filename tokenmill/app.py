@@ -46,6 +46,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        "worker_disable_rate_limits": True,  # no task has a rate limit: skip the per-message check
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         # Off unless asked (settings.task_events): Flower turns them on in running workers itself.
         "worker_send_task_events": settings.task_events,
