@@ -280,7 +280,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {label: [] for label, _, _ in chosen}
     print(f"machine: {machine()}")
     if real:
-        print(f"cores: {pin_clients()}; only its scheduler stays on its core, its HTTP front end and detokenizer run beside the clients")
+        print(f"cores: {pin_clients()}")
+        print("       only SGLang's scheduler keeps core 1; its front end and detokenizer share core 0")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     load = MachineLoad()
     with workdir(prefix="tm-bench-adm-") as work:
