@@ -82,7 +82,8 @@ class Server:
     def __init__(self, children: Children, where: Path, args: argparse.Namespace) -> None:
         self.engine = args.engine
         if self.engine == "sglang":
-            engine, self.url = start_sglang(children, where, "--max-total-tokens", str(args.kv), split=True)
+            kv = ("--max-total-tokens", str(args.kv))
+            engine, self.url = start_sglang(children, where, *kv, split=args.split)
             self.pid, self.log = engine.pid, engine.log
         else:
             knobs = [
@@ -253,6 +254,12 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=("sim", "sglang"), default="sim")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="sglang: only the scheduler keeps its core; its front end and detokenizer share the "
+        "clients' core (a diagnostic: the front end then competes with the client and sets the pace)",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="default 400 (sim), 96 (sglang)")
     ap.add_argument(
         "--kv", type=int, default=None, help="--max-total-tokens (default 24000 sim, 4000 sglang)"
@@ -281,7 +288,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     if real:
         print(f"cores: {pin_clients()}")
-        print("       only SGLang's scheduler keeps core 1; its front end and detokenizer share core 0")
+        if args.split:
+            print("       only SGLang's scheduler keeps its core; its front end and detokenizer share ours")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     load = MachineLoad()
     with workdir(prefix="tm-bench-adm-") as work:
