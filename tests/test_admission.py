@@ -17,9 +17,10 @@ from tokenmill.settings import Settings
 
 
 def adm(rclient: redis.Redis, **kw: object) -> Admission:
-    return Admission(
-        rclient, Settings.load(env={}, **{"admission_fraction": 1.0, "admission_queue_share": 0.75, **kw})
-    )
+    """Admission on "srv"; the closed loop sizes requests at their whole projected peak unless
+    ``admission_reserve`` says otherwise."""
+    base = {"admission_fraction": 1.0, "admission_queue_share": 0.75, "admission_reserve": 1.0}
+    return Admission(rclient, Settings.load(env={}, **{**base, **kw}))
 
 
 def test_budget_bounds_tokens_in_flight_and_release_frees_room(rclient: redis.Redis) -> None:
@@ -156,6 +157,19 @@ def test_the_window_jumps_while_the_pool_has_room_for_many_and_stops_where_it_wo
     # 23 in flight would fill the pool at their peaks: no growth, whatever they use now
     rclient.hset(USED, mapping={"n": 23, "total": 9200, "refused": 3})
     assert a.adapt("srv", load(23, used=5000), None) == 17
+
+
+def test_the_reserve_sizes_a_request_by_its_present_use_and_a_share_of_its_projected_growth(
+    rclient: redis.Redis,
+) -> None:
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.5)
+    # 10 in flight, projected to peak at 400 each, using 100 each now: sized 100 + 0.5 * 300 = 250,
+    # 38 fit below 9,500: half the 28 more (at the whole peak: half of 13)
+    set_window(rclient, 10, n=10, total=4000, refused=1)
+    assert a.adapt("srv", load(10, used=1000), None) == 10 + 14
+    # using more than projected (the projection lags): sized by the present use alone
+    rclient.hset(USED, mapping={"n": 24, "total": 4800, "refused": 2})
+    assert a.adapt("srv", load(24, used=7200), None) == 24 + 3  # 300 each: 31 fit, half of 7
 
 
 def test_with_nothing_to_size_a_request_by_the_window_grows_by_the_target(rclient: redis.Redis) -> None:

@@ -246,6 +246,7 @@ class Admission:
                 SMALLEST_WINDOW,
                 -1 if retractions is None else retractions,
                 int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
+                s.admission_reserve,
             ],
         )
         self.line.wake_head()  # a wider window: let the head of this process's line ask now

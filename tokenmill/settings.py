@@ -70,6 +70,12 @@ class Settings:
     admission_queue_target: int = 4  # requests to keep waiting on the server (or 10% of running)
     admission_usage_ceiling: float = 0.95  # the window grows only while KV use is below this
     admission_backoff: float = 0.75  # the window after a retraction, of what is on the server
+    # the share of a request's projected growth (projected peak less its present use) the closed
+    # loop sizes it by: 1 keeps room for every request's peak at once (no retraction by design,
+    # and ~12% fewer requests running than SGLang's own scheduler keeps on a KV-bound server);
+    # lower lets requests at different stages share the headroom, as SGLang's scheduler does
+    # (it reserves 0.7 of what remains, decaying), and a rare retraction backs the window off
+    admission_reserve: float = 0.6
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
     server_wait_s: float = 1.0
 
@@ -147,7 +153,7 @@ class Settings:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.admission_fraction <= 1:
             raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
-        for name in ("admission_usage_ceiling", "admission_backoff"):
+        for name in ("admission_usage_ceiling", "admission_backoff", "admission_reserve"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.admission_poll_s <= 0 or self.admission_queue_target < 1:

@@ -28,7 +28,8 @@
 -- ARGV: 1 running, 2 waiting, 3 KV tokens used, 4 KV capacity, 5 queue target (requests),
 --       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
 --       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown),
---       12 how long a window stays fresh (ms; admit.lua's ARGV 9).
+--       12 how long a window stays fresh (ms; admit.lua's ARGV 9), 13 the share of the projected
+--       growth a request is sized by (1: its whole projected peak).
 -- Returns the new window.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -62,7 +63,9 @@ elseif not holding then
   elseif waiting == 0 and limiting and capacity > 0 and used < tonumber(ARGV[9]) * capacity then
     local each = 0
     if running > 0 then each = used / running end
-    if n > 0 then each = math.max(each, tonumber(f[8] or '0') / n) end
+    if n > 0 then  -- present use plus ARGV 13 of the growth projected beyond it
+      each = each + tonumber(ARGV[13]) * math.max(0, tonumber(f[8] or '0') / n - each)
+    end
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(tonumber(ARGV[9]) * capacity / each) - n
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
