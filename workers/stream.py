@@ -17,6 +17,7 @@ watchdog task from the shared ``Progress``.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -118,10 +119,10 @@ class Route:
 
     @staticmethod
     def of(client: AsyncOpenAI) -> Route:
-        route = _ROUTES.get(id(client))
-        if route is None or route.client is not client:
-            route = _ROUTES[id(client)] = _Cached(client, Route.build(client))
-        return route.route
+        route = _ROUTES.get(client)
+        if route is None:
+            route = _ROUTES[client] = Route.build(client)
+        return route
 
     @staticmethod
     def build(client: AsyncOpenAI) -> Route:
@@ -135,13 +136,7 @@ class Route:
         return Route(http._transport_for_url(url), url, headers, {"timeout": http.timeout.as_dict()})
 
 
-@dataclass(frozen=True, slots=True)
-class _Cached:
-    client: AsyncOpenAI  # held, so that its id is not reused while cached
-    route: Route
-
-
-_ROUTES: dict[int, _Cached] = {}
+_ROUTES: weakref.WeakKeyDictionary[AsyncOpenAI, Route] = weakref.WeakKeyDictionary()
 
 
 def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:
