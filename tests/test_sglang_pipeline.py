@@ -31,6 +31,7 @@ from tokenmill import keys
 
 WORDS = ["alpha", "beta", "gamma", "δέλτα", "日本語", "emoji🙂", "naïve", "zeta"]
 MAX_TOKENS = 1200  # long enough that streams are cut mid-way (the tiny model runs ~300 tokens/s)
+CHAOS_SIM = ("--sim-step-ms", "5")  # the sim at ~200 tokens/s a stream: cut mid-way all the same
 
 
 @pytest.fixture(scope="module", params=ENGINE_PARAMS)
@@ -111,7 +112,7 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
     kind: str, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given a worker streaming 16 greedy prompts of MAX_TOKENS tokens from an engine
-    engine = start_engine(kind, tmp_path, sim_flags=("--sim-step-ms", "15"))
+    engine = start_engine(kind, tmp_path, sim_flags=CHAOS_SIM)
     try:
         rows = [
             {"prompt": f"chaos {i}: " + " ".join(WORDS[(i + j) % 8] for j in range(i % 5 + 2))}
@@ -131,7 +132,7 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
         checkpoints = _checkpoints(rclient, "chaos")
         assert len(checkpoints) >= 3, checkpoints
         engine.stop()
-        engine = start_engine(kind, tmp_path, sim_flags=("--sim-step-ms", "15"), port=engine.port)
+        engine = start_engine(kind, tmp_path, sim_flags=CHAOS_SIM, port=engine.port)
         wait_finished(rclient, "chaos", 16, 300)
 
         # Then every prompt is done once, none failed and no retry was burned by the outage
