@@ -205,6 +205,7 @@ def start_sim(children: Children, where: Path, knobs: Sequence[str], name: str =
 
 
 SERVER_CPUS = "1"  # benchmarks pin SGLang here and everything else on the other core
+SERVER_CPU_SET = {int(c) for c in SERVER_CPUS.split(",")}
 
 
 def start_sglang(children: Children, where: Path, *flags: str, split: bool = False) -> tuple[Any, str]:
@@ -235,12 +236,11 @@ def split_server(launcher: int) -> None:
     (the launcher) and detokenizer to the other cores, every thread of each."""
     from server_mgr.process import descendants
 
-    server = {int(c) for c in SERVER_CPUS.split(",")}
-    others = set(range(os.cpu_count() or 1)) - server
+    others = set(range(os.cpu_count() or 1)) - SERVER_CPU_SET
     for pid in (launcher, *descendants(launcher)):
         try:
             comm = Path(f"/proc/{pid}/cmdline").read_bytes()
-            cpus = server if b"sglang::scheduler" in comm else others
+            cpus = SERVER_CPU_SET if b"sglang::scheduler" in comm else others
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(tid), cpus)
         except OSError:
@@ -250,8 +250,7 @@ def split_server(launcher: int) -> None:
 def pin_clients() -> str:
     """Keep this process and every process it starts (Redis, workers, clients) off the core SGLang
     is given; returns what was done, for the output."""
-    server = {int(c) for c in SERVER_CPUS.split(",")}
-    others = os.sched_getaffinity(0) - server
+    others = os.sched_getaffinity(0) - SERVER_CPU_SET
     if not others:
         return "not pinned (one core only)"
     os.sched_setaffinity(0, others)

@@ -105,27 +105,24 @@ class Server:
             sum(int(x["num_used_tokens"]) for x in loads),
         )
 
-    def batches(self) -> dict[str, float]:
-        """What SGLang's log says of its forward passes: prefill batches and the requests each
-        took in; the mean running requests of the decode steps it logged (every 40th)."""
+    def figures(self) -> dict[str, Any]:
+        """What the server says of the run: its retractions and highest KV use; for SGLang (one
+        read of its log) also its prefill batches and the requests each took in, and the mean
+        running requests of the decode steps it logged (every 40th)."""
         if self.engine == "sim":
-            return {}
+            st = get_json(f"{self.url}/_sim/stats")
+            return {"retractions": int(st.get("retracted_total", 0)), "peak_kv": st.get("peak_used_tokens")}
         text = self.log.read_text(errors="replace")
+        used = [int(m) for m in _USED_RE.findall(text)]
         seqs = [int(n) for n in _PREFILL_RE.findall(text)]
         running = [int(n) for n in _DECODE_RE.findall(text)]
         return {
+            "retractions": sum(int(n) for n in _RETRACT_RE.findall(text)),
+            "peak_kv": max(used, default=None),
             "prefills": len(seqs),
             "per_prefill": round(sum(seqs) / len(seqs), 1) if seqs else 0.0,
             "decode_running": round(statistics.fmean(running), 1) if running else 0.0,
         }
-
-    def retractions_and_peak(self) -> tuple[int, int | None]:
-        if self.engine == "sim":
-            st = get_json(f"{self.url}/_sim/stats")
-            return int(st.get("retracted_total", 0)), st.get("peak_used_tokens")
-        text = self.log.read_text(errors="replace")
-        used = [int(m) for m in _USED_RE.findall(text)]
-        return sum(int(n) for n in _RETRACT_RE.findall(text)), max(used, default=None)
 
 
 def sample_timeline(server: Server, client: redis.Redis, t0: float, stop: threading.Event) -> list[str]:
@@ -181,15 +178,15 @@ def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission
         if args.trace:
             tracer.join(5)
             print("\n".join(timeline), flush=True)
-        retractions, peak = server.retractions_and_peak()
+        figures = server.figures()
         return {
             "wall_s": round(wall, 2),
-            "retractions": retractions,
-            "peak_kv": peak,
+            "retractions": figures.pop("retractions"),
+            "peak_kv": figures.pop("peak_kv"),
             "tokens": int(client.hget(RUN_KEYS.stats(), "completion_tokens") or 0),
             "worker_cpu_s": round(proc_cpu_s(worker.pid) - worker0, 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
-            **server.batches(),
+            **figures,
         }
 
 
@@ -219,15 +216,15 @@ def run_direct(work: Path, data: Path, args: argparse.Namespace, *, concurrency:
         if child.proc.returncode != 0:
             raise RuntimeError(f"the direct client failed:\n{child.output()[-3000:]}")
         doc = orjson.loads(out.read_bytes())
-        retractions, peak = server.retractions_and_peak()
+        figures = server.figures()
         return {
             "wall_s": round(doc["wall_s"], 2),
-            "retractions": retractions,
-            "peak_kv": peak,
+            "retractions": figures.pop("retractions"),
+            "peak_kv": figures.pop("peak_kv"),
             "tokens": sum(t for t, _, _ in doc["outputs"].values()),
             "worker_cpu_s": round(doc["cpu_s"], 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
-            **server.batches(),
+            **figures,
         }
 
 

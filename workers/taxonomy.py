@@ -58,19 +58,25 @@ def from_exception(exc: BaseException) -> errors.GenerationError:
         return exc
     if isinstance(exc, openai.APIStatusError):
         return from_status(exc.status_code, _status_message(exc))
-    if isinstance(exc, openai.APITimeoutError | asyncio.TimeoutError | TimeoutError):
-        return errors.RequestTimeoutError(f"request timed out: {exc}")
-    if isinstance(exc, openai.APIConnectionError | aiohttp.ClientError | ConnectionError | OSError):
-        cause = exc.__cause__ or exc
-        return errors.ServerConnectionError(f"connection to the server failed: {cause}")
+    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
+        return _timed_out(exc)
+    if isinstance(exc, aiohttp.ClientError | ConnectionError | OSError):
+        return _unreachable(exc.__cause__ or exc)
     return errors.StreamError(f"{type(exc).__name__}: {exc}")
 
 
 def from_send_error(exc: httpx2.TransportError) -> errors.GenerationError:
-    """Classify a request that got no answer (the SDK's APITimeoutError / APIConnectionError)."""
-    if isinstance(exc, httpx2.TimeoutException):
-        return errors.RequestTimeoutError(f"request timed out: {exc}")
-    return errors.ServerConnectionError(f"connection to the server failed: {exc}")
+    """Classify a request that got no answer at all (a transport error while sending; the same
+    error while streaming is a stream error, through :func:`from_exception`)."""
+    return _timed_out(exc) if isinstance(exc, httpx2.TimeoutException) else _unreachable(exc)
+
+
+def _timed_out(exc: BaseException) -> errors.GenerationError:
+    return errors.RequestTimeoutError(f"request timed out: {exc}")
+
+
+def _unreachable(cause: BaseException) -> errors.GenerationError:
+    return errors.ServerConnectionError(f"connection to the server failed: {cause}")
 
 
 def _status_message(exc: openai.APIStatusError) -> str:

@@ -15,11 +15,11 @@
 --       3. nothing waits on the server, its KV use is below ARGV 9 of its pool, and the window is
 --          what limits tokenmill (a request was refused since the last figures): the window grows
 --          by half the requests that would still fit below the ceiling if every request were
---          the size of the larger of the running requests' present mean use and the mean peak
---          admission projects for the requests in flight (`total` / `n`: the safe prior until
---          outputs end): it jumps while the pool has room for many more, creeps as it fills,
---          and stops where the requests in flight would fill it at their projected peaks (by
---          the queue target while nothing sizes a request yet);
+--          the size of the running requests' present mean use plus ARGV 13 of the growth
+--          admission projects beyond it (the mean projected peak of the requests in flight,
+--          `total` / `n`: the safe prior until outputs end): it jumps while the pool has room
+--          for many more, creeps as it fills, and stops where the requests in flight would fill
+--          it at that size (by the queue target while nothing sizes a request yet);
 --          too much growth is cheap: the server queues what it cannot start and rule 2 takes
 --          it back;
 --       the window never goes below ARGV 10. The first figures start it at what is in flight and
