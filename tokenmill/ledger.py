@@ -540,10 +540,20 @@ ALIVE = 1  # heartbeat replies: the lease is renewed
 CANCEL_NOW = 2  # renewed, but `cancel --now` asks the worker to stop the stream
 
 
+class Beat(NamedTuple):
+    """One stream's heartbeat: renew its lease; with a checkpoint, also save its partial text."""
+
+    claim: Claim
+    checkpoint: Checkpoint | None
+    new_tokens: int  # generated since the last heartbeat, for the throughput counter
+    slot: SlotUpdate | None = None
+
+
 class AsyncHeartbeat:
     """The heartbeat/checkpoint transition on an asyncio client (used while streaming)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
         self.script = client.register_script(_SOURCES["heartbeat"])
 
     async def __call__(
@@ -558,6 +568,19 @@ class AsyncHeartbeat:
         k = keys.RunKeys(claim.run)
         script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot)
         return int(await self.script(script_keys, args))
+
+    async def many(self, beats: Sequence[Beat], lease_ttl_s: float) -> list[int | redis.RedisError]:
+        """Several streams' heartbeats in one round trip (a pipeline, not a transaction: each
+        script is atomic on its own). A reply per beat, as :meth:`__call__`'s, or the error
+        that beat's script raised; a lost connection raises for all of them."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for b in beats:
+                script_keys, args = heartbeat_args(
+                    keys.RunKeys(b.claim.run), b.claim, lease_ttl_s, b.checkpoint, b.new_tokens, b.slot
+                )
+                await self.script(script_keys, args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        return [r if isinstance(r, redis.RedisError) else int(r) for r in replies]
 
 
 def _redis_now_ms(client: redis.Redis) -> int:

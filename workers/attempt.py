@@ -1,31 +1,20 @@
-"""One attempt at a job on the worker's event loop: stream, watch, checkpoint.
-
-The stream runs as a task; beside it a watchdog wakes about once a second to enforce the
-request's deadlines (first token, stall, total), renew the lease, and checkpoint the partial
-text every N tokens or S seconds. The per-chunk path therefore never touches Redis. The
-heartbeat's reply also carries ``cancel --now``: the watchdog then stops the stream.
+"""One attempt at a job on the worker's event loop: build the request, stream it under the
+process's watch (:mod:`workers.watch`: deadlines, lease, checkpoints), and shape the result.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from openai import AsyncOpenAI
 
 from tokenmill import errors
-from tokenmill.ledger import CANCEL_NOW, AsyncHeartbeat, Checkpoint, Claim, SlotUpdate
+from tokenmill.ledger import Checkpoint, Claim
 from tokenmill.settings import Settings
 from workers.stream import Progress, stream_chat
-
-WATCH_PERIOD_S = 1.0
-log = logging.getLogger("tokenmill.worker")
+from workers.watch import AttemptState, Watch
 
 
 @dataclass(slots=True)
@@ -34,36 +23,6 @@ class Outcome:
 
     result: dict[str, Any]
     new_tokens: int
-
-
-@dataclass(slots=True)
-class AttemptState:
-    """Shared between the stream and the watchdog; also what a release checkpoints."""
-
-    base: Checkpoint
-    progress: Progress
-    reported_tokens: int = 0
-    # generated tokens -> the admission slot's new size and the length bins reached
-    slot_update: Callable[[int], SlotUpdate] | None = None
-
-    def checkpoint(self) -> Checkpoint:
-        p = self.progress
-        return Checkpoint(
-            content=self.base.content + "".join(p.content),
-            reasoning=self.base.reasoning + "".join(p.reasoning),
-            tokens=self.base.tokens + p.tokens,
-            prompt_tokens=self.prompt_tokens(),
-        )
-
-    def prompt_tokens(self) -> int:
-        """The original prompt's size. A continuation's prompt also holds the partial, whose
-        tokens need not be the ones generated (the text is tokenized again), so the size seen
-        by the first attempt travels with the checkpoint; an older checkpoint without it falls
-        back to the continuation's prompt less the partial's generated tokens."""
-        seen = int((self.progress.usage or {}).get("prompt_tokens") or 0)
-        if not self.base:
-            return seen
-        return self.base.prompt_tokens or max(0, seen - self.base.tokens)
 
 
 def build_request(
@@ -105,31 +64,24 @@ def continuation_text(base: Checkpoint, think_end_tag: str) -> str:
 
 
 async def run_attempt(
-    client: AsyncOpenAI,
-    claim: Claim,
-    settings: Settings,
-    heartbeat: AsyncHeartbeat,
-    state: AttemptState,
-    stopping: threading.Event,
+    client: AsyncOpenAI, claim: Claim, settings: Settings, watch: Watch, state: AttemptState
 ) -> Outcome:
-    """Stream the job to completion under the watchdog; raise a classified error otherwise."""
+    """Stream the job to completion under the watch; raise a classified error otherwise."""
     request, extra = build_request(claim, settings, state.base)
     if request.get("max_tokens") is not None and request["max_tokens"] <= 0:
         return await _ended_at_the_limit(client, claim, settings, request, extra, state)
     loop = asyncio.get_running_loop()
     started = loop.time()
     stream = asyncio.ensure_future(stream_chat(client, request, extra, state.progress))
-    watch = asyncio.ensure_future(_watchdog(stream, claim, settings, heartbeat, state, started, stopping))
+    watched = watch.add(claim, state, stream, started)
     try:
         await stream
     except asyncio.CancelledError:
-        if watch.done() and watch.exception() is not None:
-            raise watch.exception() from None  # type: ignore[misc]
+        if watched.error is not None:  # the watch cut the stream: say why
+            raise watched.error from None
         raise
     finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError, errors.TokenmillError):
-            await watch
+        await watch.drop(watched)
     return _outcome(claim, request, state, state.progress.finish_reason or "stop", started)
 
 
@@ -160,75 +112,6 @@ async def _ended_at_the_limit(
     state.progress.usage = {"prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": 0}
     state.progress.model = probe.model
     return _outcome(claim, request, state, "stop" if ended else "length", 0.0)
-
-
-async def _watchdog(
-    stream: asyncio.Future[Any],
-    claim: Claim,
-    s: Settings,
-    heartbeat: AsyncHeartbeat,
-    state: AttemptState,
-    started: float,
-    stopping: threading.Event,
-) -> None:
-    loop = asyncio.get_running_loop()
-    p = state.progress
-    last_renew = last_ckpt_at = started
-    last_ckpt_tokens = 0
-    renew_every = s.lease_ttl_s / 3
-    while not stream.done():
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(stream), WATCH_PERIOD_S)
-        if stream.done():
-            return
-        now = loop.time()
-        problem = _deadline_problem(s, p, now, started, stopping)
-        if problem is not None:
-            stream.cancel()
-            raise problem
-        tokens = p.tokens
-        due_ckpt = tokens > last_ckpt_tokens and (
-            tokens - last_ckpt_tokens >= s.checkpoint_every_tokens
-            or now - last_ckpt_at >= s.checkpoint_every_s
-        )
-        if due_ckpt or now - last_renew >= renew_every:
-            ck = state.checkpoint() if due_ckpt else None
-            total = state.base.tokens + tokens
-            new = max(0, total - state.base.tokens - state.reported_tokens)
-            try:
-                held = state.slot_update(total) if state.slot_update else None
-                reply = await heartbeat(claim, s.lease_ttl_s, ck, new, held)
-            except redis.RedisError as exc:
-                # Redis is restarting or paused: keep streaming; the next tick tries again.
-                log.warning("job %s: heartbeat failed (%s); will retry", claim.job_id, exc)
-                continue
-            if not reply:
-                stream.cancel()
-                raise errors.StaleClaimError(f"job {claim.job_id}: the lease was taken over")
-            state.reported_tokens += new
-            last_renew = now
-            if due_ckpt:
-                last_ckpt_at, last_ckpt_tokens = now, tokens
-            if reply == CANCEL_NOW:
-                stream.cancel()
-                raise errors.JobCancelledError("cancelled (cancel --now); checkpointed")
-
-
-def _deadline_problem(
-    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event
-) -> errors.GenerationError | None:
-    if stopping.is_set():
-        return errors.ShutdownError("the worker is shutting down; checkpointed and released")
-    if now - started > s.total_timeout_s:
-        return errors.RequestTimeoutError(f"the request ran past total_timeout_s={s.total_timeout_s}")
-    if not p.first_chunk_at:
-        if now - started > s.first_token_timeout_s:
-            return errors.StreamStalledError(
-                f"no first token within first_token_timeout_s={s.first_token_timeout_s}"
-            )
-    elif now - p.last_chunk_at > s.stall_timeout_s:
-        return errors.StreamStalledError(f"no chunk for stall_timeout_s={s.stall_timeout_s}")
-    return None
 
 
 def _outcome(

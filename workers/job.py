@@ -20,10 +20,11 @@ import redis
 from tokenmill import errors
 from tokenmill.admission import Slot
 from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
-from workers.attempt import AttemptState, Outcome, run_attempt
+from workers.attempt import Outcome, run_attempt
 from workers.pool import ServerView
 from workers.runtime import Runtime
 from workers.stream import Progress
+from workers.watch import AttemptState
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
@@ -201,7 +202,7 @@ def _run(rt: Runtime, ledger: Ledger, claim: Claim, url: str, slot: Slot) -> tup
 
 def _attempt(rt: Runtime, claim: Claim, url: str, state: AttemptState) -> Outcome:
     client = rt.client(url)
-    coro = run_attempt(client, claim, rt.settings, rt.heartbeat, state, rt.abort_streams)
+    coro = run_attempt(client, claim, rt.settings, rt.watch, state)
     try:
         return rt.loop.run(coro)
     except errors.InvalidRequestError as exc:
@@ -210,7 +211,7 @@ def _attempt(rt: Runtime, claim: Claim, url: str, state: AttemptState) -> Outcom
         # The server refused to continue the partial: start over, and record that it did.
         log.warning("job %s: continuation refused (%s); starting over", claim.job_id, exc.message)
         state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(), 0
-        outcome = rt.loop.run(run_attempt(client, claim, rt.settings, rt.heartbeat, state, rt.abort_streams))
+        outcome = rt.loop.run(run_attempt(client, claim, rt.settings, rt.watch, state))
         outcome.result["restarted"] = True
         return outcome
 

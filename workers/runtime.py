@@ -17,6 +17,7 @@ from tokenmill.ledger import AsyncHeartbeat, Ledger
 from tokenmill.settings import Settings
 from workers.loop import LoopThread
 from workers.pool import ServerPool
+from workers.watch import Watch
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -37,7 +38,7 @@ class Runtime:
         self._ledgers: dict[str, Ledger] = {}
         self._clients: dict[str, AsyncOpenAI] = {}
         self._lock = threading.Lock()
-        self.heartbeat: AsyncHeartbeat = self.loop.run(self._make_heartbeat())
+        self.watch = Watch(settings, self.loop.run(self._make_heartbeat()), self.abort_streams)
         self.inflight = 0
 
     async def _make_heartbeat(self) -> AsyncHeartbeat:

@@ -12,7 +12,7 @@ more than the pipeline. A 4xx or 5xx answer becomes the SDK's own ``APIStatusErr
 (``_make_status_error_from_response``), classified as before. Per
 chunk the work is: one ``orjson.loads``, two dict lookups, a list append and an integer
 increment. No Redis call, no allocation a buffer would avoid; checkpoints are taken by the job's
-watchdog task from the shared ``Progress``.
+process's watch (:mod:`workers.watch`) from the shared ``Progress``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _DONE = b"[DONE]"
 
 @dataclass(slots=True)
 class Progress:
-    """What a stream has produced so far; read by the watchdog for checkpoints."""
+    """What a stream has produced so far; read by the watch for deadlines and checkpoints."""
 
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)

@@ -1,0 +1,169 @@
+"""The process's stream watch (workers/watch.py) on a real redis-server: one batch of heartbeats
+for all due streams, stale claims and ``cancel --now`` cut their own streams only, and deadlines
+are still enforced while a heartbeat hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from producer.cancel import cancel_run
+from tests.test_ledger import claimed, spec
+from tokenmill import errors
+from tokenmill.ledger import AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger
+from tokenmill.settings import Settings
+from workers.stream import Progress
+from workers.watch import AttemptState, Watch, Watched
+
+RUN = "watch"
+SETTINGS = Settings.load(env={}, checkpoint_every_s=5.0, checkpoint_every_tokens=256, stall_timeout_s=30.0)
+
+
+class CountingHeartbeat(AsyncHeartbeat):
+    """The real heartbeat; counts the batches it sends."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        super().__init__(client)
+        self.batches: list[int] = []
+
+    async def many(self, beats: Sequence[Beat], lease_ttl_s: float) -> list[int | redis.RedisError]:
+        self.batches.append(len(beats))
+        return await super().many(beats, lease_ttl_s)
+
+
+@pytest.fixture
+def ledger(rclient: redis.Redis) -> Ledger:
+    return Ledger(rclient, RUN)
+
+
+def _claims(ledger: Ledger, n: int) -> list[Claim]:
+    jobs = [spec(i) for i in range(n)]
+    ledger.enqueue_batch("P", jobs, 100)
+    return [claimed(ledger, j) for j in jobs]
+
+
+def _streaming(tokens: int, at: float) -> AttemptState:
+    p = Progress(content=["x"] * tokens, chunks=tokens, first_chunk_at=at, last_chunk_at=at)
+    return AttemptState(base=Checkpoint(), progress=p)
+
+
+async def _watch(redis_url: str, fn) -> None:  # type: ignore[no-untyped-def]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await fn(CountingHeartbeat(client))
+    finally:
+        await client.aclose()
+
+
+def test_the_due_heartbeats_of_all_streams_go_in_one_batch(ledger: Ledger, redis_url: str) -> None:
+    claims = _claims(ledger, 4)
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, threading.Event())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        streams = [loop.create_future() for _ in claims]
+        # three streams are due a checkpoint (5 s passed), the fourth started just now
+        ws = [
+            watch.add(c, _streaming(10 + i, t0), f, t0)
+            for i, (c, f) in enumerate(zip(claims, streams, strict=True))
+        ]
+        ws[3].started = ws[3].last_renew = ws[3].last_ckpt_at = t0 + 5.5
+        watch.tick(t0 + 6)
+        beat = ws[0].beat
+        assert beat is not None and ws[3].beat is None
+        await beat
+        assert hb.batches == [3], "one batch carries every due heartbeat"
+        for w in ws[:3]:
+            assert w.beat is None and w.last_ckpt_at == t0 + 6
+            assert w.last_ckpt_tokens == w.state.progress.tokens
+            assert w.state.reported_tokens == w.state.progress.tokens
+        watch.tick(t0 + 6.5)
+        assert ws[0].beat is None, "nothing new is due: no heartbeat"
+        for f in streams:
+            f.cancel()
+
+    asyncio.run(_watch(redis_url, body))
+    for i, c in enumerate(claims[:3]):
+        row = ledger.job(c.job_id)
+        assert row["ckpt_content"] == "x" * (10 + i) and int(row["ckpt_tokens"]) == 10 + i
+    assert not ledger.job(claims[3].job_id).get("ckpt_content")
+
+
+def test_a_stale_claim_and_cancel_now_stop_only_their_own_streams(
+    ledger: Ledger, rclient: redis.Redis, redis_url: str
+) -> None:
+    stale, cancelled, alive = _claims(ledger, 3)
+    stale = dataclasses.replace(stale, token="not-the-owner")
+    cancel_run(rclient, RUN, now=True)  # marks every running job; only `cancelled` hears it below
+    outcome: dict[str, Watched] = {}
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, threading.Event())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for name, c in (("stale", stale), ("cancelled", cancelled)):
+            outcome[name] = watch.add(c, _streaming(3, t0), loop.create_future(), t0)
+        watch.tick(t0 + 6)
+        await outcome["stale"].beat  # type: ignore[misc]
+        rclient.hdel(ledger.k.job(alive.job_id), "cancel")
+        outcome["alive"] = watch.add(alive, _streaming(3, t0), loop.create_future(), t0)
+        watch.tick(t0 + 12)
+        await outcome["alive"].beat  # type: ignore[misc]
+
+    asyncio.run(_watch(redis_url, body))
+    assert isinstance(outcome["stale"].error, errors.StaleClaimError)
+    assert outcome["stale"].stream.cancelled()
+    assert isinstance(outcome["cancelled"].error, errors.JobCancelledError)
+    assert outcome["cancelled"].stream.cancelled()
+    assert outcome["alive"].error is None and not outcome["alive"].stream.done()
+    assert ledger.job(cancelled.job_id)["ckpt_content"] == "xxx", "a cancelled stream is checkpointed first"
+
+
+def test_deadlines_hold_while_a_heartbeat_hangs(ledger: Ledger, rclient: redis.Redis, redis_url: str) -> None:
+    (c,) = _claims(ledger, 1)
+    stopping = threading.Event()
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, stopping)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        w = watch.add(c, _streaming(3, t0), loop.create_future(), t0)
+        rclient.client_pause(3000)  # Redis holds every client's commands: the heartbeat hangs
+        watch.tick(t0 + 6)
+        beat = w.beat
+        assert beat is not None
+        await asyncio.sleep(0.2)
+        assert not beat.done(), "the heartbeat is held by the paused Redis"
+        watch.tick(t0 + 6 + SETTINGS.stall_timeout_s + 1)  # no chunk for longer than the stall timeout
+        assert isinstance(w.error, errors.StreamStalledError)
+        assert w.stream.cancelled()
+        await watch.drop(w)  # waits for the heartbeat in flight, which lands once Redis resumes
+        assert beat.done()
+
+    asyncio.run(_watch(redis_url, body))
+
+
+def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
+    claims = _claims(ledger, 2)
+    stopping = threading.Event()
+    watched: list[Watched] = []
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, stopping)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        watched.extend(watch.add(c, _streaming(1, t0), loop.create_future(), t0) for c in claims)
+        watch.tick(t0 + 0.5)
+        assert not any(w.error for w in watched)
+        stopping.set()
+        watch.tick(t0 + 1.0)
+
+    asyncio.run(_watch(redis_url, body))
+    assert all(isinstance(w.error, errors.ShutdownError) and w.stream.cancelled() for w in watched)
