@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from producer.cancel import cancel_run
 from tests.test_ledger import claimed, spec
 from tokenmill import errors
-from tokenmill.ledger import AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger
+from tokenmill.ledger import AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
 from tokenmill.settings import Settings
 from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
@@ -167,3 +167,29 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
 
     asyncio.run(_watch(redis_url, body))
     assert all(isinstance(w.error, errors.ShutdownError) and w.stream.cancelled() for w in watched)
+
+
+def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledger, redis_url: str) -> None:
+    broken, fine = _claims(ledger, 2)
+    watched: list[Watched] = []
+
+    def unreachable(_: int) -> SlotUpdate:
+        raise redis.ConnectionError("Redis is restarting")
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, threading.Event())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        bad = _streaming(3, t0)
+        bad.slot_update = unreachable
+        watched.append(watch.add(broken, bad, loop.create_future(), t0))
+        watched.append(watch.add(fine, _streaming(4, t0), loop.create_future(), t0))
+        watch.tick(t0 + 6)
+        assert watched[0].beat is None
+        await watched[1].beat  # type: ignore[misc]
+        assert hb.batches == [1]
+        watch.tick(t0 + 6 + SETTINGS.stall_timeout_s + 1)  # both stalled: both cut
+        assert all(isinstance(w.error, errors.StreamStalledError) for w in watched)
+
+    asyncio.run(_watch(redis_url, body))
+    assert ledger.job(fine.job_id)["ckpt_content"] == "xxxx"

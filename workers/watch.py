@@ -124,7 +124,11 @@ class Watch:
                 continue
             if w.beat is not None:
                 continue
-            due = self._due(w, now)
+            try:
+                due = self._due(w, now)
+            except redis.RedisError as exc:  # the slot's size reads the run's length curve
+                log.warning("job %s: heartbeat not sent (%s); will retry", w.claim.job_id, exc)
+                continue
             if due is not None:
                 batch.append((w, *due))
         if batch:
