@@ -659,6 +659,18 @@ def report(results: list[Result], server: str = "sim") -> None:
     print(f"\ntokenmill wall / direct wall: {ratio:.3f} (target <= 1.05: {verdict(ratio <= 1.05)})")
     print(f"tokenmill worker CPU per token / direct client CPU per token: {cpu_ratio:.2f}x "
           f"(target <= 1.2: {verdict(cpu_ratio <= 1.2)})")  # fmt: skip
+    # Each round's ratio of its two runs (they ran back to back, so machine drift between
+    # rounds cancels); the spread says how far one round can be trusted.
+    by_round = [
+        t.cpu_ms_per_1k / d.cpu_ms_per_1k
+        for t, d in zip(
+            [r for r in results if r.variant == "tokenmill"],
+            [r for r in results if r.variant == "direct"],
+            strict=True,
+        )
+    ]
+    print(f"CPU per token ratio by round: {', '.join(f'{x:.2f}x' for x in by_round)} "
+          f"(median {median(by_round):.2f}x)")  # fmt: skip
     job_gap = med["tokenmill"]["per_job"] - med["direct"]["per_job"]
     print(f"tokenmill worker CPU per job - direct client CPU per job: {job_gap:.2f} ms")
     print(f"(tokenmill's redis-server used {redis_cpu:.2f} CPU s per run on top, median)")
