@@ -1,6 +1,6 @@
 """The process's stream watch (workers/watch.py) on a real redis-server: one batch of heartbeats
-for all due streams, stale claims and ``cancel --now`` cut their own streams only, and deadlines
-are still enforced while a heartbeat hangs."""
+(one round trip) for all due streams, stale claims and ``cancel --now`` cut their own streams
+only, and deadlines are still enforced while a heartbeat hangs."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import redis.asyncio as aioredis
 from producer.cancel import cancel_run
 from tests.test_ledger import claimed, spec
 from tokenmill import errors
-from tokenmill.ledger import AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
+from tokenmill.ledger import ALIVE, AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
 from tokenmill.settings import Settings
+from tokenmill.trips import TripCounter
 from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
 
@@ -193,3 +194,23 @@ def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledge
 
     asyncio.run(_watch(redis_url, body))
     assert ledger.job(fine.job_id)["ckpt_content"] == "xxxx"
+
+
+def test_a_batch_is_one_round_trip_and_survives_an_emptied_script_cache(
+    ledger: Ledger, rclient: redis.Redis, redis_url: str
+) -> None:
+    claims = _claims(ledger, 3)
+    beats = [Beat(c, Checkpoint("ab", "", 2), 2) for c in claims]
+
+    async def send(hb: CountingHeartbeat) -> None:
+        assert await hb.many(beats, 30) == [ALIVE] * 3
+
+    asyncio.run(_watch(redis_url, send))  # loads the script
+    with TripCounter(redis_url) as trips:
+        asyncio.run(_watch(redis_url, send))
+    sent = {name: n for name, n in trips.counts.items() if n and name not in ("hello", "client")}
+    assert sent == {"evalsha:heartbeat": 3}, "no SCRIPT EXISTS before the batch"
+
+    rclient.script_flush()  # as after a Redis restart
+    asyncio.run(_watch(redis_url, send))
+    assert all(ledger.job(c.job_id)["ckpt_content"] == "ab" for c in claims)

@@ -565,21 +565,34 @@ class AsyncHeartbeat:
         slot: SlotUpdate | None = None,
     ) -> int:
         """The heartbeat's reply: :data:`ALIVE`, :data:`CANCEL_NOW` or 0 (the claim is stale)."""
-        k = keys.RunKeys(claim.run)
-        script_keys, args = heartbeat_args(k, claim, lease_ttl_s, checkpoint, new_tokens, slot)
-        return int(await self.script(script_keys, args))
+        (reply,) = await self.many([Beat(claim, checkpoint, new_tokens, slot)], lease_ttl_s)
+        if isinstance(reply, redis.RedisError):
+            raise reply
+        return reply
 
     async def many(self, beats: Sequence[Beat], lease_ttl_s: float) -> list[int | redis.RedisError]:
         """Several streams' heartbeats in one round trip (a pipeline, not a transaction: each
         script is atomic on its own). A reply per beat, as :meth:`__call__`'s, or the error
-        that beat's script raised; a lost connection raises for all of them."""
+        that beat's script raised; a lost connection raises for all of them. The scripts go as
+        ``EVALSHA`` (a pipeline holding a registered script would first ask ``SCRIPT EXISTS``,
+        a second round trip); after a Redis restart emptied the script cache, the beats that
+        found no script run again through the script, which loads it."""
+        calls = [
+            heartbeat_args(
+                keys.RunKeys(b.claim.run), b.claim, lease_ttl_s, b.checkpoint, b.new_tokens, b.slot
+            )
+            for b in beats
+        ]
         async with self.client.pipeline(transaction=False) as pipe:
-            for b in beats:
-                script_keys, args = heartbeat_args(
-                    keys.RunKeys(b.claim.run), b.claim, lease_ttl_s, b.checkpoint, b.new_tokens, b.slot
-                )
-                await self.script(script_keys, args, client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
+            for script_keys, args in calls:
+                pipe.evalsha(self.script.sha, len(script_keys), *script_keys, *args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                try:
+                    replies[i] = await self.script(*calls[i])
+                except redis.ResponseError as exc:
+                    replies[i] = exc
         return [r if isinstance(r, redis.RedisError) else int(r) for r in replies]
 
 
