@@ -262,6 +262,7 @@ def _thread_split(workers: list[Child], before: list[dict[int, float]]) -> dict[
         used = {tid: s - base.get(tid, 0.0) for tid, s in thread_cpu_s(w.pid).items()}
         split["celery consumer"] += used.pop(w.pid, 0.0)
         loop_tid = max(used, key=lambda t: used[t])
+        split[f"{w.name.split('-')[1]} worker's loop"] = used[loop_tid]
         split["event loop"] += used.pop(loop_tid)
         split["task threads"] += sum(used.values())
     return split
@@ -382,6 +383,15 @@ def direct_client_main(url: str, reqs_path: str, out_path: str, short_c: int, lo
 # --- per token: the worker's stream path alone ------------------------------------------------
 
 
+def stream_path(url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool) -> tuple[float, int]:
+    """CPU seconds and completion tokens for ``reqs`` through the worker's stream path on the
+    worker's event loop (the ``event_loop`` setting's default), or the direct way on asyncio's."""
+    from tokenmill.settings import EVENT_LOOPS
+    from workers.loop import run
+
+    return run(_stream_path(url, reqs, concurrency, worker), EVENT_LOOPS[0] if worker else "asyncio")
+
+
 async def _stream_path(
     url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool
 ) -> tuple[float, int]:
@@ -443,7 +453,7 @@ def per_token(k: Knobs, n: int, rounds: int) -> None:
             for variant in rows:
                 sampler = Sampler(url, "sim")
                 sampler.start()
-                cpu, tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, variant == "worker"))
+                cpu, tokens = stream_path(url, reqs, k.short_concurrency, variant == "worker")
                 rows[variant].append((cpu, tokens, _mean(sampler.stop())))
                 print(
                     f"{variant:6}: {cpu:.2f} CPU s, {tokens:,} tokens, {cpu / tokens * 1e6:.1f} µs per token"
@@ -451,7 +461,7 @@ def per_token(k: Knobs, n: int, rounds: int) -> None:
     direct = median([c / t for c, t, _ in rows["direct"]])
     table_rows = []
     for variant, label in (
-        ("worker", "workers.stream.stream_chat on the worker's openai client (Runtime._make_client)"),
+        ("worker", "workers.stream.stream_chat on the worker's openai client and event loop"),
         ("direct", "direct: aiohttp lines + orjson"),
     ):
         per = median([c / t for c, t, _ in rows[variant]])
@@ -475,7 +485,7 @@ def per_request(k: Knobs, n: int, rounds: int) -> None:
         _, url = start_sim(ch, work, k.sim)
         for _ in range(rounds):
             for variant in rows:
-                cpu, _tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, variant == "worker"))
+                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, variant == "worker")
                 rows[variant].append(cpu / len(reqs))
                 each_ms = cpu / len(reqs) * 1e3
                 print(f"{variant:6}: {cpu:.2f} CPU s for {len(reqs)} requests, {each_ms:.2f} ms each")
@@ -483,7 +493,7 @@ def per_request(k: Knobs, n: int, rounds: int) -> None:
     worker = median(rows["worker"])
     where = f"{k.short_concurrency} at a time, one process, median of {rounds}"
     print(f"\n{len(reqs)} requests of 2 tokens, {where}:")
-    worker_row = ["workers.stream.stream_chat on the worker's openai client", f"{worker * 1e3:.2f}",
+    worker_row = ["workers.stream.stream_chat on the worker's client and loop", f"{worker * 1e3:.2f}",
                   f"{worker / direct:.2f}x"]  # fmt: skip
     direct_row = ["direct: aiohttp lines + orjson", f"{direct * 1e3:.2f}", "1.00x"]
     print(table(["stream path", "CPU ms / request", "vs direct"], [worker_row, direct_row]))
@@ -677,7 +687,7 @@ def report(results: list[Result], server: str = "sim") -> None:
     tm = [r for r in results if r.variant == "tokenmill"]
     parts = ", ".join(
         f"{name} {median([r.split[name] for r in tm]):.2f} s"
-        for name in ("event loop", "celery consumer", "task threads")
+        for name in ("event loop", "long worker's loop", "celery consumer", "task threads")
     )
     jobs = len(tm[0].outputs)
     print(f"tokenmill worker CPU by thread (median, both workers): {parts}; "

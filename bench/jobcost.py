@@ -22,7 +22,6 @@ and the sim:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import shutil
 import signal
@@ -47,7 +46,7 @@ from _common import (
     wait_quiet,
     workdir,
 )
-from e2e import PARTITION, Knobs, _stream_path, direct_requests, routing, write_dataset
+from e2e import PARTITION, Knobs, direct_requests, routing, stream_path, write_dataset
 
 from tokenmill import keys
 from tokenmill.trips import TripCounter
@@ -169,7 +168,7 @@ def main() -> None:
             rounds.append(r)
             with Children() as ch:
                 _, url = start_sim(ch, work / f"stream-{rnd}", k.sim)
-                cpu, _tokens = asyncio.run(_stream_path(url, reqs, k.short_concurrency, True))
+                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, True)
             stream.append(cpu / len(reqs))
             print(
                 f"round {rnd}: worker {r['cpu_s']:.2f} CPU s for {a.jobs} jobs "

@@ -3,7 +3,6 @@ streaming client (``workers.stream.stream_chat``), so a test checks what tokenmi
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import urllib.error
@@ -14,6 +13,7 @@ from urllib.parse import urlsplit
 from openai import AsyncOpenAI
 
 from tests.engines import Engine
+from workers.loop import run as run_on_worker_loop
 from workers.stream import STREAM_OPTIONS, Progress, stream_chat
 
 
@@ -89,7 +89,7 @@ def stream(
         finally:
             await c.close()
 
-    return asyncio.run(go())
+    return run_on_worker_loop(go())
 
 
 def stream_options() -> dict[str, Any]:

@@ -101,6 +101,25 @@ def test_task_events_are_off_by_default_and_on_with_the_setting(
         tap.close()
 
 
+def test_streams_run_on_uvloop_by_default_and_on_asyncio_with_the_setting(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    sim, sim_url = start_sim(tmp_path)
+    procs.append(sim)
+    for kind, loop in (("uvloop", "uvloop.Loop"), ("asyncio", "asyncio.unix_events._UnixSelectorEventLoop")):
+        # Given a worker with TOKENMILL_EVENT_LOOP unset (uvloop), then set to asyncio
+        env = worker_env(redis_url, sim_url, **({"event_loop": kind} if kind == "asyncio" else {}))
+        worker = start_worker(tmp_path, "short", env, concurrency=4)
+        procs.append(worker)
+        # Then it says which loop its streams run on, and runs jobs on it
+        assert f"streams run on one event loop: {loop}" in worker.output()
+        run_jobs(tmp_path, env, f"loop{kind}", 5, rclient)
+        worker.stop()
+    # A loop tokenmill does not know is refused, named
+    res = cli("worker", "--queue", "short", env={**env, "TOKENMILL_EVENT_LOOP": "trio"}, check=False)
+    assert res.returncode != 0 and "TOKENMILL_EVENT_LOOP='trio' must be one of uvloop, asyncio" in res.stderr
+
+
 def test_a_job_takes_a_bounded_number_of_redis_round_trips(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:

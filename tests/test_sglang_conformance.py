@@ -21,6 +21,7 @@ from tests.procs import http_status, wait_for
 from tests.sglang_client import chat, client, get_json, post_json, sse_frames, stream, stream_options
 from tokenmill import capacity, errors
 from tokenmill.server_report import parse_metrics
+from workers.loop import run as run_on_worker_loop
 from workers.stream import Progress, stream_chat
 
 MODEL = "tm-model"
@@ -182,7 +183,7 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(engine: En
         await c.close()
         return running
 
-    assert asyncio.run(start_then_drop()) == 1
+    assert run_on_worker_loop(start_then_drop()) == 1
     wait_for(lambda: _running(engine) == 0, 20, "the server to abort the dropped request")
 
 

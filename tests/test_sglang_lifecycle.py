@@ -14,6 +14,7 @@ import pytest
 from tests.engines import ENGINE_PARAMS, start_engine
 from tests.procs import http_status, wait_for
 from tests.sglang_client import client
+from workers.loop import run as run_on_worker_loop
 from workers.stream import Progress, stream_chat
 
 FIRED_UP = "The server is fired up and ready to roll!"
@@ -89,7 +90,7 @@ def test_sigterm_lets_a_stream_finish_then_exits_0_leaving_nothing(kind: str, tm
             await c.close()
             return progress
 
-        progress = asyncio.run(stream_through_a_sigterm())
+        progress = run_on_worker_loop(stream_through_a_sigterm())
 
         # Then the stream ran to its end, /health said 503 meanwhile, and the engine exited 0
         assert progress.finish_reason == "length" and progress.tokens == 300

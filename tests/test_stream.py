@@ -3,13 +3,13 @@ is checked on both engines in test_sglang_conformance.py."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 import pytest
 from openai import AsyncOpenAI
 
 from tokenmill import errors
+from workers.loop import run as run_on_worker_loop
 from workers.stream import Progress, Route, stream_chat
 
 REQUEST = {"model": "tm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -30,7 +30,7 @@ def test_a_server_that_is_not_listening_is_a_connection_error_naming_it() -> Non
             await client.close()
 
     with pytest.raises(errors.ServerConnectionError) as refused:
-        asyncio.run(go())
+        run_on_worker_loop(go())
     assert "connection to the server failed" in str(refused.value)
     assert isinstance(refused.value, errors.RetryableError)
 

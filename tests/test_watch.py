@@ -19,6 +19,7 @@ from tokenmill import errors
 from tokenmill.ledger import ALIVE, AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
 from tokenmill.settings import Settings
 from tokenmill.trips import TripCounter
+from workers.loop import run as run_on_worker_loop
 from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
 
@@ -90,7 +91,7 @@ def test_the_due_heartbeats_of_all_streams_go_in_one_batch(ledger: Ledger, redis
         for f in streams:
             f.cancel()
 
-    asyncio.run(_watch(redis_url, body))
+    run_on_worker_loop(_watch(redis_url, body))
     for i, c in enumerate(claims[:3]):
         row = ledger.job(c.job_id)
         assert row["ckpt_content"] == "x" * (10 + i) and int(row["ckpt_tokens"]) == 10 + i
@@ -118,7 +119,7 @@ def test_a_stale_claim_and_cancel_now_stop_only_their_own_streams(
         watch.tick(t0 + 12)
         await outcome["alive"].beat  # type: ignore[misc]
 
-    asyncio.run(_watch(redis_url, body))
+    run_on_worker_loop(_watch(redis_url, body))
     assert isinstance(outcome["stale"].error, errors.StaleClaimError)
     assert outcome["stale"].stream.cancelled()
     assert isinstance(outcome["cancelled"].error, errors.JobCancelledError)
@@ -148,7 +149,7 @@ def test_deadlines_hold_while_a_heartbeat_hangs(ledger: Ledger, rclient: redis.R
         await watch.drop(w)  # waits for the heartbeat in flight, which lands once Redis resumes
         assert beat.done()
 
-    asyncio.run(_watch(redis_url, body))
+    run_on_worker_loop(_watch(redis_url, body))
 
 
 def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
@@ -166,7 +167,7 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
         stopping.set()
         watch.tick(t0 + 1.0)
 
-    asyncio.run(_watch(redis_url, body))
+    run_on_worker_loop(_watch(redis_url, body))
     assert all(isinstance(w.error, errors.ShutdownError) and w.stream.cancelled() for w in watched)
 
 
@@ -192,7 +193,7 @@ def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledge
         watch.tick(t0 + 6 + SETTINGS.stall_timeout_s + 1)  # both stalled: both cut
         assert all(isinstance(w.error, errors.StreamStalledError) for w in watched)
 
-    asyncio.run(_watch(redis_url, body))
+    run_on_worker_loop(_watch(redis_url, body))
     assert ledger.job(fine.job_id)["ckpt_content"] == "xxxx"
 
 
@@ -205,12 +206,12 @@ def test_a_batch_is_one_round_trip_and_survives_an_emptied_script_cache(
     async def send(hb: CountingHeartbeat) -> None:
         assert await hb.many(beats, 30) == [ALIVE] * 3
 
-    asyncio.run(_watch(redis_url, send))  # loads the script
+    run_on_worker_loop(_watch(redis_url, send))  # loads the script
     with TripCounter(redis_url) as trips:
-        asyncio.run(_watch(redis_url, send))
+        run_on_worker_loop(_watch(redis_url, send))
     sent = {name: n for name, n in trips.counts.items() if n and name not in ("hello", "client")}
     assert sent == {"evalsha:heartbeat": 3}, "no SCRIPT EXISTS before the batch"
 
     rclient.script_flush()  # as after a Redis restart
-    asyncio.run(_watch(redis_url, send))
+    run_on_worker_loop(_watch(redis_url, send))
     assert all(ledger.job(c.job_id)["ckpt_content"] == "ab" for c in claims)

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from tokenmill.errors import ConfigError
 
 ENV_PREFIX = "TOKENMILL_"
+EVENT_LOOPS = ("uvloop", "asyncio")  # the worker's event loop (``event_loop``); the first is the default
 
 
 def redact_url(url: str) -> str:
@@ -81,6 +82,10 @@ class Settings:
 
     # worker shutdown
     shutdown_grace_s: float = 30.0
+
+    # the worker's event loop, shared by all of a process's streams: uvloop (the default) or the
+    # standard library's asyncio loop
+    event_loop: str = EVENT_LOOPS[0]
 
     # monitoring: Celery task events (received/started/succeeded) cost a worker three Redis
     # publishes and their encoding per job; only Flower and other event consumers read them.
@@ -156,6 +161,9 @@ class Settings:
         for name in ("admission_usage_ceiling", "admission_backoff", "admission_reserve"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.event_loop not in EVENT_LOOPS:
+            choices = ", ".join(EVENT_LOOPS)
+            raise ConfigError(f"TOKENMILL_EVENT_LOOP={self.event_loop!r} must be one of {choices}")
         if self.admission_poll_s <= 0 or self.admission_queue_target < 1:
             raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
 

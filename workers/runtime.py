@@ -29,7 +29,7 @@ class Runtime:
         self.settings = settings
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self.redis = redis_conn.connect(settings)
-        self.loop = LoopThread()
+        self.loop = LoopThread(settings.event_loop)
         self.pool = ServerPool(settings, self.redis)
         self.admission = Admission(self.redis, settings)
         self.stopping = threading.Event()  # stop taking work

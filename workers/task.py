@@ -51,6 +51,8 @@ def _on_after_setup(instance: Any = None, **_: Any) -> None:
 def _on_worker_ready(**_: Any) -> None:
     celery_logs.install()
     rt = get_runtime(app_settings)
+    loop = type(rt.loop.loop)
+    log.info("streams run on one event loop: %s.%s", loop.__module__, loop.__qualname__)
     redis_conn.warn_durability(rt.redis)
     if "pump" not in _pump:
         _pump["pump"] = Pump(rt.redis, rt.settings)
