@@ -17,6 +17,7 @@ and the sim:
 
     .venv/bin/python bench/jobcost.py                  # 1,500 jobs, 3 rounds: ~2 min
     .venv/bin/python bench/jobcost.py --jobs 600 --rounds 1
+    .venv/bin/python bench/jobcost.py --against TOKENMILL_EVENT_LOOP=asyncio   # A B, round by round
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def one_round(
     name: str,
     count: bool,
     profile: Path | None = None,
+    worker_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One run of every job through a fresh worker; with ``count``, its round trips (MONITOR)."""
+    """One run of every job through a fresh worker (with ``worker_env`` on top of the defaults);
+    with ``count``, its round trips (MONITOR)."""
     where = work / name
     client.flushall()
     enq_trips: Counter[str] = Counter()
@@ -97,6 +100,7 @@ def one_round(
             "TOKENMILL_REDIS_URL": redis_url,
             "TOKENMILL_SERVER_URL": url,
             "TOKENMILL_RESULTS_URL": str(where / "results"),  # workers do not seal; kept local anyway
+            **(worker_env or {}),
         }
         worker = start_worker(ch, where, "short", k.short_concurrency, env)
         time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
@@ -148,7 +152,16 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=Path, default=None, help="also profile one run's worker with py-spy into this file"
     )
+    ap.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run a worker with these settings (repeatable) right after each default round, "
+        "and print the per-round ratio: e.g. --against TOKENMILL_EVENT_LOOP=asyncio",
+    )
     a = ap.parse_args()
+    against = dict(kv.split("=", 1) for kv in a.against)
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
     # every prompt short, max_tokens 2: the jobs are all per-job cost
@@ -156,6 +169,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     rounds: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []  # --against, round by round
     stream: list[float] = []
     with workdir(a.keep) as work, Children() as children:
         load = MachineLoad()
@@ -175,6 +189,13 @@ def main() -> None:
                 f"({r['cpu_s'] / a.jobs * 1e3:.2f} ms each) in {r['wall_s']:.1f} s; "
                 f"stream path {stream[-1] * 1e3:.2f} ms per request"
             )
+            if against:
+                b = one_round(work, k, data, client, server.url, f"against-{rnd}", False, None, against)
+                others.append(b)
+                print(
+                    f"round {rnd}: worker with {' '.join(a.against)}: {b['cpu_s'] / a.jobs * 1e3:.2f} ms "
+                    f"a job, {b['cpu_s'] / r['cpu_s']:.2f}x the default's {r['cpu_s'] / a.jobs * 1e3:.2f}"
+                )
         print(load.line())
         counted = one_round(work, k, data, client, server.url, "count", count=True)["trips"]
         if a.profile is not None:
@@ -191,6 +212,13 @@ def main() -> None:
             [[f"{per_job * 1e3:.2f}", f"{per_stream * 1e3:.2f}", f"{(per_job - per_stream) * 1e3:.2f}"]],
         )
     )
+    if against:
+        ratios = [b["cpu_s"] / r["cpu_s"] for r, b in zip(rounds, others, strict=True)]
+        print(
+            f"with {' '.join(a.against)}: {median([b['cpu_s'] / a.jobs for b in others]) * 1e3:.2f} ms of "
+            f"worker CPU a job; against the default by round {', '.join(f'{x:.2f}x' for x in ratios)} "
+            f"(median {median(ratios):.2f}x)"
+        )
     rows = [[n, f"{c / a.jobs:.2f}"] for n, c in counted.most_common()]
     rows.append(["all round trips", f"{sum(counted.values()) / a.jobs:.2f}"])
     print("\nRedis round trips per job (a separate run under MONITOR; the worker and its pump, the")
