@@ -2,11 +2,11 @@
 
 Celery's threads pool runs one task per thread; each task hands its stream to this loop and
 waits. All of a process's streams then share one loop (one HTTP connection pool, no GIL
-contention between 150 reader threads), which is what makes a worker as cheap per token as a
-plain asyncio client.
+contention between 150 reader threads), which is what brings the stream path to a plain asyncio
+client's CPU per token (bench/e2e.py --per-token).
 
 The loop is uvloop's by default (the ``event_loop`` setting): on the short-output workload it cut
-the loop thread's CPU by a tenth against asyncio's own loop (bench/e2e.py --short-outputs,
+the loop thread's CPU by 10-15% against asyncio's own loop (bench/e2e.py --short-outputs,
 docs/benchmarks.md). ``TOKENMILL_EVENT_LOOP=asyncio`` runs the standard library's loop instead.
 """
 
