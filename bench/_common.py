@@ -7,6 +7,7 @@ addresses are used.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -357,6 +358,14 @@ def machine() -> str:
         f"{os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), Python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}, {time.strftime('%Y-%m-%d')}"
     )
+
+
+def setting(text: str) -> tuple[str, str]:
+    """An argparse type: ``NAME=VALUE``, a setting for a worker (``--worker-env``, ``--against``)."""
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. TOKENMILL_EVENT_LOOP=asyncio)")
+    return name, value
 
 
 def median(values: Sequence[float]) -> float:

@@ -56,6 +56,7 @@ from _common import (
     median,
     pin_clients,
     proc_cpu_s,
+    setting,
     start_sglang,
     start_sim,
     start_worker,
@@ -532,6 +533,7 @@ def parse_args() -> argparse.Namespace:
         "--worker-env",
         action="append",
         default=[],
+        type=setting,
         metavar="NAME=VALUE",
         help="a TOKENMILL_* setting for the workers (a diagnostic; repeatable)",
     )
@@ -576,9 +578,9 @@ def main() -> None:
     if a.per_request:
         per_request(k, a.per_request, a.rounds)
         return
-    worker_env = dict(kv.split("=", 1) for kv in a.worker_env)
+    worker_env = dict(a.worker_env)
     if worker_env:
-        print(f"worker settings: {' '.join(a.worker_env)}")
+        print(f"worker settings: {' '.join(f'{n}={v}' for n, v in a.worker_env)}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []
     with workdir(a.keep) as work, Children() as children:

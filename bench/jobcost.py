@@ -40,6 +40,7 @@ from _common import (
     machine,
     median,
     proc_cpu_s,
+    setting,
     start_sim,
     start_worker,
     table,
@@ -156,12 +157,14 @@ def main() -> None:
         "--against",
         action="append",
         default=[],
+        type=setting,
         metavar="NAME=VALUE",
         help="also run a worker with these settings (repeatable) right after each default round, "
         "and print the per-round ratio: e.g. --against TOKENMILL_EVENT_LOOP=asyncio",
     )
     a = ap.parse_args()
-    against = dict(kv.split("=", 1) for kv in a.against)
+    against = dict(a.against)
+    variant = " ".join(f"{n}={v}" for n, v in a.against)
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
     # every prompt short, max_tokens 2: the jobs are all per-job cost
@@ -193,7 +196,7 @@ def main() -> None:
                 b = one_round(work, k, data, client, server.url, f"against-{rnd}", False, None, against)
                 others.append(b)
                 print(
-                    f"round {rnd}: worker with {' '.join(a.against)}: {b['cpu_s'] / a.jobs * 1e3:.2f} ms "
+                    f"round {rnd}: worker with {variant}: {b['cpu_s'] / a.jobs * 1e3:.2f} ms "
                     f"a job, {b['cpu_s'] / r['cpu_s']:.2f}x the default's {r['cpu_s'] / a.jobs * 1e3:.2f}"
                 )
         print(load.line())
@@ -215,7 +218,7 @@ def main() -> None:
     if against:
         ratios = [b["cpu_s"] / r["cpu_s"] for r, b in zip(rounds, others, strict=True)]
         print(
-            f"with {' '.join(a.against)}: {median([b['cpu_s'] / a.jobs for b in others]) * 1e3:.2f} ms of "
+            f"with {variant}: {median([b['cpu_s'] / a.jobs for b in others]) * 1e3:.2f} ms of "
             f"worker CPU a job; against the default by round {', '.join(f'{x:.2f}x' for x in ratios)} "
             f"(median {median(ratios):.2f}x)"
         )

@@ -575,25 +575,27 @@ class AsyncHeartbeat:
         script is atomic on its own). A reply per beat, as :meth:`__call__`'s, or the error
         that beat's script raised; a lost connection raises for all of them. The scripts go as
         ``EVALSHA`` (a pipeline holding a registered script would first ask ``SCRIPT EXISTS``,
-        a second round trip); after a Redis restart emptied the script cache, the beats that
-        found no script run again through the script, which loads it."""
+        a second round trip); after a Redis restart emptied the script cache, the script is
+        loaded once and the beats that found none are sent again, in one more pipeline."""
         calls = [
             heartbeat_args(
                 keys.RunKeys(b.claim.run), b.claim, lease_ttl_s, b.checkpoint, b.new_tokens, b.slot
             )
             for b in beats
         ]
+        replies = await self._evalsha(calls)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+        if missing:
+            await self.client.script_load(self.script.script)
+            for i, reply in zip(missing, await self._evalsha([calls[i] for i in missing]), strict=True):
+                replies[i] = reply
+        return [r if isinstance(r, redis.RedisError) else int(r) for r in replies]
+
+    async def _evalsha(self, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
         async with self.client.pipeline(transaction=False) as pipe:
             for script_keys, args in calls:
                 pipe.evalsha(self.script.sha, len(script_keys), *script_keys, *args)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                try:
-                    replies[i] = await self.script(*calls[i])
-                except redis.ResponseError as exc:
-                    replies[i] = exc
-        return [r if isinstance(r, redis.RedisError) else int(r) for r in replies]
+            return await pipe.execute(raise_on_error=False)
 
 
 def _redis_now_ms(client: redis.Redis) -> int:

@@ -25,11 +25,10 @@ T = TypeVar("T")
 
 
 def new_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """A new event loop of ``kind``: ``uvloop`` or ``asyncio``."""
+    """A new event loop of ``kind``, one of :data:`~tokenmill.settings.EVENT_LOOPS` (checked by
+    the settings object)."""
     if kind == "asyncio":
         return asyncio.new_event_loop()
-    if kind != "uvloop":
-        raise ConfigError(f"TOKENMILL_EVENT_LOOP={kind!r} must be one of {', '.join(EVENT_LOOPS)}")
     try:
         import uvloop
     except ImportError:
