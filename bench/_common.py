@@ -304,6 +304,20 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_split(workers: list[Child], before: list[dict[int, float]]) -> dict[str, float]:
+    """Worker CPU by thread: Celery's consumer (the main thread), the event loop (the busiest
+    other thread: every stream of the process runs on it), and the rest (task threads, pump)."""
+    split = {"celery consumer": 0.0, "event loop": 0.0, "task threads": 0.0}
+    for w, base in zip(workers, before, strict=True):
+        used = {tid: s - base.get(tid, 0.0) for tid, s in thread_cpu_s(w.pid).items()}
+        split["celery consumer"] += used.pop(w.pid, 0.0)
+        loop_tid = max(used, key=lambda t: used[t])
+        split[f"{w.name.split('-')[1]} worker's loop"] = used[loop_tid]
+        split["event loop"] += used.pop(loop_tid)
+        split["task threads"] += sum(used.values())
+    return split
+
+
 def proc_rss_peak_mb(pid: int) -> float:
     """Peak resident set size of ``pid`` in MB (VmHWM)."""
     with open(f"/proc/{pid}/status") as f:

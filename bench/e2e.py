@@ -62,6 +62,7 @@ from _common import (
     start_worker,
     table,
     thread_cpu_s,
+    thread_split,
     tree_cpu_s,
     verdict,
     wait_for,
@@ -243,7 +244,7 @@ def run_tokenmill(
         assert enq.summary.total_new == k.prompts, enq.summary.line(RUN)
         wait_for(lambda: _finished(ledger, workers), 900, "the tokenmill run to finish", 0.1)
         cpu = sum(proc_cpu_s(w.pid) - c for w, c in zip(workers, cpu0, strict=True))
-        split = _thread_split(workers, threads0)
+        split = thread_split(workers, threads0)
         sim_cpu, redis_cpu = tree_cpu_s(server_pid) - sim0, proc_cpu_s(redis_pid) - redis0
         in_flight = sampler.stop()
         counts = ledger.counts()[PARTITION]
@@ -253,20 +254,6 @@ def run_tokenmill(
     tokens = sum(t for t, _, _ in outputs.values())
     wall = last_ms / 1000 - start
     return Result("tokenmill", wall, cpu, tokens, outputs, in_flight, sim_cpu, redis_cpu, split)
-
-
-def _thread_split(workers: list[Child], before: list[dict[int, float]]) -> dict[str, float]:
-    """Worker CPU by thread: Celery's consumer (the main thread), the event loop (the busiest
-    other thread: every stream of the process runs on it), and the rest (task threads, pump)."""
-    split = {"celery consumer": 0.0, "event loop": 0.0, "task threads": 0.0}
-    for w, base in zip(workers, before, strict=True):
-        used = {tid: s - base.get(tid, 0.0) for tid, s in thread_cpu_s(w.pid).items()}
-        split["celery consumer"] += used.pop(w.pid, 0.0)
-        loop_tid = max(used, key=lambda t: used[t])
-        split[f"{w.name.split('-')[1]} worker's loop"] = used[loop_tid]
-        split["event loop"] += used.pop(loop_tid)
-        split["task threads"] += sum(used.values())
-    return split
 
 
 def _finished(ledger: Any, workers: list[Child]) -> bool:

@@ -10,6 +10,9 @@ and the sim:
 - the stream path per 2-token request: the same requests through ``workers.stream.stream_chat``
   on the worker's own openai client, in this process (what bench/e2e.py --per-request measures);
 - outside streaming = the difference;
+- the worker's CPU per job by thread (schedstat): Celery's consumer (the main thread: BRPOP,
+  kombu's unacked bookkeeping, the ack), the event loop (the busiest other thread: the streams and
+  the hand-offs) and the task threads (the ledger's and admission's round trips, Celery's tracer);
 - Redis round trips per job: a separate run under ``MONITOR`` (:mod:`tokenmill.trips`), less
   the enqueue's own (counted by enqueuing the same jobs with no worker running, before) and this
   process's polls. ``evalsha:<name>`` are tokenmill's scripts; Celery's are BRPOP, kombu's
@@ -44,6 +47,8 @@ from _common import (
     start_sim,
     start_worker,
     table,
+    thread_cpu_s,
+    thread_split,
     wait_for,
     wait_quiet,
     workdir,
@@ -124,11 +129,13 @@ def one_round(
             time.sleep(1.0)
         with TripCounter(redis_url) if count else contextlib.nullcontext() as counter:
             cpu0 = proc_cpu_s(worker.pid)
+            threads0 = thread_cpu_s(worker.pid)
             start = time.perf_counter()
             enqueue(client, data, k)
             wait_for(finished, 600, "the jobs to finish", 0.05)
             wall = time.perf_counter() - start
             cpu = proc_cpu_s(worker.pid) - cpu0
+            split = thread_split([worker], [threads0])
         if spy is not None:
             spy.proc.send_signal(signal.SIGINT)
             spy.proc.wait(30)
@@ -138,7 +145,13 @@ def one_round(
         trips.subtract(enq_trips)
         trips["hget"] -= polls
         trips = +trips
-    return {"cpu_s": cpu, "wall_s": wall, "trips": trips}
+    return {"cpu_s": cpu, "wall_s": wall, "trips": trips, "split": split}
+
+
+def by_thread(r: dict[str, Any], jobs: int) -> str:
+    """The round's worker CPU per job by thread (the loop's is the busiest non-main thread)."""
+    parts = ("celery consumer", "event loop", "task threads")
+    return ", ".join(f"{p} {r['split'][p] / jobs * 1e3:.2f} ms" for p in parts)
 
 
 def main() -> None:
@@ -190,14 +203,15 @@ def main() -> None:
             print(
                 f"round {rnd}: worker {r['cpu_s']:.2f} CPU s for {a.jobs} jobs "
                 f"({r['cpu_s'] / a.jobs * 1e3:.2f} ms each) in {r['wall_s']:.1f} s; "
-                f"stream path {stream[-1] * 1e3:.2f} ms per request"
+                f"stream path {stream[-1] * 1e3:.2f} ms per request; by thread: {by_thread(r, a.jobs)}"
             )
             if against:
                 b = one_round(work, k, data, client, server.url, f"against-{rnd}", False, None, against)
                 others.append(b)
                 print(
                     f"round {rnd}: worker with {variant}: {b['cpu_s'] / a.jobs * 1e3:.2f} ms "
-                    f"a job, {b['cpu_s'] / r['cpu_s']:.2f}x the default's {r['cpu_s'] / a.jobs * 1e3:.2f}"
+                    f"a job, {b['cpu_s'] / r['cpu_s']:.2f}x the default's {r['cpu_s'] / a.jobs * 1e3:.2f}; "
+                    f"by thread: {by_thread(b, a.jobs)}"
                 )
         print(load.line())
         counted = one_round(work, k, data, client, server.url, "count", count=True)["trips"]

@@ -5,11 +5,16 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from tests.procs import Proc, RedisServer, start_s3
+
+SGLANG_UNIT = "real SGLang"
+SGLANG_PARAM = "sglang"  # the id of the real engine in tests.engines.ENGINE_PARAMS
+SGLANG_MODULES = ("tests/test_sglang_server.py::",)  # every test in it runs real SGLang
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +23,42 @@ def pytest_configure(config: pytest.Config) -> None:
     across exec: catch it here, so that children start with the default disposition."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def runs_real_sglang(nodeid: str) -> bool:
+    """Whether a test runs real SGLang, from its id alone (xdist's controller sees no markers):
+    the ``sglang`` engine parameter, or a module of real-SGLang tests only."""
+    params = nodeid.rpartition("[")[2].rstrip("]").split("-") if nodeid.endswith("]") else []
+    return SGLANG_PARAM in params or nodeid.startswith(SGLANG_MODULES)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-SGLang tests first (stable: module fixtures stay together), after checking that
+    :func:`runs_real_sglang` tells them apart the way their ``sglang`` marker does."""
+    for item in items:
+        if (item.get_closest_marker("sglang") is not None) != runs_real_sglang(item.nodeid):
+            raise pytest.UsageError(
+                f"{item.nodeid}: its sglang marker and runs_real_sglang() disagree (tests/conftest.py)"
+            )
+    items.sort(key=lambda item: not runs_real_sglang(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs ``-n 2 --dist loadscope``: each module whole on one worker (its module
+    fixtures set up once), and here every real-SGLang test in one unit too, run one after another
+    on one worker while the other takes the rest. On two cores, two SGLang servers side by side
+    slowed each other several-fold (a 90 s test ran past its 300 s timeout)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SglangApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SGLANG_UNIT if runs_real_sglang(nodeid) else super()._split_scope(nodeid)
+
+    return SglangApart(config, log)
 
 
 @pytest.fixture(scope="session")
