@@ -382,6 +382,11 @@ def setting(text: str) -> tuple[str, str]:
     return name, value
 
 
+def settings_text(pairs: Sequence[tuple[str, str]]) -> str:
+    """``NAME=VALUE`` pairs (from :func:`setting`) as they were given on the command line."""
+    return " ".join(f"{name}={value}" for name, value in pairs)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

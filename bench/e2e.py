@@ -57,6 +57,7 @@ from _common import (
     pin_clients,
     proc_cpu_s,
     setting,
+    settings_text,
     start_sglang,
     start_sim,
     start_worker,
@@ -567,7 +568,7 @@ def main() -> None:
         return
     worker_env = dict(a.worker_env)
     if worker_env:
-        print(f"worker settings: {' '.join(f'{n}={v}' for n, v in a.worker_env)}")
+        print(f"worker settings: {settings_text(a.worker_env)}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     results: list[Result] = []
     with workdir(a.keep) as work, Children() as children:

@@ -45,6 +45,7 @@ from _common import (
     median,
     proc_cpu_s,
     setting,
+    settings_text,
     start_sim,
     start_worker,
     table,
@@ -178,7 +179,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     against = dict(a.against)
-    variant = " ".join(f"{n}={v}" for n, v in a.against)
+    variant = settings_text(a.against)
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
     # every prompt short, max_tokens 2: the jobs are all per-job cost
