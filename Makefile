@@ -10,12 +10,12 @@ SGLANG_VERSION := 0.5.23
 TOKENMILL_SGLANG_HOME ?= $(HOME)/.cache/tokenmill/sglang-$(SGLANG_VERSION)
 export TOKENMILL_SGLANG_HOME
 
-# `make test` runs in two steps: the suite on two pytest-xdist workers (every real-SGLang test on
-# one of them, one at a time: tests/conftest.py), then the chaos tests alone, which time faults
-# against streams and must not share the two cores with anything.
-ALONE := tests/test_chaos.py tests/test_sealing_chaos.py
+# `make test-parallel`: the same tests in two steps, faster (not what CI runs): the suite on two
+# pytest-xdist workers (every real-SGLang test on one of them, one at a time: tests/conftest.py),
+# then alone the modules that time faults or health windows and failed beside SGLang.
+ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifecycle.py
 
-.PHONY: demo test test-sglang sglang-env lint bench install clean
+.PHONY: demo test test-parallel test-sglang sglang-env lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,9 @@ demo: $(STAMP)
 test: $(STAMP) sglang-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q -p no:cacheprovider
+
+test-parallel: $(STAMP) sglang-env
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder $(ALONE:%=--ignore=%)
 	$(BIN)/pytest -q -p no:cacheprovider $(ALONE)
 

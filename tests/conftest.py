@@ -33,20 +33,22 @@ def runs_real_sglang(nodeid: str) -> bool:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Real-SGLang tests first (stable: module fixtures stay together), after checking that
-    :func:`runs_real_sglang` tells them apart the way their ``sglang`` marker does."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Check that :func:`runs_real_sglang` tells the tiers apart the way their ``sglang`` marker
+    does; on an xdist worker, put the real-SGLang tests first (stable: module fixtures stay
+    together), so that their unit, the longest, starts first."""
     for item in items:
         if (item.get_closest_marker("sglang") is not None) != runs_real_sglang(item.nodeid):
             raise pytest.UsageError(
                 f"{item.nodeid}: its sglang marker and runs_real_sglang() disagree (tests/conftest.py)"
             )
-    items.sort(key=lambda item: not runs_real_sglang(item.nodeid))
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not runs_real_sglang(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``make test`` runs ``-n 2 --dist loadscope``: each module whole on one worker (its module
+    """``make test-parallel`` runs ``-n 2 --dist loadscope``: each module whole on one worker (its module
     fixtures set up once), and here every real-SGLang test in one unit too, run one after another
     on one worker while the other takes the rest. On two cores, two SGLang servers side by side
     slowed each other several-fold (a 90 s test ran past its 300 s timeout)."""
