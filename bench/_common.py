@@ -269,13 +269,22 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def start_worker(children: Children, where: Path, queue: str, concurrency: int, env: dict[str, str]) -> Child:
-    """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume."""
+def start_worker(
+    children: Children,
+    where: Path,
+    queue: str,
+    concurrency: int,
+    env: dict[str, str],
+    noop_expect: int | None = None,
+) -> Child:
+    """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume; with
+    ``noop_expect``, Celery's floor instead (bench/noop_worker.py: the same Celery configuration,
+    a task that does nothing), which says when it ran that many messages."""
     name = f"worker-{queue}-{free_port()}"
-    args = [
-        sys.executable, "-m", "tokenmill.cli", "worker", "--queue", queue,
-        "--concurrency", str(concurrency), "--hostname", f"{name}@%h",
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "tokenmill.cli", "worker"]
+    if noop_expect is not None:
+        command = [sys.executable, str(ROOT / "bench" / "noop_worker.py"), "--expect", str(noop_expect)]
+    args = [*command, "--queue", queue, "--concurrency", str(concurrency), "--hostname", f"{name}@%h"]
     child = children.spawn(name, args, where / f"{name}.log", env)
     wait_for(lambda: " ready." in child.output() or not child.alive(), 90, f"{name} ready", 0.1)
     if not child.alive():

@@ -22,6 +22,7 @@ and the sim:
     .venv/bin/python bench/jobcost.py                  # 1,500 jobs, 3 rounds: ~2 min
     .venv/bin/python bench/jobcost.py --jobs 600 --rounds 1
     .venv/bin/python bench/jobcost.py --against TOKENMILL_EVENT_LOOP=asyncio   # A B, round by round
+    .venv/bin/python bench/jobcost.py --floor          # and Celery's floor: a task that does nothing
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ def one_round(
     count: bool,
     profile: Path | None = None,
     worker_env: dict[str, str] | None = None,
+    floor: bool = False,
 ) -> dict[str, Any]:
     """One run of every job through a fresh worker (with ``worker_env`` on top of the defaults);
-    with ``count``, its round trips (MONITOR)."""
+    with ``count``, its round trips (MONITOR); with ``floor``, through Celery's floor (a worker
+    whose task does nothing: bench/noop_worker.py) instead."""
     where = work / name
     client.flushall()
     enq_trips: Counter[str] = Counter()
@@ -110,7 +113,7 @@ def one_round(
             "TOKENMILL_RESULTS_URL": str(where / "results"),  # workers do not seal; kept local anyway
             **(worker_env or {}),
         }
-        worker = start_worker(ch, where, "short", k.short_concurrency, env)
+        worker = start_worker(ch, where, "short", k.short_concurrency, env, k.prompts if floor else None)
         time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
         polls = 0
         done_field = keys.count_field("done", PARTITION)
@@ -121,6 +124,8 @@ def one_round(
             polls += 1
             if not worker.alive():
                 raise RuntimeError(f"the worker died:\n{worker.output()[-2000:]}")
+            if floor:  # every message run, and acked
+                return "messages run" in worker.output() and not client.hlen(keys.KOMBU_UNACKED)
             return int(client.hget(counts_key, done_field) or 0) >= k.prompts
 
         spy = None
@@ -177,6 +182,12 @@ def main() -> None:
         help="also run a worker with these settings (repeatable) right after each default round, "
         "and print the per-round ratio: e.g. --against TOKENMILL_EVENT_LOOP=asyncio",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run Celery's floor after each round: a worker with tokenmill's Celery settings "
+        "whose task does nothing (bench/noop_worker.py)",
+    )
     a = ap.parse_args()
     against = dict(a.against)
     variant = settings_text(a.against)
@@ -188,6 +199,7 @@ def main() -> None:
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     rounds: list[dict[str, Any]] = []
     others: list[dict[str, Any]] = []  # --against, round by round
+    floors: list[dict[str, Any]] = []  # --floor, round by round
     stream: list[float] = []
     with workdir(a.keep) as work, Children() as children:
         load = MachineLoad()
@@ -215,6 +227,13 @@ def main() -> None:
                     f"a job, {b['cpu_s'] / r['cpu_s']:.2f}x the default's {r['cpu_s'] / a.jobs * 1e3:.2f}; "
                     f"by thread: {by_thread(b, a.jobs)}"
                 )
+            if a.floor:
+                f = one_round(work, k, data, client, server.url, f"floor-{rnd}", False, floor=True)
+                floors.append(f)
+                print(
+                    f"round {rnd}: Celery's floor (a task that does nothing): "
+                    f"{f['cpu_s'] / a.jobs * 1e3:.2f} ms a message; by thread: {by_thread(f, a.jobs)}"
+                )
         print(load.line())
         counted = one_round(work, k, data, client, server.url, "count", count=True)["trips"]
         if a.profile is not None:
@@ -237,6 +256,13 @@ def main() -> None:
             f"with {variant}: {median([b['cpu_s'] / a.jobs for b in others]) * 1e3:.2f} ms of "
             f"worker CPU a job; against the default by round {', '.join(f'{x:.2f}x' for x in ratios)} "
             f"(median {median(ratios):.2f}x)"
+        )
+    if floors:
+        floor = median([f["cpu_s"] / a.jobs for f in floors])
+        print(
+            f"Celery's floor (median of {len(floors)}): {floor * 1e3:.2f} ms of worker CPU a message; "
+            f"tokenmill's own work on top of it: {(per_job - floor) * 1e3:.2f} ms a job "
+            f"(of which the stream path {per_stream * 1e3:.2f})"
         )
     rows = [[n, f"{c / a.jobs:.2f}"] for n, c in counted.most_common()]
     rows.append(["all round trips", f"{sum(counted.values()) / a.jobs:.2f}"])
