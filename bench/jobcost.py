@@ -125,7 +125,7 @@ def one_round(
             if not worker.alive():
                 raise RuntimeError(f"the worker died:\n{worker.output()[-2000:]}")
             if floor:  # every message run, and acked
-                return "messages run" in worker.output() and not client.hlen(keys.KOMBU_UNACKED)
+                return "messages run" in worker.output() and not client.hlen(keys.broker_unacked())
             return int(client.hget(counts_key, done_field) or 0) >= k.prompts
 
         spy = None

@@ -43,6 +43,12 @@ def test_shared_keys_live_under_the_shared_prefix() -> None:
     assert keys.broker_queue("short") == "short"
 
 
+def test_broker_keys_are_kombus_own() -> None:
+    from kombu.transport.redis import Channel
+
+    assert keys.broker_unacked() == Channel.unacked_key
+
+
 def test_count_fields_round_trip() -> None:
     assert keys.count_field("done", "B 1") == "done|B 1"
     assert keys.split_count_field("done|B 1") == ("done", "B 1")

@@ -21,9 +21,6 @@ STATES = ("queued", "running", "done", "failed")
 # Terminal like done and failed, but reported only once a run has any (status --json's contract).
 CANCELLED = "cancelled"
 QUEUES = ("short", "long")
-# kombu's Redis transport keeps delivered, not yet acked messages in this hash (its default
-# ``unacked_key``, which tokenmill does not change); named here so nothing else spells it.
-KOMBU_UNACKED = "unacked"
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _PARTITION_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._ -]{0,199}$")
@@ -62,6 +59,12 @@ def split_count_field(field: str) -> tuple[str, str]:
 def broker_queue(queue: str) -> str:
     """The Redis list kombu's Redis transport uses for ``queue`` (default priority)."""
     return queue
+
+
+def broker_unacked() -> str:
+    """The hash where kombu's Redis transport keeps delivered, not yet acked messages (its
+    default ``unacked_key``, which tokenmill does not change)."""
+    return "unacked"
 
 
 def runs() -> str:
