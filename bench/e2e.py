@@ -385,17 +385,15 @@ async def _stream_path(
     url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool
 ) -> tuple[float, int]:
     """CPU seconds and completion tokens for ``reqs``, ``concurrency`` at a time, in this process:
-    through ``workers.stream.stream_chat`` on the worker's own openai client, or directly."""
+    through ``workers.stream.stream_chat`` on the worker's own stream client, or directly."""
     import aiohttp
 
     from tokenmill.settings import Settings
-    from workers.runtime import Runtime
-    from workers.stream import Progress, stream_chat
+    from workers.stream import Progress, StreamClient, stream_chat
 
     sem = asyncio.Semaphore(concurrency)
-    rt = object.__new__(Runtime)  # only its client factory: no Redis, no loop thread
-    rt.settings = Settings.load(server_url=url)
-    client = await rt._make_client(url)
+    s = Settings.load(server_url=url)
+    client = StreamClient.of(url, s.api_key, s.connect_timeout_s)  # as a worker's Runtime builds it
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     async def via_worker(item: dict[str, Any]) -> int:
@@ -450,7 +448,7 @@ def per_token(k: Knobs, n: int, rounds: int) -> None:
     direct = median([c / t for c, t, _ in rows["direct"]])
     table_rows = []
     for variant, label in (
-        ("worker", "workers.stream.stream_chat on the worker's openai client and event loop"),
+        ("worker", "workers.stream.stream_chat on the worker's stream client and event loop"),
         ("direct", "direct: aiohttp lines + orjson"),
     ):
         per = median([c / t for c, t, _ in rows[variant]])

@@ -8,7 +8,7 @@ and the sim:
 - worker CPU per job: the worker process's CPU (/proc) from the moment it is ready and idle to
   the last commit, over the jobs;
 - the stream path per 2-token request: the same requests through ``workers.stream.stream_chat``
-  on the worker's own openai client, in this process (what bench/e2e.py --per-request measures);
+  on the worker's own stream client, in this process (what bench/e2e.py --per-request measures);
 - outside streaming = the difference;
 - the worker's CPU per job by thread (schedstat): Celery's consumer (the main thread: BRPOP,
   kombu's unacked bookkeeping, the ack), the event loop (the busiest other thread: the streams and

@@ -10,11 +10,9 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-from openai import AsyncOpenAI
-
 from tests.engines import Engine
 from workers.loop import run as run_on_worker_loop
-from workers.stream import STREAM_OPTIONS, Progress, stream_chat
+from workers.stream import STREAM_OPTIONS, Progress, StreamClient, stream_chat
 
 
 def post_json(
@@ -72,9 +70,9 @@ def chat(engine: Engine, messages: list[dict[str, Any]], **params: Any) -> dict[
     return body
 
 
-def client(engine: Engine, api_key: str | None = None) -> AsyncOpenAI:
-    key = api_key or engine.api_key or "EMPTY"
-    return AsyncOpenAI(base_url=f"{engine.url}/v1", api_key=key, max_retries=0)
+def client(engine: Engine, api_key: str | None = None) -> StreamClient:
+    """tokenmill's stream client for ``engine``, as a worker builds it."""
+    return StreamClient.of(engine.url, api_key or engine.api_key, connect_timeout_s=10.0)
 
 
 def stream(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from collections import Counter
@@ -14,6 +15,8 @@ from tokenmill.admission import Admission, LengthTracker, Slot, admission_view, 
 from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
+from workers.loop import LoopThread
+from workers.loop import run as run_on_worker_loop
 
 
 def adm(rclient: redis.Redis, **kw: object) -> Admission:
@@ -298,35 +301,45 @@ def test_estimate_uses_the_runs_length_curve_from_redis(rclient: redis.Redis) ->
 
 def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rclient: redis.Redis) -> None:
     line = adm(rclient).line
-    with contextlib.ExitStack() as first_stays:
-        first = first_stays.enter_context(line.join())
-        with line.join() as second:
-            assert first.first() and not second.first()
-            first_stays.close()  # the head leaves (admitted, or gave up)
-            assert second.first()
-    assert line.head() is None
+
+    async def go() -> None:
+        async with contextlib.AsyncExitStack() as first_stays:
+            first = await first_stays.enter_async_context(line.join())
+            async with line.join() as second:
+                assert first.first() and not second.first()
+                await first_stays.aclose()  # the head leaves (admitted, or gave up)
+                assert second.first()
+        assert line.head() is None
+
+    run_on_worker_loop(go())
 
 
 def test_interrupted_jobs_wait_ahead_of_new_ones_in_arrival_order(rclient: redis.Redis) -> None:
     line = adm(rclient).line
-    stays: dict[object, contextlib.ExitStack] = {}
 
-    def join(ahead: bool) -> object:
-        stack = contextlib.ExitStack()
-        turn = stack.enter_context(line.join(ahead=ahead))
-        stays[turn] = stack
-        return turn
+    async def go() -> None:
+        stays: dict[object, contextlib.AsyncExitStack] = {}
 
-    new1, new2 = join(False), join(False)
-    cut1, cut2 = join(True), join(True)  # e.g. reaped after their worker died
-    order = []
-    while (head := line.head()) is not None:  # each leaves once it is the head
-        order.append(head)
-        stays[head].close()
-    assert order == [cut1, cut2, new1, new2]
+        async def join(ahead: bool) -> object:
+            stack = contextlib.AsyncExitStack()
+            turn = await stack.enter_async_context(line.join(ahead=ahead))
+            stays[turn] = stack
+            return turn
+
+        new1, new2 = await join(False), await join(False)
+        cut1, cut2 = await join(True), await join(True)  # e.g. reaped after their worker died
+        order = []
+        while (head := line.head()) is not None:  # each leaves once it is the head
+            order.append(head)
+            await stays[head].aclose()
+        assert order == [cut1, cut2, new1, new2]
+
+    run_on_worker_loop(go())
 
 
-def test_a_released_slot_wakes_the_head_at_once_and_leaving_wakes_the_next(rclient: redis.Redis) -> None:
+def test_a_slot_released_from_another_thread_wakes_the_head_at_once_and_leaving_wakes_the_next(
+    rclient: redis.Redis,
+) -> None:
     a = adm(rclient)
     slot = a.try_admit("srv", 1000, 900, "short")
     assert slot is not None
@@ -334,29 +347,32 @@ def test_a_released_slot_wakes_the_head_at_once_and_leaving_wakes_the_next(rclie
     first_in = threading.Event()
     next_in = threading.Event()
 
-    def head() -> None:
-        with a.line.join() as turn:
+    async def head() -> None:
+        async with a.line.join() as turn:
             turn.arm()
             assert a.try_admit("srv", 1000, 500, "short") is None
             first_in.set()
-            turn.wait(60)  # a release here must wake it long before this timeout
+            await turn.wait(60)  # a release here must wake it long before this timeout
             woken.append("head")
-            next_in.wait(10)
+            while not next_in.is_set():
+                await asyncio.sleep(0.01)
 
-    def behind() -> None:
-        first_in.wait(10)
-        with a.line.join() as turn:
+    async def behind() -> None:
+        while not first_in.is_set():
+            await asyncio.sleep(0.01)
+        async with a.line.join() as turn:
             next_in.set()
             while not turn.first():
-                turn.wait(60)  # the head leaving must wake it
+                await turn.wait(60)  # the head leaving must wake it
             woken.append("next")
 
-    threads = [threading.Thread(target=head), threading.Thread(target=behind)]
-    for t in threads:
-        t.start()
-    first_in.wait(10)
-    wait_for(lambda: next_in.is_set(), 10, "the second thread to stand in line")
-    a.release(slot)
-    wait_for(lambda: woken == ["head", "next"], 10, "the head, then the next thread, to be woken")
-    for t in threads:
-        t.join(10)
+    loop = LoopThread()
+    try:
+        jobs = [loop.submit(head()), loop.submit(behind())]
+        wait_for(lambda: next_in.is_set(), 10, "the second job to stand in line")
+        a.release(slot)  # from this thread, as a task thread settling an error does
+        wait_for(lambda: woken == ["head", "next"], 10, "the head, then the next job, to be woken")
+        for job in jobs:
+            job.result(10)
+    finally:
+        loop.stop()

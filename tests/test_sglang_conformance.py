@@ -187,6 +187,33 @@ def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(engine: En
     wait_for(lambda: _running(engine) == 0, 20, "the server to abort the dropped request")
 
 
+def test_streams_share_a_kept_alive_connection_which_the_server_closes_after_5s_idle(engine: Engine) -> None:
+    async def go() -> tuple[int, float, int]:
+        c = client(engine)
+        c.pool.idle_s = 60.0  # keep it idle past the server's own keep-alive: the server closes it
+        loop = asyncio.get_running_loop()
+        try:
+            for _ in range(3):
+                assert (await stream_chat(c, greedy(4), {}, Progress())).tokens == 4
+            back_to_back = c.pool.opened
+            (idle,) = c.pool.idle
+            since = loop.time()
+            while not idle.lost:
+                assert loop.time() - since < 20, "the server kept an idle connection open for 20 s"
+                await asyncio.sleep(0.05)
+            closed_after = loop.time() - since
+            assert (await stream_chat(c, greedy(4), {}, Progress())).tokens == 4
+            return back_to_back, closed_after, c.pool.opened
+        finally:
+            await c.close()
+
+    back_to_back, closed_after, opened = run_on_worker_loop(go())
+
+    assert back_to_back == 1
+    assert 4 <= closed_after <= 8, closed_after  # SGLANG_TIMEOUT_KEEP_ALIVE: 5 s
+    assert opened == 2
+
+
 def test_metrics_report_the_schedulers_figures_by_sglangs_names(engine: Engine) -> None:
     stream(engine, greedy(40))  # something for the gauges to have seen
     figures = parse_metrics(_metrics_text(engine))

@@ -19,19 +19,17 @@ Each queue may use at most ``admission_queue_share`` of the budget (or of the wi
 prompts cannot starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead
 worker's slots expire.
 
-Threads of one process that wait for room stand in a :class:`WaitLine`: only the first asks
-Redis (at once when this process frees a slot, every ``admission_wait_s`` for slots freed
-elsewhere), so hundreds of waiting threads cost one poll, not hundreds, and are served in order.
+Jobs of one process that wait for room stand in a line (:mod:`tokenmill.waitline`): only the
+first asks Redis (at once when this process frees a slot, every ``admission_wait_s`` for slots
+freed elsewhere), so hundreds of waiting jobs cost one poll, not hundreds, and are served in
+order.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +41,7 @@ from tokenmill.lengths import Survival, bin_of, parse_counts, reached
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
+from tokenmill.waitline import WaitLine
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
 WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
@@ -87,69 +86,6 @@ class LengthTracker:
         return tuple(bins)
 
 
-class Turn:
-    """A thread's place in a :class:`WaitLine`."""
-
-    def __init__(self, line: WaitLine, ahead: bool = False) -> None:
-        self._line = line
-        self._wake = threading.Event()
-        self.ahead = ahead
-
-    def first(self) -> bool:
-        """Whether this thread is at the head of the line (the one that asks for room)."""
-        return self._line.head() is self
-
-    def arm(self) -> None:
-        """Forget past wake-ups: call before asking for room, so that a slot freed while
-        asking is not missed by the wait that follows."""
-        self._wake.clear()
-
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until woken (head reached, or a slot freed here) or ``timeout_s``."""
-        self._wake.wait(timeout_s)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-
-class WaitLine:
-    """This process's threads waiting for admission, first come first served."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._turns: deque[Turn] = deque()
-
-    def head(self) -> Turn | None:
-        with self._lock:
-            return self._turns[0] if self._turns else None
-
-    def wake_head(self) -> None:
-        """Let the head ask again now (a slot was freed or shrank, or the head left)."""
-        with self._lock:
-            if self._turns:
-                self._turns[0].wake()
-
-    @contextmanager
-    def join(self, ahead: bool = False) -> Iterator[Turn]:
-        """Stand in line until the block exits; leaving wakes the next thread. With ``ahead``
-        (a job whose earlier attempt was cut), stand behind the other such jobs only: work that
-        was interrupted resumes before new work starts."""
-        turn = Turn(self, ahead)
-        with self._lock:
-            at = len(self._turns)
-            if ahead:
-                at = next((i for i, t in enumerate(self._turns) if not t.ahead), at)
-            self._turns.insert(at, turn)
-        if at == 0:
-            turn.wake()
-        try:
-            yield turn
-        finally:
-            with self._lock:
-                self._turns.remove(turn)
-            self.wake_head()
-
-
 class Admission:
     """Take and give back admission slots; estimate what a request will hold."""
 
@@ -171,8 +107,12 @@ class Admission:
 
     def held(self, run: str, request: dict[str, Any], generated: int) -> int:
         """What a request that has generated ``generated`` tokens is projected to hold at most."""
+        return self.held_on(self.survival(run), request, generated)
+
+    def held_on(self, curve: Survival, request: dict[str, Any], generated: int = 0) -> int:
+        """:meth:`held` by the curve given."""
         max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
-        return self.survival(run).hold(estimate_prompt_tokens(request["messages"]), max_tokens, generated)
+        return curve.hold(estimate_prompt_tokens(request["messages"]), max_tokens, generated)
 
     def survival(self, run: str) -> Survival:
         """The run's completion-length curve (cached for ``STATS_TTL_S``)."""
@@ -184,6 +124,12 @@ class Admission:
         self._curves[run] = (now, curve)
         return curve
 
+    def fresh_survival(self, run: str) -> Survival | None:
+        """The run's curve if this process's copy is fresh; None when it would be read from Redis
+        (on the event loop, nothing may wait for Redis)."""
+        cached = self._curves.get(run)
+        return cached[1] if cached and time.monotonic() - cached[0] < STATS_TTL_S else None
+
     def tracker(self, run: str, request: dict[str, Any], base_tokens: int) -> LengthTracker:
         """What a running request reports at heartbeats and commit (hold, length bins reached)."""
         return LengthTracker(lambda generated: self.held(run, request, generated), base_tokens)
@@ -191,6 +137,11 @@ class Admission:
     def load(self, server: str) -> int:
         """Tokens currently admitted on ``server``."""
         return int(self.r.hget(keys.admission_used(server), "total") or 0)
+
+    def fullness(self, load: int, capacity: int | None) -> float:
+        """How full a server is for admission: the tokens admitted on it over its budget (0 when
+        it has none); jobs go to the least full server first."""
+        return load / (self.budget(capacity) or float("inf"))
 
     def try_admit(self, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
         """A slot on ``server``, or None when its window (or, without a fresh window, its token
@@ -249,16 +200,20 @@ class Admission:
                 s.admission_reserve,
             ],
         )
-        self.line.wake_head()  # a wider window: let the head of this process's line ask now
+        self.wake()  # a wider window: let the head of this process's line ask now
         return int(window)
 
     def release(self, slot: Slot) -> None:
         if slot.tokens:
             self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
-            self.line.wake_head()
+            self.wake()
 
     def released(self) -> None:
         """A slot was given back by another script (``finish.lua``): let this process's line ask."""
+        self.wake()
+
+    def wake(self) -> None:
+        """Let the head of this process's line ask for room now (from any thread)."""
         self.line.wake_head()
 
 

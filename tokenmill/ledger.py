@@ -181,12 +181,8 @@ class Ledger:
     def claim(self, job_id: str, worker: str, lease_ttl_s: float) -> Claim | str:
         """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed``, ``cancelled`` or
         ``busy``."""
-        k = self.k
-        res = self._scripts["claim"](
-            [k.job(job_id), k.counts(), k.leases(), k.delayed()],
-            [job_id, worker, int(lease_ttl_s * 1000)],
-        )
-        return self._claimed(job_id, res)
+        res = self._scripts["claim"](*claim_call(self.k, job_id, worker, lease_ttl_s))
+        return claimed(self.run, job_id, res)
 
     def start(
         self,
@@ -200,30 +196,8 @@ class Ledger:
         admitted slot, ``full`` (no room: nothing claimed), or why the job cannot be claimed (as
         :meth:`claim`; nothing admitted). The job's waiting lease is dropped with the claim.
         ``spec``, when the caller already read it (it never changes), is not parsed again."""
-        k = self.k
-        res = self._scripts["start"](
-            [k.job(job_id), k.counts(), k.leases(), k.delayed(), k.waiting(), *admit.keys],
-            [job_id, worker, int(lease_ttl_s * 1000), *admit.args],
-        )
-        claim = self._claimed(job_id, res, spec)
-        if isinstance(claim, Claim):
-            claim.slot = admit.slot_ref()
-        return claim
-
-    def _claimed(self, job_id: str, res: list[Any], spec: dict[str, Any] | None = None) -> Claim | str:
-        if _s(res[0]) != "ok":
-            return _s(res[0])
-        return Claim(
-            run=self.run,
-            job_id=job_id,
-            token=_s(res[1]),
-            attempt=int(res[2]),
-            spec=spec if spec is not None else orjson.loads(res[3]),
-            checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6]), int(res[10])),
-            partition=_s(res[7]),
-            queue=_s(res[8]),
-            retries=int(res[9]),
-        )
+        res = self._scripts["start"](*start_call(self.k, job_id, worker, lease_ttl_s, admit))
+        return started(self.run, job_id, res, admit, spec)
 
     def heartbeat(
         self, claim: Claim, lease_ttl_s: float, checkpoint: Checkpoint | None = None, new_tokens: int = 0
@@ -245,33 +219,8 @@ class Ledger:
         length curve learns how long the completion was. With ``release_slot`` and a claim that
         holds an admission slot, the slot is given back in the same round trip (``finish.lua``),
         whatever the verdict."""
-        k = self.k
-        usage = result.get("usage") or {}
-        script_keys = [
-            k.job(claim.job_id),
-            k.counts(),
-            k.leases(),
-            k.stats(),
-            k.throughput(),
-            k.unsealed(claim.partition),
-        ]
-        args: list[Any] = [
-            claim.job_id,
-            claim.token,
-            orjson.dumps(result),
-            int(usage.get("completion_tokens") or 0),
-            int(usage.get("prompt_tokens") or 0),
-            int(result.get("continued_tokens") or 0),
-            new_tokens,
-            1 if result.get("finish_reason") == "length" else 0,
-        ]
-        if lengths is not None:
-            script_keys.append(k.lengths())
-            args += [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
-        if release_slot and claim.slot is not None:
-            slots_key, used_key, member = claim.slot
-            return _s(self._scripts["finish"]([*script_keys, slots_key, used_key], [*args, member]))
-        return _s(self._scripts["commit"](script_keys, args))
+        name, script_keys, args = commit_call(self.k, claim, result, new_tokens, lengths, release_slot)
+        return _s(self._scripts[name](script_keys, args))
 
     def fail(self, claim: Claim, error: JobError) -> str:
         """End the job ``failed``: ``ok``, ``done``/``failed`` (already) or ``stale``."""
@@ -423,14 +372,11 @@ class Ledger:
     def peek(self, job_id: str) -> Peek | None:
         """A job's state, spec, queue and attempts so far, without claiming it; None when it does
         not exist."""
-        state, spec, queue, attempts = self.r.hmget(self.k.job(job_id), "state", "spec", "queue", "attempts")
-        if state is None or spec is None:
-            return None
-        return Peek(_s(state), orjson.loads(spec), _s(queue or b"short"), int(attempts or 0))
+        return peeked(self.r.hmget(self.k.job(job_id), *PEEK_FIELDS))
 
     def hold_waiting(self, job_id: str, lease_ttl_s: float, hold: bool = True) -> None:
         """Renew (or drop) the waiting lease of a delivered, not yet claimed job."""
-        self._scripts["wait"]([self.k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)])
+        self._scripts["wait"](*wait_call(self.k, job_id, lease_ttl_s, hold))
 
     def requeue_abandoned(self, limit: int = 500) -> int:
         """Republish delivered jobs whose worker died while they waited (lease expired, still queued)."""
@@ -505,6 +451,100 @@ class Republished(NamedTuple):
 
     published: int
     backlogged: int
+
+
+PEEK_FIELDS = ("state", "spec", "queue", "attempts")
+
+
+def peeked(fields: Sequence[Any]) -> Peek | None:
+    """A :class:`Peek` from the job hash's :data:`PEEK_FIELDS`; None when the job does not exist."""
+    state, spec, queue, attempts = fields
+    if state is None or spec is None:
+        return None
+    return Peek(_s(state), orjson.loads(spec), _s(queue or b"short"), int(attempts or 0))
+
+
+def wait_call(k: keys.RunKeys, job_id: str, lease_ttl_s: float, hold: bool) -> tuple[list[str], list[Any]]:
+    """``wait.lua``'s KEYS and ARGV: take or renew (or, not ``hold``, drop) a waiting lease."""
+    return [k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)]
+
+
+def claim_call(k: keys.RunKeys, job_id: str, worker: str, lease_ttl_s: float) -> tuple[list[str], list[Any]]:
+    """``claim.lua``'s KEYS and ARGV."""
+    return [k.job(job_id), k.counts(), k.leases(), k.delayed()], [job_id, worker, int(lease_ttl_s * 1000)]
+
+
+def start_call(
+    k: keys.RunKeys, job_id: str, worker: str, lease_ttl_s: float, admit: AdmitRequest
+) -> tuple[list[str], list[Any]]:
+    """``start.lua``'s KEYS and ARGV: claim.lua's, the waiting zset, then admit.lua's."""
+    script_keys, args = claim_call(k, job_id, worker, lease_ttl_s)
+    return [*script_keys, k.waiting(), *admit.keys], [*args, *admit.args]
+
+
+def claimed(run: str, job_id: str, res: list[Any], spec: dict[str, Any] | None = None) -> Claim | str:
+    """A claim script's reply: the :class:`Claim`, or why not (``spec``: already read, not parsed)."""
+    if _s(res[0]) != "ok":
+        return _s(res[0])
+    return Claim(
+        run=run,
+        job_id=job_id,
+        token=_s(res[1]),
+        attempt=int(res[2]),
+        spec=spec if spec is not None else orjson.loads(res[3]),
+        checkpoint=Checkpoint(_s(res[4]), _s(res[5]), int(res[6]), int(res[10])),
+        partition=_s(res[7]),
+        queue=_s(res[8]),
+        retries=int(res[9]),
+    )
+
+
+def started(
+    run: str, job_id: str, res: list[Any], admit: AdmitRequest, spec: dict[str, Any] | None
+) -> Claim | str:
+    """``start.lua``'s reply: a claim holding the admitted slot, ``full``, or why not."""
+    claim = claimed(run, job_id, res, spec)
+    if isinstance(claim, Claim):
+        claim.slot = admit.slot_ref()
+    return claim
+
+
+def commit_call(
+    k: keys.RunKeys,
+    claim: Claim,
+    result: dict[str, Any],
+    new_tokens: int,
+    lengths: LengthReport | None,
+    release_slot: bool,
+) -> tuple[str, list[str], list[Any]]:
+    """The commit's script (``finish`` when it also gives the slot back, else ``commit``), its
+    KEYS and ARGV."""
+    usage = result.get("usage") or {}
+    script_keys = [
+        k.job(claim.job_id),
+        k.counts(),
+        k.leases(),
+        k.stats(),
+        k.throughput(),
+        k.unsealed(claim.partition),
+    ]
+    args: list[Any] = [
+        claim.job_id,
+        claim.token,
+        orjson.dumps(result),
+        int(usage.get("completion_tokens") or 0),
+        int(usage.get("prompt_tokens") or 0),
+        int(result.get("continued_tokens") or 0),
+        new_tokens,
+        1 if result.get("finish_reason") == "length" else 0,
+    ]
+    if lengths is not None:
+        script_keys.append(k.lengths())
+        args += [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+    if release_slot and claim.slot is not None:
+        slots_key, used_key, member = claim.slot
+        return "finish", [*script_keys, slots_key, used_key], [*args, member]
+    return "commit", script_keys, args
 
 
 def heartbeat_args(

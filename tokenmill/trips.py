@@ -31,6 +31,7 @@ class TripCounter:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trip-counter", daemon=True)
         self.counts: Counter[str] = Counter()
+        self.by_conn: dict[str, Counter[str]] = {}  # the same counts by client "address:port"
         self._error: BaseException | None = None
 
     def __enter__(self) -> TripCounter:
@@ -69,15 +70,19 @@ class TripCounter:
                     if conn in in_multi:
                         if name in ("exec", "discard"):
                             in_multi.discard(conn)
-                            self.counts["multi/exec"] += 1
+                            self._count(conn, "multi/exec")
                         continue
                     if name in ("evalsha", "eval") and len(words) > 1:
                         sha = words[1] if name == "evalsha" else hashlib.sha1(words[1].encode()).hexdigest()
                         name = f"evalsha:{_SHAS.get(sha.lower(), sha[:8])}"
-                    self.counts[name] += 1
+                    self._count(conn, name)
         except BaseException as exc:  # reported by __exit__
             self._error = exc
             self._ready.set()
+
+    def _count(self, conn: str, name: str) -> None:
+        self.counts[name] += 1
+        self.by_conn.setdefault(conn, Counter())[name] += 1
 
     def total(self) -> int:
         return sum(self.counts.values())

@@ -1,20 +1,26 @@
 """One attempt at a job on the worker's event loop: build the request, stream it under the
-process's watch (:mod:`workers.watch`: deadlines, lease, checkpoints), and shape the result.
+process's watch (:mod:`workers.watch`: deadlines, lease, checkpoints), and shape the result;
+then what its commit needs, whichever thread commits it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
-from typing import Any
-
-from openai import AsyncOpenAI
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenmill import errors
-from tokenmill.ledger import Checkpoint, Claim
+from tokenmill.admission import LengthTracker, Slot
+from tokenmill.ledger import Checkpoint, Claim, LengthReport
 from tokenmill.settings import Settings
-from workers.stream import Progress, stream_chat
+from workers.stream import Progress, StreamClient, stream_chat
 from workers.watch import AttemptState, Watch
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
+
+log = logging.getLogger("tokenmill.worker")
 
 
 @dataclass(slots=True)
@@ -23,6 +29,80 @@ class Outcome:
 
     result: dict[str, Any]
     new_tokens: int
+
+
+class Commit(NamedTuple):
+    """What a commit sends (``Ledger.commit``'s arguments after the claim)."""
+
+    result: dict[str, Any]
+    new_tokens: int
+    lengths: LengthReport | None
+    release: bool  # the admission slot goes back with the commit
+
+
+@dataclass(slots=True)
+class Attempted:
+    """A claimed job after its attempt: its outcome, or the error the attempt ended with."""
+
+    claim: Claim
+    slot: Slot
+    url: str
+    state: AttemptState
+    tracker: LengthTracker | None
+    outcome: Outcome | None = None
+    error: errors.GenerationError | errors.StaleClaimError | None = None
+    commit: Commit | None = None  # built once: the length bins it reports are reported once
+
+    def prepare_commit(self, settings: Settings) -> Commit:
+        """The commit of this attempt's outcome (the same however often it is sent)."""
+        if self.commit is None:
+            assert self.outcome is not None
+            result = self.outcome.result
+            result["server"] = self.url
+            if self.claim.checkpoint and not settings.continue_partial:
+                result["restarted"] = True  # a checkpoint existed; continue_partial is off
+            lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
+            self.commit = Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
+        return self.commit
+
+
+async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attempted:
+    """Stream a claimed job on the worker's loop; an error is returned in the result, for the
+    task's thread to settle (it may have to wait for Redis)."""
+    s = rt.settings
+    base = claim.checkpoint if s.continue_partial else Checkpoint()
+    state = AttemptState(base=base, progress=Progress())
+    tracker = None
+    if slot.tokens:
+        tracker = rt.admission.tracker(claim.run, claim.spec["request"], base.tokens)
+        state.slot_update = tracker.update
+    else:
+        claim.slot = None
+    done = Attempted(claim, slot, url, state, tracker)
+    client = rt.client(url)
+    try:
+        try:
+            done.outcome = await run_attempt(client, claim, s, rt.watch, state)
+        except errors.InvalidRequestError as exc:
+            if not state.base:
+                raise
+            # The server refused to continue the partial: start over, and record that it did.
+            log.warning("job %s: continuation refused (%s); starting over", claim.job_id, exc.message)
+            state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(), 0
+            done.outcome = await run_attempt(client, claim, s, rt.watch, state)
+            done.outcome.result["restarted"] = True
+    except (errors.GenerationError, errors.StaleClaimError) as exc:
+        done.error = exc
+    return done
+
+
+def committed(rt: Runtime, done: Attempted, verdict: str) -> str:
+    """After the commit of ``done``: wake this process's admission line, say what happened."""
+    if done.commit is not None and done.commit.release:
+        rt.admission.released()
+    if verdict != "ok":
+        log.warning("commit of %s/%s: %s", done.claim.run, done.claim.job_id, verdict)
+    return "done" if verdict == "ok" else verdict
 
 
 def build_request(
@@ -64,7 +144,7 @@ def continuation_text(base: Checkpoint, think_end_tag: str) -> str:
 
 
 async def run_attempt(
-    client: AsyncOpenAI, claim: Claim, settings: Settings, watch: Watch, state: AttemptState
+    client: StreamClient, claim: Claim, settings: Settings, watch: Watch, state: AttemptState
 ) -> Outcome:
     """Stream the job to completion under the watch; raise a classified error otherwise."""
     request, extra = build_request(claim, settings, state.base)
@@ -86,7 +166,7 @@ async def run_attempt(
 
 
 async def _ended_at_the_limit(
-    client: AsyncOpenAI,
+    client: StreamClient,
     claim: Claim,
     s: Settings,
     request: dict[str, Any],

@@ -63,7 +63,9 @@ class ServerPool:
         return self._records
 
     def views(self) -> list[ServerView]:
-        records = self._load_records()
+        return self._views(self._load_records(), fetch=True)
+
+    def _views(self, records: dict[str, server_records.ServerRecord], fetch: bool) -> list[ServerView]:
         out = []
         for url in self.settings.server_urls:
             rec = records.get(url)
@@ -79,7 +81,12 @@ class ServerPool:
                 )
             else:
                 ready = url not in self._suspect
-                out.append(ServerView(url, url, ready, self._capacity(url) if ready else None))
+                cap = (
+                    (self._capacity(url) if fetch else self._capacities.get(url, (0.0, None))[1])
+                    if ready
+                    else None
+                )
+                out.append(ServerView(url, url, ready, cap))
         return out
 
     def _capacity(self, url: str) -> int | None:
@@ -97,6 +104,21 @@ class ServerPool:
         except (OSError, ValueError) as exc:
             log.warning("server %s: /server_info failed (%s); its capacity is unknown for now", url, exc)
             return None
+
+    def ready_views_now(self) -> list[ServerView] | None:
+        """The ready servers as this process last read them, or None when telling would read
+        Redis or a server (the records or a capacity are due for a refresh): for the event loop,
+        where nothing may wait."""
+        now = time.monotonic()
+        if now - self._records_at > RECORDS_TTL_S:
+            return None
+        for url in self.settings.server_urls:
+            if url in self._records or url in self._suspect:
+                continue
+            cached = self._capacities.get(url)
+            if cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S):
+                return None
+        return [v for v in self._views(self._records, fetch=False) if v.ready]
 
     def ready_views(self) -> list[ServerView]:
         """Every ready server (probing suspects when none is)."""

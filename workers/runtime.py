@@ -8,15 +8,15 @@ import socket
 import threading
 from typing import Any
 
-import httpx2
-from openai import AsyncOpenAI, DefaultAioHttpClient
-
-from tokenmill import redis_conn
+from tokenmill import ledger_loop, redis_conn
 from tokenmill.admission import Admission
 from tokenmill.ledger import AsyncHeartbeat, Ledger
+from tokenmill.ledger_loop import LoopLedger
+from tokenmill.loop_redis import LoopRedis
 from tokenmill.settings import Settings
 from workers.loop import LoopThread
 from workers.pool import ServerPool
+from workers.stream import StreamClient
 from workers.watch import Watch
 
 log = logging.getLogger("tokenmill.worker")
@@ -36,9 +36,15 @@ class Runtime:
         self.abort_streams = threading.Event()  # grace period over: checkpoint and release
         self.auth_error: str | None = None
         self._ledgers: dict[str, Ledger] = {}
-        self._clients: dict[str, AsyncOpenAI] = {}
+        self.loop_redis = LoopRedis(
+            settings.redis_url, name=f"tokenmill-loop:{self.worker_id}", scripts=ledger_loop.SCRIPTS.values()
+        )
+        self._loop_ledgers: dict[str, LoopLedger] = {}
+        self._clients: dict[str, StreamClient] = {}
         self._lock = threading.Lock()
         self.watch = Watch(settings, self.loop.run(self._make_heartbeat()), self.abort_streams)
+        for url in settings.server_urls:  # built now, not on the loop under the first job
+            self.client(url)
         self.inflight = 0
 
     async def _make_heartbeat(self) -> AsyncHeartbeat:
@@ -50,29 +56,22 @@ class Runtime:
                 self._ledgers[run] = Ledger(self.redis, run)
             return self._ledgers[run]
 
-    def client(self, url: str) -> AsyncOpenAI:
-        """The openai client for ``url``, created on the loop (its aiohttp session lives there)."""
-        with self._lock:  # held while creating: the first jobs all arrive at once
+    def loop_ledger(self, run: str) -> LoopLedger:
+        """``run``'s transitions on the loop's Redis client (call on the loop)."""
+        ledger = self._loop_ledgers.get(run)
+        if ledger is None:
+            ledger = self._loop_ledgers[run] = LoopLedger(self.loop_redis, run)
+        return ledger
+
+    def client(self, url: str) -> StreamClient:
+        """The stream client for ``url``, one per server per process (its connections are kept
+        alive and shared by every stream of the process, on the loop)."""
+        with self._lock:
             client = self._clients.get(url)
             if client is None:
-                client = self._clients[url] = self.loop.run(self._make_client(url))
+                s = self.settings
+                client = self._clients[url] = StreamClient.of(url, s.api_key, s.connect_timeout_s)
         return client
-
-    async def _make_client(self, url: str) -> AsyncOpenAI:
-        s = self.settings
-        # No read timeout: the watchdog enforces each request's stall and total deadlines, and
-        # aiohttp would cancel and re-arm a timer on every chunk (bench/e2e.py --per-token).
-        timeout = httpx2.Timeout(None, connect=s.connect_timeout_s)
-        # Explicit: with None, openai's aiohttp transport keeps aiohttp's default cap of 100
-        # connections, and a 150-thread worker streamed only 100 requests at once.
-        limits = httpx2.Limits(max_connections=4096, max_keepalive_connections=1024)
-        return AsyncOpenAI(
-            base_url=f"{url}/v1",
-            api_key=s.api_key or "EMPTY",
-            max_retries=0,
-            timeout=timeout,
-            http_client=DefaultAioHttpClient(timeout=timeout, limits=limits),
-        )
 
 
 _runtime: dict[str, Runtime] = {}

@@ -1,34 +1,32 @@
 """Streaming one chat completion from an SGLang server: the per-token hot path.
 
-The official ``openai`` client owns the connection (its aiohttp transport and pool), the API
-key and the error types, but its typed chunk objects cost ~5x the CPU of parsing the SSE line
-with orjson (measured on this machine class before the worker was written), so the raw streaming
-response is read as bytes, split into ``data:`` lines here, and parsed with orjson. The request
-goes straight to the transport the client's HTTP client would use, with headers and timeouts
-built once per client (``Route``): the SDK's request pipeline (option copies, header merging,
-retries the worker turns off) cost 0.90 ms of CPU per request against 0.45 for a bare aiohttp
-request, this path 0.41 against 0.29 (bench/e2e.py --per-request), and ``chat.completions.create``
-more than the pipeline. A 4xx or 5xx answer becomes the SDK's own ``APIStatusError``
-(``_make_status_error_from_response``), classified as before. Per
-chunk the work is: one ``orjson.loads``, two dict lookups, a list append and an integer
-increment. No Redis call, no allocation a buffer would avoid; checkpoints are taken by the job's
-process's watch (:mod:`workers.watch`) from the shared ``Progress``.
+The openai client is the server's configuration (base URL, API key, headers) and makes the
+error an answer becomes (``APIStatusError``, classified in :mod:`workers.taxonomy`). The stream
+itself is read on tokenmill's own HTTP/1.1 connections (:mod:`workers.transport`): each chunk of
+the body reaches :class:`_Lines` straight from the connection's ``data_received``, is split into
+``data:`` lines and parsed with orjson. The openai client's typed chunk objects cost ~5x the CPU
+of that parse (measured on this machine class before the worker was written), and reading the
+bytes through its aiohttp transport cost a task wake-up and three async iterators a chunk: 40
+against 22 µs of CPU per token on the stream path alone (docs/benchmarks.md). Per chunk the work
+is now: one ``orjson.loads``, two dict lookups, a list append and an integer increment. No Redis
+call; checkpoints are taken by the process's watch (:mod:`workers.watch`) from the shared
+``Progress``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
 import orjson
-from openai import AsyncOpenAI
+from openai import APIStatusError, AsyncOpenAI
 
 from tokenmill import errors
 from workers import taxonomy
+from workers.transport import ConnectionPool, Response
 
 _DATA = b"data: "
 # Every chunk carries the running usage, so checkpoints count tokens exactly even when a chunk
@@ -56,45 +54,61 @@ class Progress:
         return int(self.usage["completion_tokens"]) if self.usage else self.chunks
 
 
+class StreamClient:
+    """One server's chat completions endpoint for the stream path: its openai client and the
+    connections its streams are read on. Built once per server per process; the request's
+    head (path, host, key, headers) is built once too."""
+
+    def __init__(self, client: AsyncOpenAI, connect_timeout_s: float = 10.0) -> None:
+        self.openai = client
+        self.url = client.base_url.join("chat/completions")
+        parts = urlsplit(str(self.url))
+        host = parts.netloc.rpartition("@")[2]  # without any user:password@
+        self.pool = ConnectionPool(f"{parts.scheme}://{host}", connect_timeout_s)
+        headers = {
+            "Host": host,
+            **client.auth_headers,
+            "User-Agent": client.user_agent,
+            "Accept": "text/event-stream",
+            "Accept-Encoding": "identity",
+            "Content-Type": "application/json",
+        }
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if v)
+        self.head = f"POST {path} HTTP/1.1\r\n{lines}".encode("latin-1")
+
+    @classmethod
+    def of(cls, url: str, api_key: str | None, connect_timeout_s: float) -> StreamClient:
+        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``)."""
+        openai = AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "EMPTY", max_retries=0)
+        return cls(openai, connect_timeout_s)
+
+    def request_bytes(self, body: bytes) -> bytes:
+        return b"%sContent-Length: %d\r\n\r\n%s" % (self.head, len(body), body)
+
+    def status_error(self, r: Response) -> APIStatusError:
+        """The SDK's own error for a non-2xx answer (its class and body as the SDK reads them)."""
+        http = httpx2.Response(
+            r.status, headers=r.headers, content=bytes(r.body), request=httpx2.Request("POST", self.url)
+        )
+        return self.openai._make_status_error_from_response(http)
+
+    async def close(self) -> None:
+        self.pool.close()
+        await self.openai.close()
+
+
 async def stream_chat(
-    client: AsyncOpenAI, request: dict[str, Any], extra: dict[str, Any], progress: Progress
+    client: StreamClient, request: dict[str, Any], extra: dict[str, Any], progress: Progress
 ) -> Progress:
     """Stream ``request`` and accumulate into ``progress``; raise a classified error on failure."""
-    loop = asyncio.get_running_loop()
+    lines = _Lines(progress, asyncio.get_running_loop())
     try:
-        route = Route.of(client)
         body = orjson.dumps({**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS})
-        post = httpx2.Request("POST", route.url, headers=route.headers, content=body, extensions=route.ext)
-        try:
-            http = await route.transport.handle_async_request(post)
-        except httpx2.TransportError as exc:  # no answer at all: as the SDK's connection errors
-            raise taxonomy.from_send_error(exc) from exc
-        http.request = post
-        try:
-            if http.status_code >= 400:
-                await http.aread()
-                raise client._make_status_error_from_response(http)
-            # The transport's byte stream: skips httpx2's aiter_bytes and aiter_raw on every
-            # chunk (bench/e2e.py --per-token). SGLang's SSE is not content-encoded; should a
-            # proxy encode it, httpx2 decodes it.
-            chunks: AsyncIterable[bytes] = (
-                http.aiter_bytes()
-                if http.headers.get("content-encoding")
-                else cast(httpx2.AsyncByteStream, http.stream)
-            )
-            buf = b""
-            async for data in chunks:
-                buf += data
-                if b"\n" not in data:
-                    continue
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    if line.startswith(_DATA):
-                        _on_line(line[6:], progress, loop)
-            if buf.startswith(_DATA):
-                _on_line(buf[6:], progress, loop)
-        finally:
-            await http.aclose()
+        response = await client.pool.request(client.request_bytes(body), lines.feed)
+        if not 200 <= response.status < 300:
+            raise client.status_error(response)
+        lines.end()
     except errors.GenerationError:
         raise
     except Exception as exc:  # classified in one place
@@ -106,38 +120,29 @@ async def stream_chat(
     return progress
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where a client's chat completions go, with which headers and on which transport: built
-    once per client. The request goes to the transport the client's HTTP client would pick, with
-    its timeouts; the HTTP client's own layers (auth flow, redirects, event hooks, cookies, a
-    timing wrapper around every chunk) do nothing for these requests."""
+class _Lines:
+    """The body of a stream, as it arrives: split into lines, each ``data:`` line parsed."""
 
-    transport: httpx2.AsyncBaseTransport
-    url: httpx2.URL
-    headers: dict[str, str]
-    ext: dict[str, Any]  # the request's extensions: its timeouts
+    __slots__ = ("buf", "loop", "progress")
 
-    @staticmethod
-    def of(client: AsyncOpenAI) -> Route:
-        route = _ROUTES.get(client)
-        if route is None:
-            route = _ROUTES[client] = Route.build(client)
-        return route
+    def __init__(self, progress: Progress, loop: asyncio.AbstractEventLoop) -> None:
+        self.buf = b""
+        self.progress = progress
+        self.loop = loop
 
-    @staticmethod
-    def build(client: AsyncOpenAI) -> Route:
-        headers = {
-            **client.auth_headers,
-            "Accept": "text/event-stream",
-            "Content-Type": "application/json",
-            "User-Agent": client.user_agent,
-        }
-        http, url = client._client, client.base_url.join("chat/completions")
-        return Route(http._transport_for_url(url), url, headers, {"timeout": http.timeout.as_dict()})
+    def feed(self, data: bytes) -> None:
+        if b"\n" not in data:
+            self.buf += data
+            return
+        *lines, self.buf = (self.buf + data).split(b"\n") if self.buf else data.split(b"\n")
+        for line in lines:
+            if line.startswith(_DATA):
+                _on_line(line[6:], self.progress, self.loop)
 
-
-_ROUTES: weakref.WeakKeyDictionary[AsyncOpenAI, Route] = weakref.WeakKeyDictionary()
+    def end(self) -> None:
+        if self.buf.startswith(_DATA):
+            _on_line(self.buf[6:], self.progress, self.loop)
+        self.buf = b""
 
 
 def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:

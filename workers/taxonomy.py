@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
-import httpx2
 import openai
 
 from tokenmill import errors
@@ -60,15 +58,9 @@ def from_exception(exc: BaseException) -> errors.GenerationError:
         return from_status(exc.status_code, _status_message(exc))
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
         return _timed_out(exc)
-    if isinstance(exc, aiohttp.ClientError | ConnectionError | OSError):
-        return _unreachable(exc.__cause__ or exc)
+    if isinstance(exc, OSError):  # refused, reset, closed mid-answer, unresolvable, TLS
+        return _unreachable(exc)
     return errors.StreamError(f"{type(exc).__name__}: {exc}")
-
-
-def from_send_error(exc: httpx2.TransportError) -> errors.GenerationError:
-    """Classify a request that got no answer at all (a transport error while sending; the same
-    error while streaming is a stream error, through :func:`from_exception`)."""
-    return _timed_out(exc) if isinstance(exc, httpx2.TimeoutException) else _unreachable(exc)
 
 
 def _timed_out(exc: BaseException) -> errors.GenerationError:

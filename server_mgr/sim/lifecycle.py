@@ -140,10 +140,21 @@ async def _main(cfg: SimConfig) -> int:
         children.kill(kids)
 
 
+# SGLang's uvicorn closes a kept-alive connection idle this long (SGLANG_TIMEOUT_KEEP_ALIVE);
+# aiohttp's own default is 75 s
+KEEP_ALIVE_S = 5.0
+
+
 async def _serve(cfg: SimConfig, log: SimLog, kids: list[children.Child]) -> int:
     await _load(cfg, log)
     state = SimState(cfg=cfg, log=log, scheduler=Scheduler(cfg, log))
-    runner = web.AppRunner(build_app(state), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    runner = web.AppRunner(
+        build_app(state),
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=1.0,
+        keepalive_timeout=KEEP_ALIVE_S,
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()

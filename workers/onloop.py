@@ -1,0 +1,151 @@
+"""A job's path on the worker's event loop, in one hand-off: peek → wait for admission → admit
+and claim → stream → commit.
+
+The task's thread hands the job to the loop and waits once. Run from the thread (as it was
+before), the peek, the waiting lease, each ask for room, the claim and the commit each blocked
+it on a Redis round trip and handed the GIL back and forth with the loop: about 150-200 µs of a
+worker's CPU a round trip (bench/jobcost.py), on top of redis-py's own ~60 µs a command; on the
+loop the same scripts cost ~10-25 µs each (:mod:`tokenmill.loop_redis`). Jobs waiting for room
+stand in this process's line (:class:`~tokenmill.waitline.WaitLine`).
+
+Nothing here blocks the loop: the server and run figures admission decides by are refreshed on
+a helper thread when due (about once a second), Redis is ridden out by waiting on the loop
+(:func:`~workers.durable.adurable`), and an attempt that ends in an error goes back to the
+task's thread, which settles it (:mod:`workers.job`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import TYPE_CHECKING
+
+import redis
+
+from tokenmill import keys
+from tokenmill.admission import Slot
+from tokenmill.ledger import Claim, Peek
+from tokenmill.ledger_loop import LoopLedger
+from workers.attempt import Attempted, attempt_job, committed
+from workers.durable import adurable
+from workers.pool import ServerView
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
+
+log = logging.getLogger("tokenmill.worker")
+FINAL_STATES = ("done", "failed", "cancelled")
+LINE_CHECK_S = 0.5  # how often a job behind the head looks at the stop flag and its lease
+WAIT_RETRY_S = 1.0  # after a Redis error while waiting for admission
+
+
+async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
+    """Run ``job_id`` on the loop. Returns what happened (as :func:`workers.job.run_job` does),
+    or an attempt that ended in an error, for the task's thread to settle."""
+    ll = rt.loop_ledger(run)
+    peeked = await adurable(lambda: ll.peek(job_id))
+    if peeked is None:
+        return "missing"
+    if peeked.state in FINAL_STATES:
+        return peeked.state
+    started = await _admit(rt, ll, job_id, peeked)
+    if started is None:
+        return "stopping"
+    if isinstance(started, str):
+        log.info("job %s/%s not claimed: %s", run, job_id, started)
+        return started
+    server, slot, claim = started
+    done = await attempt_job(rt, claim, server.url, slot)
+    if done.error is not None:
+        return done
+    commit = done.prepare_commit(rt.settings)
+    verdict = await adurable(lambda: ll.commit(done.claim, *commit))
+    return committed(rt, done, verdict)
+
+
+async def _admit(
+    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek
+) -> tuple[ServerView, Slot, Claim] | str | None:
+    """Wait in this process's line for a ready server with room, and claim the job with the slot
+    in the same round trip (``start.lua``). Returns the server, the slot and the claim; why the
+    job could not be claimed (nothing admitted); or None when the worker stops first.
+
+    Only the head of the line asks Redis for room, at once when a slot is freed in this process
+    and every ``admission_wait_s`` for slots freed elsewhere. While it waits the job holds a
+    waiting lease, so that if this worker dies the job is republished at once instead of when
+    the broker's visibility timeout restores the message; a job admitted at once never needs
+    one, and the claim drops it (no Redis call of its own)."""
+    s = rt.settings
+    said = False
+    held_at = 0.0
+    claimed = False
+    loop = asyncio.get_running_loop()
+
+    async def hold() -> None:  # about to wait: take (or renew) the waiting lease
+        nonlocal held_at
+        if loop.time() - held_at > s.lease_ttl_s / 3:
+            await ll.hold_waiting(job_id, s.lease_ttl_s)
+            held_at = loop.time()
+
+    try:
+        async with rt.admission.line.join(ahead=peeked.attempts > 0) as turn:
+            while not rt.stopping.is_set():
+                try:
+                    if not turn.first():
+                        await hold()
+                        await turn.wait(LINE_CHECK_S)
+                        continue
+                    turn.arm()
+                    got = await _try_servers(rt, ll, job_id, peeked)
+                    if isinstance(got, tuple | str):
+                        # start.lua dropped the waiting lease with the claim; a plain claim did not
+                        claimed = isinstance(got, tuple) and got[2].slot is not None
+                        return got
+                    await hold()
+                except redis.RedisError as exc:
+                    log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
+                    await asyncio.sleep(WAIT_RETRY_S)
+                    continue
+                if not said and not got:
+                    log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
+                    said = True
+                await turn.wait(s.admission_wait_s * (0.5 + random.random()) if got else s.admission_wait_s)
+            return None
+    finally:
+        if held_at and not claimed:
+            with contextlib.suppress(redis.RedisError):
+                await ll.hold_waiting(job_id, s.lease_ttl_s, hold=False)
+
+
+async def _try_servers(
+    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek
+) -> tuple[ServerView, Slot, Claim] | str | bool:
+    """Admitted and claimed on the least full ready server; why the job cannot be claimed; or
+    whether any server is ready (True: ready but full)."""
+    adm, s = rt.admission, rt.settings
+    views = rt.pool.ready_views_now()
+    if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
+        views = await asyncio.to_thread(rt.pool.ready_views)
+    curve = adm.fresh_survival(ll.run) or await asyncio.to_thread(adm.survival, ll.run)
+    tokens = adm.held_on(curve, peeked.spec["request"])
+    if len(views) > 1:
+        used = [ll.r.call("HGET", keys.admission_used(v.name), "total") for v in views]
+        loads = [int(x or 0) for x in await asyncio.gather(*used)]
+        order = sorted(range(len(views)), key=lambda i: adm.fullness(loads[i], views[i].capacity))
+        views = [views[i] for i in order]
+    for view in views:
+        admit = adm.request(view.name, view.capacity, tokens, peeked.queue)
+        if admit is None:  # not limited: a plain claim, no slot
+            claim = await ll.claim(job_id, rt.worker_id, s.lease_ttl_s)
+            slot = Slot(view.name, "", 0)
+        else:
+            claim = await ll.start(job_id, rt.worker_id, s.lease_ttl_s, admit, peeked.spec)
+            if claim == "full":
+                continue
+            slot = Slot(view.name, str(admit.args[0]), tokens)
+        if isinstance(claim, str):
+            return claim
+        return view, slot, claim
+    return bool(views)
