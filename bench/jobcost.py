@@ -11,9 +11,10 @@ and the sim:
   on the worker's own stream client, in this process (what bench/e2e.py --per-request measures);
 - outside streaming = the difference;
 - the worker's CPU per job by thread (schedstat): Celery's consumer (the main thread: BRPOP,
-  kombu's unacked bookkeeping, the ack), the event loop (the busiest other thread: the streams and
-  the hand-offs) and the other threads: the task threads (the ledger's and admission's round
-  trips, Celery's tracer), with the pump's and the load watch's;
+  kombu's unacked bookkeeping, the ack), the event loop (the busiest other thread: each job's
+  ledger transitions, its wait for admission and its stream) and the other threads: the task
+  threads (Celery's tracer, the hand-off to the loop, settling errors), with the pump's, the
+  load watch's and the helper thread's that refreshes admission's figures;
 - Redis round trips per job: a separate run under ``MONITOR`` (:mod:`tokenmill.trips`), less
   the enqueue's own (counted by enqueuing the same jobs with no worker running, before) and this
   process's polls. ``evalsha:<name>`` are tokenmill's scripts; Celery's are BRPOP, kombu's
