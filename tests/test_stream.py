@@ -138,6 +138,35 @@ def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_repl
     assert connections == 3
 
 
+def test_connections_no_stream_takes_again_are_closed_once_idle_too_long() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(sse(delta("x", 1), FINISH))
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    async def go() -> tuple[int, int]:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0)
+        client.pool.idle_s = 0.3
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.gather(*(stream_chat(client, REQUEST, {}, Progress()) for _ in range(3)))
+            since = loop.time()
+            while loop.time() - since < 0.5:  # one stream at a time: it takes the same connection
+                await stream_chat(client, REQUEST, {}, Progress())
+                await asyncio.sleep(0.05)
+            return client.pool.opened, len(client.pool.idle)
+        finally:
+            await client.close()
+            server.close()
+
+    assert run_on_worker_loop(go()) == (3, 1)
+
+
 def test_a_reused_connection_closed_before_answering_is_retried_once_on_a_new_one() -> None:
     connections = 0
 

@@ -19,6 +19,7 @@ import asyncio
 import ssl
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -185,7 +186,7 @@ class ConnectionPool:
             self.ssl = httpx2.create_ssl_context()
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
-        self.idle: list[Connection] = []
+        self.idle: deque[Connection] = deque()  # the most recently used at the right
         self.opened = 0  # connections made, for tests and benchmarks
 
     async def request(self, data: bytes, sink: BodySink) -> Response:
@@ -207,9 +208,11 @@ class ConnectionPool:
             conn.exchange = None
             conn.close()
             raise
-        if conn.reusable:
-            conn.idle_since = time.monotonic()
+        if conn.reusable and not conn.lost:
+            conn.idle_since = now = time.monotonic()
             self.idle.append(conn)
+            while self.idle[0].lost or now - self.idle[0].idle_since >= self.idle_s:
+                self.idle.popleft().close()  # the least recently used, which no stream took again
         else:
             conn.close()
         return response
