@@ -283,7 +283,6 @@ def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cert, key, ca = self_signed(tmp_path)
-    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
 

@@ -27,9 +27,10 @@ order.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ import redis
 from tokenmill import keys
 from tokenmill.ledger import AdmitRequest, LengthReport, SlotUpdate, register
 from tokenmill.lengths import Survival, bin_of, parse_counts, reached
+from tokenmill.loop_redis import LoopRedis
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
@@ -47,6 +49,7 @@ STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
 WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
+LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (admit.lua)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +119,10 @@ class Admission:
 
     def survival(self, run: str) -> Survival:
         """The run's completion-length curve (cached for ``STATS_TTL_S``)."""
-        now = time.monotonic()
-        cached = self._curves.get(run)
-        if cached and now - cached[0] < STATS_TTL_S:
-            return cached[1]
-        curve = read_survival(self.r, run)
-        self._curves[run] = (now, curve)
+        curve = self.fresh_survival(run)
+        if curve is None:
+            curve = read_survival(self.r, run)
+            self._curves[run] = (time.monotonic(), curve)
         return curve
 
     def fresh_survival(self, run: str) -> Survival | None:
@@ -136,7 +137,12 @@ class Admission:
 
     def load(self, server: str) -> int:
         """Tokens currently admitted on ``server``."""
-        return int(self.r.hget(keys.admission_used(server), "total") or 0)
+        return int(self.r.hget(keys.admission_used(server), LOAD_FIELD) or 0)
+
+    async def loads(self, client: LoopRedis, servers: Sequence[str]) -> list[int]:
+        """:meth:`load` of each of ``servers``, on the loop's client (one pipelined round trip)."""
+        used = [client.call("HGET", keys.admission_used(server), LOAD_FIELD) for server in servers]
+        return [int(x or 0) for x in await asyncio.gather(*used)]
 
     def fullness(self, load: int, capacity: int | None) -> float:
         """How full a server is for admission: the tokens admitted on it over its budget (0 when

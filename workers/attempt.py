@@ -1,6 +1,6 @@
 """One attempt at a job on the worker's event loop: build the request, stream it under the
 process's watch (:mod:`workers.watch`: deadlines, lease, checkpoints), and shape the result;
-then what its commit needs, whichever thread commits it.
+then what its commit sends.
 """
 
 from __future__ import annotations
@@ -51,19 +51,17 @@ class Attempted:
     tracker: LengthTracker | None
     outcome: Outcome | None = None
     error: errors.GenerationError | errors.StaleClaimError | None = None
-    commit: Commit | None = None  # built once: the length bins it reports are reported once
 
-    def prepare_commit(self, settings: Settings) -> Commit:
-        """The commit of this attempt's outcome (the same however often it is sent)."""
-        if self.commit is None:
-            assert self.outcome is not None
-            result = self.outcome.result
-            result["server"] = self.url
-            if self.claim.checkpoint and not settings.continue_partial:
-                result["restarted"] = True  # a checkpoint existed; continue_partial is off
-            lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
-            self.commit = Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
-        return self.commit
+    def commit(self, settings: Settings) -> Commit:
+        """The commit of this attempt's outcome. Build it once and send that: the length bins it
+        reports are taken from the tracker."""
+        assert self.outcome is not None
+        result = self.outcome.result
+        result["server"] = self.url
+        if self.claim.checkpoint and not settings.continue_partial:
+            result["restarted"] = True  # a checkpoint existed; continue_partial is off
+        lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
+        return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
 
 
 async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attempted:
@@ -96,9 +94,9 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
     return done
 
 
-def committed(rt: Runtime, done: Attempted, verdict: str) -> str:
-    """After the commit of ``done``: wake this process's admission line, say what happened."""
-    if done.commit is not None and done.commit.release:
+def committed(rt: Runtime, done: Attempted, commit: Commit, verdict: str) -> str:
+    """After ``commit`` of ``done``: wake this process's admission line, say what happened."""
+    if commit.release:
         rt.admission.released()
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", done.claim.run, done.claim.job_id, verdict)

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from tokenmill import keys
 from tokenmill.admission import Slot
 from tokenmill.ledger import Claim, Peek
 from tokenmill.ledger_loop import LoopLedger
@@ -60,9 +59,9 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     done = await attempt_job(rt, claim, server.url, slot)
     if done.error is not None:
         return done
-    commit = done.prepare_commit(rt.settings)
+    commit = done.commit(rt.settings)
     verdict = await adurable(lambda: ll.commit(done.claim, *commit))
-    return committed(rt, done, verdict)
+    return committed(rt, done, commit, verdict)
 
 
 async def _admit(
@@ -128,13 +127,16 @@ async def _try_servers(
     views = rt.pool.ready_views_now()
     if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
         views = await asyncio.to_thread(rt.pool.ready_views)
-    curve = adm.fresh_survival(ll.run) or await asyncio.to_thread(adm.survival, ll.run)
+    curve = adm.fresh_survival(ll.run)
+    if curve is None:
+        curve = await asyncio.to_thread(adm.survival, ll.run)
     tokens = adm.held_on(curve, peeked.spec["request"])
     if len(views) > 1:
-        used = [ll.r.call("HGET", keys.admission_used(v.name), "total") for v in views]
-        loads = [int(x or 0) for x in await asyncio.gather(*used)]
-        order = sorted(range(len(views)), key=lambda i: adm.fullness(loads[i], views[i].capacity))
-        views = [views[i] for i in order]
+        loads = await adm.loads(ll.r, [v.name for v in views])
+        by_fullness = sorted(
+            zip(loads, views, strict=True), key=lambda lv: adm.fullness(lv[0], lv[1].capacity)
+        )
+        views = [v for _, v in by_fullness]
     for view in views:
         admit = adm.request(view.name, view.capacity, tokens, peeked.queue)
         if admit is None:  # not limited: a plain claim, no slot

@@ -81,22 +81,25 @@ class ServerPool:
                 )
             else:
                 ready = url not in self._suspect
-                cap = (
-                    (self._capacity(url) if fetch else self._capacities.get(url, (0.0, None))[1])
-                    if ready
-                    else None
-                )
+                if not ready:
+                    cap = None
+                elif fetch:
+                    cap = self._capacity(url)
+                else:
+                    cap = self._capacities.get(url, (0.0, None))[1]
                 out.append(ServerView(url, url, ready, cap))
         return out
 
     def _capacity(self, url: str) -> int | None:
         """``max_total_num_tokens`` of an unmanaged server, from ``/server_info`` (cached)."""
-        now = time.monotonic()
+        if self._capacity_due(url, time.monotonic()):
+            self._capacities[url] = (time.monotonic(), self._fetch_capacity(url))
+        return self._capacities[url][1]
+
+    def _capacity_due(self, url: str, now: float) -> bool:
+        """Whether ``url``'s capacity is to be read: never read, or unknown for a while."""
         cached = self._capacities.get(url)
-        if cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S):
-            cached = (now, self._fetch_capacity(url))
-            self._capacities[url] = cached
-        return cached[1]
+        return cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S)
 
     def _fetch_capacity(self, url: str) -> int | None:
         try:
@@ -112,12 +115,12 @@ class ServerPool:
         now = time.monotonic()
         if now - self._records_at > RECORDS_TTL_S:
             return None
-        for url in self.settings.server_urls:
-            if url in self._records or url in self._suspect:
-                continue
-            cached = self._capacities.get(url)
-            if cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S):
-                return None
+        if any(
+            self._capacity_due(url, now)
+            for url in self.settings.server_urls
+            if url not in self._records and url not in self._suspect
+        ):
+            return None
         return [v for v in self._views(self._records, fetch=False) if v.ready]
 
     def ready_views(self) -> list[ServerView]:

@@ -30,15 +30,6 @@ IDLE_S = 4.0
 BodySink = Callable[[bytes], None]
 
 
-class ServerDisconnected(ConnectionResetError):
-    """The server closed the connection before the answer was complete; ``answered``: whether
-    any of the answer had arrived."""
-
-    def __init__(self, message: str, answered: bool) -> None:
-        super().__init__(message)
-        self.answered = answered
-
-
 @dataclass(slots=True)
 class Response:
     """A finished exchange: the status and headers, and the body unless a sink took it."""
@@ -55,13 +46,12 @@ class Response:
 class _Exchange:
     """One request on a connection, as its answer is parsed."""
 
-    __slots__ = ("answered", "decoder", "done", "response", "sink")
+    __slots__ = ("decoder", "done", "response", "sink")
 
     def __init__(self, sink: BodySink, done: asyncio.Future[Response]) -> None:
         self.sink: BodySink | None = sink
         self.done = done
         self.response = Response()
-        self.answered = False  # a byte of the answer arrived
         self.decoder: zlib._Decompress | None = None
 
 
@@ -74,6 +64,7 @@ class Connection(asyncio.Protocol):
         self.exchange: _Exchange | None = None
         self.lost = False
         self.reusable = False
+        self.answered = False  # a byte of the latest request's answer arrived
         self.idle_since = 0.0
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -83,7 +74,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None and self.exchange is None
         done = asyncio.get_running_loop().create_future()
         self.exchange = _Exchange(sink, done)
-        self.reusable = False
+        self.reusable = self.answered = False
         self.transport.write(data)
         return done
 
@@ -101,7 +92,7 @@ class Connection(asyncio.Protocol):
         if ex is None:  # nothing was asked: a server that talks out of turn is not reused
             self.close()
             return
-        ex.answered = True
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:  # the sink raised: its error, as is
@@ -122,8 +113,8 @@ class Connection(asyncio.Protocol):
             self.on_message_complete()  # a body delimited by the connection's end
             return
         reason = f" ({exc})" if exc else ""
-        where = "mid-answer" if ex.answered else "before answering"
-        self._fail(ServerDisconnected(f"the server closed the connection {where}{reason}", ex.answered))
+        where = "mid-answer" if self.answered else "before answering"
+        self._fail(ConnectionResetError(f"the server closed the connection {where}{reason}"))
 
     # -- httptools callbacks --------------------------------------------------------------------
 
@@ -195,8 +186,8 @@ class ConnectionPool:
         if conn is not None:
             try:
                 return await self._exchange(conn, data, sink)
-            except ServerDisconnected as exc:
-                if exc.answered:
+            except ConnectionResetError:
+                if conn.answered:
                     raise
         return await self._exchange(await self._connect(), data, sink)
 
