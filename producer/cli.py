@@ -15,6 +15,7 @@ from tokenmill import keys
 if TYPE_CHECKING:
     import redis
 
+    from tokenmill.quick_redis import ReadClient
     from tokenmill.settings import Settings
 
 
@@ -25,6 +26,16 @@ def _connect(redis_url: str | None, name: str) -> tuple[Settings, redis.Redis]:
 
     settings = Settings.load(redis_url=redis_url)
     return settings, redis_conn.connect(settings, name=f"tokenmill-{name}")
+
+
+def _connect_read(redis_url: str | None, name: str) -> tuple[Settings, ReadClient]:
+    """As :func:`_connect`, for a command that only reads: a client that starts without
+    importing redis-py (:mod:`tokenmill.quick_redis`), so the command starts fast."""
+    from tokenmill import quick_redis
+    from tokenmill.settings import Settings
+
+    settings = Settings.load(redis_url=redis_url)
+    return settings, quick_redis.connect(settings, name=f"tokenmill-{name}")
 
 
 redis_option = click.option(
@@ -168,7 +179,7 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     from producer.status import run_status
 
     keys.check_run(run)
-    settings, client = _connect(redis_url, "status")
+    settings, client = _connect_read(redis_url, "status")
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
     urls = settings.server_urls

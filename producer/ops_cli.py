@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 import orjson
 
-from producer.cli import _connect, max_queued_option, redis_option, run_option
+from producer.cli import _connect, _connect_read, max_queued_option, redis_option, run_option
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 partition_option = click.option("--partition", default=None, help="Only this partition of the run.")
@@ -19,7 +19,7 @@ def runs(as_json: bool, redis_url: str | None) -> None:
     """List every run in this Redis: counts, tokens, first enqueue and last activity; newest first."""
     from producer.runs import list_runs, render_runs
 
-    _, client = _connect(redis_url, "runs")
+    _, client = _connect_read(redis_url, "runs")
     docs = list_runs(client)
     if as_json:
         click.echo(orjson.dumps({"runs": docs}).decode())

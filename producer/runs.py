@@ -8,20 +8,22 @@ release, cancel or retry (a job streaming without finishing does not count).
 from __future__ import annotations
 
 import time
-from typing import Any
-
-import redis
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from producer.status import totals_of
 from tokenmill import keys
+from tokenmill.counts import run_counts
 from tokenmill.errors import ConfigError
-from tokenmill.ledger import Ledger
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from tokenmill.quick_redis import ReadClient
 
 COLUMNS = ("queued", "running", "done", "failed", keys.CANCELLED)
 
 
-def list_runs(client: redis.Redis) -> list[dict[str, Any]]:
+def list_runs(client: ReadClient) -> list[dict[str, Any]]:
     """One document per run: ``run``, ``partitions`` ({name: counts}), ``totals``,
     ``completion_tokens``, ``prompt_tokens``, ``first_enqueue_at`` and ``last_activity_at``
     (unix seconds, null when unknown); newest first enqueue first."""
@@ -31,9 +33,8 @@ def list_runs(client: redis.Redis) -> list[dict[str, Any]]:
             run = keys.check_run(raw.decode())
         except ConfigError:
             continue  # not a tokenmill run name: nothing of ours can live under it
-        ledger = Ledger(client, run)
-        parts = ledger.counts()
-        stats = {a.decode(): int(b) for a, b in client.hgetall(ledger.k.stats()).items()}
+        parts = run_counts(client, run)
+        stats = {a.decode(): int(b) for a, b in client.hgetall(keys.RunKeys(run).stats()).items()}
         out.append(
             {
                 "run": run,
@@ -58,6 +59,8 @@ def render_runs(runs: list[dict[str, Any]], now: float | None = None) -> Table |
     """The human view: one row per run."""
     if not runs:
         return "no runs in this Redis (tokenmill enqueue FILE --run NAME creates one)"
+    from rich.table import Table
+
     now = time.time() if now is None else now
     table = Table(box=None, pad_edge=False)
     for col in ("run", "parts", "total", *COLUMNS, "tokens", "first enqueue", "last activity"):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys
 from tokenmill import servers as server_records
-from tokenmill.admission import admission_view, length_view
-from tokenmill.ledger import Ledger
+from tokenmill.admission_view import admission_view, length_view
+from tokenmill.counts import run_counts
+
+if TYPE_CHECKING:
+    from tokenmill.quick_redis import ReadClient
 
 WINDOW_S = 60
 
@@ -29,12 +30,11 @@ def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
     return totals
 
 
-def run_status(client: redis.Redis, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
+def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``status --json`` document (README), plus admission figures per server and the run's
     completion-length curve admission projects from."""
-    ledger = Ledger(client, run)
     k = keys.RunKeys(run)
-    partitions = ledger.counts()
+    partitions = run_counts(client, run)
     totals = totals_of(partitions)
     now = int(client.time()[0])
     window = [str(t) for t in range(now - WINDOW_S, now)]

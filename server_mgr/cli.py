@@ -17,7 +17,7 @@ import click
 
 from server_mgr.command import display_command
 from server_mgr.config import ServerConfig, load_config
-from tokenmill import redis_conn, servers
+from tokenmill import servers
 from tokenmill.cli import LazyGroup
 from tokenmill.settings import Settings
 
@@ -66,6 +66,7 @@ def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool
     Runs until SIGTERM/SIGINT (drain, then stop) or `tokenmill server stop`.
     """
     from server_mgr.manager import make_gate, serve, setup_logging
+    from tokenmill import redis_conn
 
     configs = load_config(_required(config_path))
     settings = Settings.load(redis_url=redis_url)
@@ -82,8 +83,9 @@ def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool
 def status(as_json: bool, redis_url: str | None) -> None:
     """Show every published server (read from Redis: works from any host)."""
     from server_mgr.consumers import paused_reason
+    from tokenmill import quick_redis
 
-    client = redis_conn.connect(Settings.load(redis_url=redis_url))
+    client = quick_redis.connect(Settings.load(redis_url=redis_url), name="tokenmill-server-status")
     rows = [_status_row(r) for r in servers.load_all(client)]
     paused = paused_reason(client)
     if as_json:
@@ -122,6 +124,7 @@ def stop(
     Leaves a stop request in Redis that each server's supervisor obeys, then waits for `down`.
     """
     from server_mgr.stopping import stop_servers
+    from tokenmill import redis_conn
 
     configs = load_config(config_path) if config_path else []
     client = redis_conn.connect(Settings.load(redis_url=redis_url))

@@ -15,13 +15,17 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import redis
 
 from tokenmill import keys, servers
 from tokenmill.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
+
+    from tokenmill.quick_redis import ReadClient
 
 log = logging.getLogger("tokenmill.server.consumers")
 
@@ -36,7 +40,7 @@ def celery_control(settings: Settings) -> Any:
     return configure(settings).control
 
 
-def paused_reason(client: redis.Redis) -> str | None:
+def paused_reason(client: ReadClient) -> str | None:
     """Why consumers are paused, or None when they are not."""
     value = client.hget(keys.worker_control(), PAUSED)
     return value.decode() if isinstance(value, bytes) else value
@@ -104,6 +108,8 @@ class ConsumerGate:
 
     def sync(self) -> None:
         """Pause or resume according to the published server states (errors are logged)."""
+        import redis  # here: `tokenmill server status` reads paused_reason without redis-py
+
         with self._lock:
             try:
                 self._sync()

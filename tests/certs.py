@@ -1,9 +1,15 @@
-"""Certificates for tests of TLS: a CA made on the spot and a certificate it signed for 127.0.0.1."""
+"""TLS for tests: a CA made on the spot, a certificate it signed for 127.0.0.1, and a TLS front
+for a plain server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import ipaddress
+import ssl
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from cryptography import x509
@@ -50,3 +56,37 @@ def self_signed(where: Path) -> tuple[Path, Path, Path]:
     )
     (where / "ca.pem").write_bytes(ca.public_bytes(pem))
     return where / "cert.pem", where / "key.pem", where / "ca.pem"
+
+
+@contextlib.contextmanager
+def tls_front(port: int, where: Path) -> Iterator[tuple[int, Path]]:
+    """A TLS listener on loopback that forwards each connection to the plain server on ``port``
+    (a redis-server): (its port, the CA file that verifies its certificate)."""
+    cert, key, ca = self_signed(where)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = loop.run_until_complete(asyncio.start_server(forward, "127.0.0.1", 0, ssl=ctx))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.sockets[0].getsockname()[1], ca
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -11,7 +11,8 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
-from tokenmill.admission import Admission, LengthTracker, Slot, admission_view, length_view
+from tokenmill.admission import Admission, LengthTracker, Slot
+from tokenmill.admission_view import admission_view, length_view
 from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings

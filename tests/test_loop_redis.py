@@ -5,8 +5,6 @@ mid-use, and TLS (``rediss://``) through a TLS front for the same server."""
 from __future__ import annotations
 
 import asyncio
-import ssl
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests import certs
 from tests.certs import self_signed
 from tests.procs import RedisServer
 from tokenmill.loop_redis import LoopRedis, LoopScript
@@ -124,35 +123,9 @@ async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 def tls_front(redis_url: str, tmp_path: Path) -> Iterator[tuple[int, Path]]:
-    """A TLS listener on loopback that forwards each connection to the session's redis-server:
-    (its port, the CA file that verifies its certificate)."""
-    cert, key, ca = self_signed(tmp_path)
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    port = redis.connection.parse_url(redis_url)["port"]
-    loop = asyncio.new_event_loop()
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
-
-    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    server = loop.run_until_complete(asyncio.start_server(forward, "127.0.0.1", 0, ssl=ctx))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield server.sockets[0].getsockname()[1], ca
-    loop.call_soon_threadsafe(server.close)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    """A TLS front for the session's redis-server: (its port, the CA file that verifies it)."""
+    with certs.tls_front(redis.connection.parse_url(redis_url)["port"], tmp_path) as front:
+        yield front
 
 
 def test_rediss_verifies_the_servers_certificate_against_the_ca_given(

@@ -14,7 +14,7 @@ from tests.chaos import state_counts, wait_finished
 from tests.engines import ENGINE_PARAMS, running_engine
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_worker, worker_env
-from tokenmill.admission import admission_view
+from tokenmill.admission_view import admission_view
 
 
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)

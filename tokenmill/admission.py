@@ -37,8 +37,9 @@ from typing import Any
 import redis
 
 from tokenmill import keys
+from tokenmill.admission_view import read_survival
 from tokenmill.ledger import AdmitRequest, LengthReport, SlotUpdate, register
-from tokenmill.lengths import Survival, bin_of, parse_counts, reached
+from tokenmill.lengths import Survival, bin_of, reached
 from tokenmill.loop_redis import LoopRedis
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
@@ -221,44 +222,3 @@ class Admission:
     def wake(self) -> None:
         """Let the head of this process's line ask for room now (from any thread)."""
         self.line.wake_head()
-
-
-def admission_view(client: redis.Redis, server: str) -> dict[str, Any]:
-    """The figures behind the last decisions on ``server`` (for status): numbers, and which
-    ``rule`` decided (``window`` or ``budget``)."""
-    raw = client.hgetall(keys.admission_used(server))
-    out: dict[str, Any] = {}
-    for f, v in raw.items():
-        name, text = f.decode(), v.decode()
-        if not name.startswith("slot"):
-            out[name] = _number(text)
-    out["slots"] = int(client.zcard(keys.admission(server)))
-    return out
-
-
-def _number(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
-
-
-def read_survival(client: redis.Redis, run: str) -> Survival:
-    """The run's completion-length curve, from its lengths hash."""
-    return Survival.from_counts(*parse_counts(client.hgetall(keys.RunKeys(run).lengths())))
-
-
-def length_view(client: redis.Redis, run: str) -> dict[str, Any]:
-    """The run's completion-length curve behind the projections (for status)."""
-    curve = read_survival(client, run)
-    mean = curve.mean_known()
-    return {
-        "ended": curve.ended,
-        "running": curve.running,
-        "unknown_tail": round(curve.tail, 3),
-        "p50": curve.quantile(0.5),
-        "p90": curve.quantile(0.9),
-        "mean_known": round(mean) if mean is not None else None,
-    }

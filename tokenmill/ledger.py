@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from tokenmill import keys
 from tokenmill.bulk import EnqueueStream
+from tokenmill.counts import run_counts
 from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, reached_field
 from tokenmill.messages import task_message
@@ -340,18 +341,8 @@ class Ledger:
     # -- reading ----------------------------------------------------------------------------
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """``{partition: {state: n}}`` for every partition, from the counts hash (O(partitions)).
-        Every partition carries ``cancelled`` once any job of the run was cancelled."""
-        out: dict[str, dict[str, int]] = {}
-        for p in self.r.smembers(self.k.partitions()):
-            out[_s(p)] = dict.fromkeys(keys.STATES, 0)
-        for field, value in self.r.hgetall(self.k.counts()).items():
-            state, part = keys.split_count_field(_s(field))
-            out.setdefault(part, dict.fromkeys(keys.STATES, 0))[state] = int(value)
-        if any(keys.CANCELLED in c for c in out.values()):
-            for c in out.values():
-                c.setdefault(keys.CANCELLED, 0)
-        return out
+        """``{partition: {state: n}}`` for every partition (:func:`tokenmill.counts.run_counts`)."""
+        return run_counts(self.r, self.run)
 
     def iter_jobs(
         self, partition: str, fields: Sequence[str], batch: int = 500

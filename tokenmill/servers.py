@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import redis
 
 from tokenmill import keys
+
+if TYPE_CHECKING:
+    import redis
+
+    from tokenmill.quick_redis import ReadClient
 
 STARTING = "starting"
 READY = "ready"
@@ -106,7 +110,7 @@ def load(redis_client: redis.Redis, name: str) -> ServerRecord | None:
     return _decode(name, raw) if raw else None
 
 
-def load_all(redis_client: redis.Redis) -> list[ServerRecord]:
+def load_all(redis_client: ReadClient) -> list[ServerRecord]:
     """Every published record, sorted by name."""
     names = sorted(_s(n) for n in redis_client.smembers(keys.servers()))
     pipe = redis_client.pipeline(transaction=False)

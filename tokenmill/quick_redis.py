@@ -1,0 +1,315 @@
+"""A small synchronous Redis client for the commands that only read (``status``, ``runs``).
+
+Scripts and watch loops call ``tokenmill status`` often, and importing redis-py costs a process
+~0.3 s of CPU, most of such a call (``bench/startup.py``, docs/benchmarks.md). These commands
+read a few hashes and sets, so they talk to Redis through this client instead: hiredis parses
+the replies (a C extension, imported in milliseconds) and nothing of redis-py is imported.
+
+It keeps the promises redis-py keeps for these commands: the same URL forms (``redis://`` with a
+user, a password and a database; ``rediss://`` with the ``ssl_*`` options, verifying the server's
+certificate by default; ``unix://``), ``AUTH``, ``SELECT``, a client name, a connect timeout and
+a read timeout; each read command's reply in redis-py's shape (``hgetall`` a dict, ``smembers``
+a set, ``sismember`` a bool, ``time`` a tuple), so the same read functions take either client;
+pipelines (``pipeline(transaction=False)``) sent in one write. A connection lost between two
+commands is opened again once (every command here is a read, safe to repeat). Every failure
+is a :class:`~tokenmill.errors.RedisUnavailableError` naming the redacted URL. A URL with any
+other option (``socket_timeout``, ``protocol``, ...) is left to redis-py: :func:`connect`
+returns a redis-py client for it.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import hiredis
+
+from tokenmill.errors import RedisUnavailableError
+from tokenmill.settings import redact_url
+
+if TYPE_CHECKING:
+    import ssl
+
+    import redis
+
+    from tokenmill.settings import Settings
+
+CONNECT_TIMEOUT_S = 5.0  # as tokenmill.redis_conn gives redis-py
+READ_TIMEOUT_S = 60.0  # a read of a few hashes; past this Redis is reported, not waited for forever
+_TLS_OPTIONS = frozenset(
+    {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+)
+_TRUE = ("1", "true", "yes", "on", "y")
+_CERT_REQS = ("none", "optional", "required")
+Convert = Callable[[Any], Any] | None
+
+
+def connect(settings: Settings, *, name: str | None = None) -> QuickRedis | redis.Redis:
+    """A read client for ``settings.redis_url``, connected and checked: this module's client, or
+    redis-py's (checked by :func:`tokenmill.redis_conn.connect`) for a URL it does not handle."""
+    quick = QuickRedis.from_url(settings.redis_url, name=name)
+    if quick is not None:
+        quick.ping()
+        return quick
+    from tokenmill import redis_conn
+
+    return redis_conn.connect(settings, name=name)
+
+
+class _Reads:
+    """The read commands, in redis-py's reply shapes; ``_run`` runs one or queues it."""
+
+    def _run(self, convert: Convert, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def execute_command(self, *args: Any) -> Any:
+        return self._run(None, *args)
+
+    def get(self, key: str) -> Any:
+        return self._run(None, "GET", key)
+
+    def hget(self, key: str, field: str) -> Any:
+        return self._run(None, "HGET", key, field)
+
+    def hgetall(self, key: str) -> Any:
+        return self._run(_pairs, "HGETALL", key)
+
+    def hmget(self, key: str, fields: list[str]) -> Any:
+        return self._run(None, "HMGET", key, *fields)
+
+    def smembers(self, key: str) -> Any:
+        return self._run(set, "SMEMBERS", key)
+
+    def sismember(self, key: str, member: str) -> Any:
+        return self._run(bool, "SISMEMBER", key, member)
+
+    def scard(self, key: str) -> Any:
+        return self._run(None, "SCARD", key)
+
+    def zcard(self, key: str) -> Any:
+        return self._run(None, "ZCARD", key)
+
+    def llen(self, key: str) -> Any:
+        return self._run(None, "LLEN", key)
+
+    def lrange(self, key: str, start: int, end: int) -> Any:
+        return self._run(None, "LRANGE", key, start, end)
+
+    def time(self) -> Any:
+        return self._run(_time, "TIME")
+
+
+def _pairs(reply: list[bytes]) -> dict[bytes, bytes]:
+    it = iter(reply)
+    return dict(zip(it, it, strict=True))
+
+
+def _time(reply: list[bytes]) -> tuple[int, int]:
+    return int(reply[0]), int(reply[1])
+
+
+class QuickRedis(_Reads):
+    """One connection to the Redis at ``url``, opened at the first command."""
+
+    def __init__(
+        self,
+        url: str,
+        address: str | tuple[str, int],
+        tls: ssl.SSLContext | None,
+        hello: list[tuple[Any, ...]],
+    ) -> None:
+        self.url = url
+        self._address = address
+        self._tls = tls
+        self._hello = hello  # AUTH, SELECT, CLIENT SETNAME: sent first on every connection
+        self._sock: socket.socket | None = None
+        self._reader = hiredis.Reader()
+
+    @classmethod
+    def from_url(cls, url: str, name: str | None = None) -> QuickRedis | None:
+        """The client for ``url``; None for a URL with options only redis-py handles."""
+        parts = urlsplit(url)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if parts.scheme not in ("redis", "rediss", "unix") or set(query) - _TLS_OPTIONS - {"db"}:
+            return None
+        if parts.scheme != "rediss" and set(query) & _TLS_OPTIONS:
+            return None
+        if query.get("ssl_cert_reqs", "required").lower() not in _CERT_REQS:
+            return None  # redis-py says what is wrong with it
+        db = query.get("db") or (parts.path.strip("/") if parts.scheme != "unix" else "") or "0"
+        if not db.isdigit():
+            return None
+        hello: list[tuple[Any, ...]] = []
+        if parts.password is not None:
+            user = unquote(parts.username) if parts.username else None
+            hello.append(
+                ("AUTH", user, unquote(parts.password)) if user else ("AUTH", unquote(parts.password))
+            )
+        if int(db):
+            hello.append(("SELECT", int(db)))
+        if name:
+            hello.append(("CLIENT", "SETNAME", name))
+        if parts.scheme == "unix":
+            return cls(url, unquote(parts.path), None, hello)
+        address = (unquote(parts.hostname or "localhost"), parts.port or 6379)
+        tls = _tls_context(query) if parts.scheme == "rediss" else None
+        return cls(url, address, tls, hello)
+
+    def ping(self) -> bool:
+        return self._run(None, "PING") == b"PONG"
+
+    def pipeline(self, transaction: bool = False) -> Pipeline:
+        """Commands queued and sent in one write by :meth:`Pipeline.execute` (never MULTI)."""
+        if transaction:
+            raise ValueError("QuickRedis reads only: no transactions")
+        return Pipeline(self)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _run(self, convert: Convert, *args: Any) -> Any:
+        (reply,) = self.send([(convert, args)])
+        return reply
+
+    def send(self, commands: list[tuple[Convert, tuple[Any, ...]]]) -> list[Any]:
+        """Each command's reply (converted), in order."""
+        packed = b"".join(hiredis.pack_command(args) for _, args in commands)
+        reused = self._sock is not None
+        try:
+            replies = self._exchange(packed, len(commands))
+        except TimeoutError:
+            raise self._failure(f"did not answer within {READ_TIMEOUT_S:g} s") from None
+        except OSError as exc:  # ConnectionError included
+            if not reused:
+                raise self._failure(f"closed the connection: {exc}") from None
+            # Redis closed the connection since our last command (a restart, its idle timeout):
+            # every command here is a read, so send them once more on a new connection.
+            try:
+                replies = self._exchange(packed, len(commands))
+            except OSError as again:
+                raise self._failure(f"closed the connection: {again}") from None
+        out = []
+        for (convert, args), reply in zip(commands, replies, strict=True):
+            if isinstance(reply, hiredis.ReplyError):
+                raise self._error_reply(str(args[0]), str(reply))
+            out.append(reply if convert is None else convert(reply))
+        return out
+
+    def _exchange(self, packed: bytes, n: int) -> list[Any]:
+        sock = self._sock or self._open()
+        try:
+            sock.sendall(packed)
+            return self._read(sock, n)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, sock: socket.socket, n: int) -> list[Any]:
+        replies: list[Any] = []
+        while len(replies) < n:
+            reply = self._reader.gets()
+            if reply is not False:
+                replies.append(reply)
+                continue
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("Redis closed the connection")
+            self._reader.feed(data)
+        return replies
+
+    def _open(self) -> socket.socket:
+        self._reader = hiredis.Reader()
+        try:
+            sock = self._connect()
+        except OSError as exc:
+            why = exc or "timed out"
+            raise self._failure(
+                f"cannot be reached: {why} (is it running? set TOKENMILL_REDIS_URL)"
+            ) from None
+        if self._hello:
+            try:
+                sock.sendall(b"".join(hiredis.pack_command(c) for c in self._hello))
+                replies = self._read(sock, len(self._hello))
+            except OSError as exc:
+                sock.close()
+                raise self._failure(f"closed the connection while it was opened: {exc}") from None
+            for command, reply in zip(self._hello, replies, strict=True):
+                if isinstance(reply, hiredis.ReplyError):
+                    sock.close()
+                    raise self._error_reply(str(command[0]), str(reply))
+        self._sock = sock
+        return sock
+
+    def _connect(self) -> socket.socket:
+        if isinstance(self._address, str):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(self._address)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(self._address, timeout=CONNECT_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                try:
+                    sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])
+                except BaseException:
+                    sock.close()
+                    raise
+        sock.settimeout(READ_TIMEOUT_S)
+        return sock
+
+    def _error_reply(self, command: str, text: str) -> RedisUnavailableError:
+        if text.startswith("NOAUTH"):
+            return self._failure(
+                f"needs a password: {text} (put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
+            )
+        if command == "AUTH" or text.startswith("WRONGPASS"):
+            return self._failure(
+                f"refused the credentials: {text} (check the password in TOKENMILL_REDIS_URL)"
+            )
+        return self._failure(f"answered {command} with an error: {text}")
+
+    def _failure(self, what: str) -> RedisUnavailableError:
+        return RedisUnavailableError(f"Redis at {redact_url(self.url)} {what}")
+
+
+if TYPE_CHECKING:
+    ReadClient = redis.Redis | QuickRedis  # what the read functions of status and runs take
+
+
+class Pipeline(_Reads):
+    """Read commands queued on a :class:`QuickRedis`, sent together by :meth:`execute`."""
+
+    def __init__(self, client: QuickRedis) -> None:
+        self._client = client
+        self._queued: list[tuple[Convert, tuple[Any, ...]]] = []
+
+    def _run(self, convert: Convert, *args: Any) -> Pipeline:
+        self._queued.append((convert, args))
+        return self
+
+    def execute(self) -> list[Any]:
+        queued, self._queued = self._queued, []
+        return self._client.send(queued) if queued else []
+
+
+def _tls_context(query: dict[str, str]) -> ssl.SSLContext:
+    """The context redis-py builds for a ``rediss://`` URL's ``ssl_*`` options."""
+    import ssl
+
+    reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+    verify = reqs[query.get("ssl_cert_reqs", "required").lower()]
+    ctx = ssl.create_default_context(cafile=query.get("ssl_ca_certs"))
+    check = query.get("ssl_check_hostname", "true").lower() in _TRUE
+    ctx.check_hostname = check and verify != ssl.CERT_NONE
+    ctx.verify_mode = verify
+    if query.get("ssl_certfile"):
+        ctx.load_cert_chain(query["ssl_certfile"], query.get("ssl_keyfile"))
+    return ctx
