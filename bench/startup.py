@@ -58,6 +58,7 @@ def commands() -> list[tuple[str, list[str]]]:
         (f"tokenmill status --run {RUN}", [tm, "status", "--run", RUN]),
         ("tokenmill runs --json", [tm, "runs", "--json"]),
         ("tokenmill runs", [tm, "runs"]),
+        ("tokenmill server status", [tm, "server", "status"]),
     ]
 
 
