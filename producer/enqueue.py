@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +158,12 @@ class Enqueuer:
     def enqueue_file(self, path: str | Path, partition: str | None = None) -> None:
         """Enqueue every row of ``path`` into ``partition`` (default: the file's stem)."""
         part = keys.check_partition(partition or dataset_stem(path))
-        records = iter_records(path)
+        self.enqueue_records(iter_records(path), part)
+
+    def enqueue_records(self, records: Iterable[Record], partition: str) -> None:
+        """Enqueue every record into ``partition`` (rows from a file, or from Python objects:
+        :mod:`producer.sources`)."""
+        part = keys.check_partition(partition)
         limit = self.limit
         batch: list[JobSpec] = []
         taken = 0

@@ -10,7 +10,7 @@ crash never leaves half a file. ``--format parquet`` writes ``DIR/<partition>.pa
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,13 +72,7 @@ def export_run(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = ExportSummary()
-    readers = {p: ShardReader(store, ledger.run, p) for p in sorted(ledger.counts())}
-    lost: dict[str, tuple[str, list[str]]] = {}
-    for reader in readers.values():
-        lost.update(check_shards(ledger, reader))
-    if lost:
-        check_store_reachable(store, ledger.run)
-        raise ShardLostError(ledger.run, lost)
+    readers = open_shards(ledger, store)
     for partition, reader in readers.items():
         target = out / f"{partition}.{fmt}"
         tmp = target.with_name(f".{target.name}.tmp")
@@ -102,6 +96,35 @@ def export_run(
         summary.from_shards += counts.from_shards
         summary.from_redis += counts.from_redis
     return summary
+
+
+def open_shards(
+    ledger: Ledger, store: ResultStore | None, partitions: Sequence[str] | None = None
+) -> dict[str, ShardReader]:
+    """A shard reader for each partition (all, or those named), in name order, every sealed
+    shard checked: a missing or unreadable one raises :class:`ShardLostError` naming it and its
+    jobs, before anything is read."""
+    names = sorted(ledger.counts()) if partitions is None else list(partitions)
+    readers = {p: ShardReader(store, ledger.run, p) for p in names}
+    lost: dict[str, tuple[str, list[str]]] = {}
+    for reader in readers.values():
+        lost.update(check_shards(ledger, reader))
+    if lost:
+        check_store_reachable(store, ledger.run)
+        raise ShardLostError(ledger.run, lost)
+    return readers
+
+
+def run_rows(
+    ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool = False
+) -> Iterator[bytes]:
+    """The export rows (JSON) of the readers' partitions, one after another, each in enqueue
+    order: the rows ``export_run`` writes as JSON Lines, streamed (``Client.results``)."""
+    for reader in readers.values():
+        for _, truncated, row in partition_rows(ledger, reader, RowCounts(), export_row):
+            if truncated and not include_truncated:
+                continue
+            yield row
 
 
 @contextmanager

@@ -20,6 +20,10 @@ class ConfigError(TokenmillError):
     """A setting, flag or config file value is invalid; the message names it."""
 
 
+class MissingExtraError(ConfigError, ImportError):
+    """An optional package is not installed (``pip install 'tokenmill[EXTRA]'``); names both."""
+
+
 class LossyKvCacheError(ConfigError):
     """A server config asks for a lossy KV cache dtype without ``allow_lossy_kv_cache = true``."""
 
@@ -79,6 +83,14 @@ class ShardLostError(ResultStoreError):
 
 class ExportError(TokenmillError):
     """A row cannot be written in the requested export format; the message names the job."""
+
+
+class WaitTimeoutError(TokenmillError, TimeoutError):
+    """``Client.wait`` gave up before the run ended; ``status`` is the last status it read."""
+
+    def __init__(self, message: str, status: object) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RunBusyError(TokenmillError):

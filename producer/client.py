@@ -1,0 +1,300 @@
+"""The Python API, ``tokenmill.Client``: the producer's commands as methods, over the code the
+CLI runs.
+
+``enqueue`` feeds :class:`~producer.enqueue.Enqueuer` (as ``tokenmill enqueue``) from the sources
+of :mod:`producer.sources`; ``status`` is :func:`~producer.status.run_status` (``status --json``);
+``wait`` polls it (:mod:`producer.waiting`); ``results`` streams the rows
+:func:`~producer.export.export_run` writes, from Redis and the sealed shards (``export``);
+``to_dataset`` and ``to_pandas`` collect them (:mod:`producer.frames`); ``runs``, ``retry`` and
+``cancel`` are :func:`~producer.runs.list_runs`, :func:`~producer.retry.retry_run` and
+:func:`~producer.cancel.cancel_run`. Errors are tokenmill's (:mod:`tokenmill.errors`), with the
+CLI's messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from producer.documents import EnqueueResult, RunInfo, Status, conflict_error
+from tokenmill import keys
+from tokenmill.errors import ConfigError
+from tokenmill.settings import Settings, redact_url
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas
+
+    from producer.cancel import CancelSummary
+    from producer.retry import RetrySummary
+    from tokenmill.ledger import Ledger
+
+log = logging.getLogger("tokenmill.client")
+
+
+class Client:
+    """tokenmill from Python: enqueue rows into runs, watch them, read their completions back.
+
+    Settings are the CLI's: ``TOKENMILL_*`` variables, overridden by the arguments given
+    (``redis_url``, ``server_url``, or any other setting by name, e.g. ``results_url=``). Redis is
+    reached (and checked) when the client is made. Usable as a context manager.
+    """
+
+    def __init__(self, redis_url: str | None = None, server_url: str | None = None, **settings: Any) -> None:
+        from tokenmill import redis_conn
+
+        self._settings = Settings.load(redis_url=redis_url, server_url=server_url, **settings)
+        self._redis = redis_conn.connect(self._settings, name="tokenmill-client")
+
+    def __repr__(self) -> str:
+        return f"tokenmill.Client(redis_url={redact_url(self._settings.redis_url)!r})"
+
+    def close(self) -> None:
+        """Close the client's Redis connections."""
+        self._redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- enqueue ----------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        rows: Iterable[Mapping[str, Any]] | Any,
+        *,
+        run: str,
+        partition: str | None = None,
+        samples: int | None = None,
+        params: Mapping[str, Any] | None = None,
+        short_max_tokens: int = 10240,
+        long_max_tokens: int = 16384,
+        long_prompt_tokens: int = 4096,
+        model: str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        limit: int | None = None,
+        skip_invalid: bool = False,
+        max_queued: int | None = None,
+    ) -> EnqueueResult:
+        """Enqueue ``rows`` into ``run``, as ``tokenmill enqueue`` does (same options, same dedup
+        and validation): ``rows`` is an iterable of dicts, a pandas DataFrame, a
+        ``datasets.Dataset``, or one or more dataset file paths (JSONL, Parquet, a ``datasets``
+        directory). Files go to ``partition`` or each file's stem, other rows to ``partition`` or
+        ``default``. An invalid row raises :class:`~tokenmill.errors.InputError` naming it
+        (``rows[3]``, ``df.iloc[3]``, ``dataset[3]``, ``file:line``) after the rows before it are
+        enqueued, unless ``skip_invalid``; an id enqueued before with other content raises
+        :class:`~tokenmill.errors.IdConflictError` once everything else is enqueued.
+
+        ``params`` (request options for every row, ``enqueue --param``) is not supported yet:
+        a non-empty one raises :class:`~tokenmill.errors.ConfigError`.
+        """
+        from producer.enqueue import Enqueuer, Routing
+        from producer.sources import sources
+        from tokenmill import redis_conn
+        from tokenmill.ledger import Ledger
+
+        keys.check_run(run)
+        if params:
+            raise ConfigError(
+                "params= (request options for every row) is not supported by this version of "
+                f"tokenmill yet; got {sorted(params)}"
+            )
+        _check_counts(samples=samples, limit=limit, max_queued=max_queued, short_max_tokens=short_max_tokens,
+                      long_max_tokens=long_max_tokens, long_prompt_tokens=long_prompt_tokens)  # fmt: skip
+        _check_sampling(temperature, top_p, seed)
+        if samples and samples > 1 and temperature == 0:
+            warnings.warn(
+                "samples with temperature 0 (greedy decoding): the samples of a prompt will all be "
+                "the same text",
+                stacklevel=2,
+            )
+        redis_conn.warn_durability(self._redis)
+        routing = Routing(
+            model=model or self._settings.model,
+            short_max_tokens=short_max_tokens,
+            long_max_tokens=long_max_tokens,
+            long_prompt_tokens=long_prompt_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
+        enq = Enqueuer(
+            Ledger(self._redis, run),
+            routing,
+            max_queued or self._settings.max_queued,
+            skip_invalid=skip_invalid,
+            limit=limit,
+            samples=samples,
+            on_invalid=lambda e: log.warning("skipped: %s", e),
+        )
+        for source in sources(rows, partition):
+            enq.enqueue_records(source.records, source.partition)
+        result = EnqueueResult.of(run, enq.summary)
+        if enq.summary.conflicts:
+            raise conflict_error(run, enq.summary.conflicts, result)
+        return result
+
+    # -- watch ------------------------------------------------------------------------------
+
+    def status(self, run: str) -> Status:
+        """The run's progress: the ``tokenmill status --json`` document, as attributes
+        (``st.totals["done"]``, ``st.partitions``, ``st.eta_s``, ``st.finished``)."""
+        self._ledger(run)
+        return self._status(run)
+
+    def _status(self, run: str) -> Status:
+        from producer.status import run_status
+
+        return Status.from_dict(run_status(self._redis, run, self._settings.server_urls))
+
+    def wait(
+        self, run: str, progress: bool = True, timeout: float | None = None, interval: float = 1.0
+    ) -> Status:
+        """Block until no job of ``run`` is queued or running, and return its final status. With
+        ``progress``, a progress bar shows on a terminal or in a notebook. After ``timeout``
+        seconds (None: no limit) raises :class:`~tokenmill.errors.WaitTimeoutError`, whose
+        ``status`` is the last one read. Workers do the work; this only watches."""
+        from producer.waiting import wait_run
+
+        if interval <= 0:
+            raise ConfigError(f"interval must be positive, got {interval}")
+        self._ledger(run)
+        return wait_run(lambda: self._status(run), progress=progress, timeout_s=timeout, interval_s=interval)
+
+    def runs(self) -> list[RunInfo]:
+        """Every run in this Redis, newest first (``tokenmill runs --json``)."""
+        from producer.runs import list_runs
+
+        return [RunInfo.from_dict(doc) for doc in list_runs(self._redis)]
+
+    # -- results ----------------------------------------------------------------------------
+
+    def results(
+        self,
+        run: str,
+        *,
+        partition: str | None = None,
+        include_truncated: bool = False,
+        results_url: str | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """The run's export rows, each done job once: the rows ``tokenmill export`` writes, in
+        its order (partition by partition, each in enqueue order), from Redis and the sealed
+        shards, streamed. Every sealed shard is checked first: a lost one raises
+        :class:`~tokenmill.errors.ShardLostError`. ``results_url``: where the shards are, if
+        they moved."""
+        from producer.export import open_shards, run_rows
+        from producer.export_rows import run_store
+        from producer.scope import partitions
+
+        ledger = self._ledger(run)
+        scope = partitions(ledger, partition)
+        readers = open_shards(ledger, run_store(ledger, results_url), sorted(scope))
+        return (orjson.loads(row) for row in run_rows(ledger, readers, include_truncated))
+
+    def to_dataset(
+        self,
+        run: str,
+        *,
+        partition: str | None = None,
+        include_truncated: bool = False,
+        results_url: str | None = None,
+    ) -> datasets.Dataset:
+        """:meth:`results` as a ``datasets.Dataset`` (``pip install 'tokenmill[datasets]'``)."""
+        from producer.frames import to_dataset
+
+        rows = self.results(
+            run, partition=partition, include_truncated=include_truncated, results_url=results_url
+        )
+        return to_dataset(run, rows)
+
+    def to_pandas(
+        self,
+        run: str,
+        *,
+        partition: str | None = None,
+        include_truncated: bool = False,
+        results_url: str | None = None,
+    ) -> pandas.DataFrame:
+        """:meth:`results` as a pandas DataFrame (``pip install 'tokenmill[pandas]'``)."""
+        from producer.frames import to_pandas
+
+        rows = self.results(
+            run, partition=partition, include_truncated=include_truncated, results_url=results_url
+        )
+        return to_pandas(rows)
+
+    # -- day two ----------------------------------------------------------------------------
+
+    def retry(
+        self,
+        run: str,
+        classes: Iterable[str] = (),
+        *,
+        partition: str | None = None,
+        cancelled: bool = False,
+        max_queued: int | None = None,
+    ) -> RetrySummary:
+        """Send the run's failed jobs (all, or those of the error ``classes`` given, e.g.
+        ``["context_length"]``), or with ``cancelled`` its cancelled ones, back to queued with a
+        fresh retry budget (``tokenmill retry``)."""
+        from producer.retry import retry_run
+
+        if isinstance(classes, str):
+            classes = [classes]
+        _check_counts(max_queued=max_queued)
+        return retry_run(
+            self._redis,
+            run,
+            max_queued or self._settings.max_queued,
+            classes=tuple(dict.fromkeys(classes)),
+            partition=partition,
+            cancelled=cancelled,
+        )
+
+    def cancel(self, run: str, now: bool = False, *, partition: str | None = None) -> CancelSummary:
+        """Cancel the run's queued jobs; running ones finish, or with ``now`` stop within seconds
+        keeping their checkpoints (``tokenmill cancel``). ``retry(run, cancelled=True)`` brings
+        them back."""
+        from producer.cancel import cancel_run
+
+        return cancel_run(self._redis, run, partition, now)
+
+    def _ledger(self, run: str) -> Ledger:
+        """The run's ledger; :class:`ConfigError` naming the run if this Redis has none."""
+        from producer.scope import existing_run
+
+        return existing_run(self._redis, run)
+
+
+def _check_counts(**values: int | None) -> None:
+    """Each value given must be a positive integer, as the CLI's options are."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_sampling(temperature: float | None, top_p: float | None, seed: int | None) -> None:
+    """The run's sampling options, checked as the CLI's ``--temperature``, ``--top-p`` and
+    ``--seed`` are."""
+    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ConfigError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

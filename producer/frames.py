@@ -1,0 +1,61 @@
+"""A run's export rows as a ``datasets.Dataset`` or a pandas DataFrame (the optional extras
+``tokenmill[datasets]`` and ``tokenmill[pandas]``).
+
+The rows are the export's (``Client.results``), in its order. The Dataset is built through Arrow a
+batch at a time (the rows' types inferred, as ``load_dataset("json")`` infers them from an
+export: a key some rows lack is null in the others); the DataFrame holds each row's values as
+they are (``messages`` a list of dicts, ``metadata`` a dict).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from typing import Any
+
+from tokenmill.errors import ExportError, MissingExtraError
+
+BATCH_ROWS = 1000
+COLUMNS = ("id", "partition", "messages", "finish_reason", "usage", "model", "metadata")  # of every row
+
+
+def need(package: str, extra: str, what: str) -> Any:
+    """The module ``package``; :class:`MissingExtraError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise MissingExtraError(
+            f"{what} needs the {package} package: pip install 'tokenmill[{extra}]'"
+        ) from None
+
+
+def to_pandas(rows: Iterable[dict[str, Any]]) -> Any:
+    """A DataFrame of ``rows``, one column per key."""
+    pd = need("pandas", "pandas", "to_pandas()")
+    records = list(rows)
+    return pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=list(COLUMNS))
+
+
+def to_dataset(run: str, rows: Iterable[dict[str, Any]]) -> Any:
+    """A ``datasets.Dataset`` of ``rows``, built through Arrow ``BATCH_ROWS`` at a time."""
+    datasets = need("datasets", "datasets", "to_dataset()")
+    import pyarrow as pa
+
+    try:
+        tables = [pa.Table.from_pylist(batch) for batch in _batches(rows)]
+        if not tables:
+            return datasets.Dataset.from_dict({c: [] for c in COLUMNS})
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise ExportError(
+            f"run {run}: its export rows do not fit one Arrow schema ({exc}); "
+            "read them with results() or to_pandas()"
+        ) from None
+    return datasets.Dataset(table)
+
+
+def _batches(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    it = iter(rows)
+    while batch := list(islice(it, BATCH_ROWS)):
+        yield batch

@@ -1,0 +1,65 @@
+"""The README's two-step example, run as written: answers for a small dataset, then a judging
+prompt per answer into a second run, each waited for, the two joined by id, on the sim with real
+celery worker processes. The block is read from README.md; only the environment points the
+client at the test's Redis and sim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import tokenmill
+from tests.pipeline import expected_for
+from tests.procs import ROOT, Proc, start_sim, start_worker, worker_env
+
+MEAN = 40  # the sim's mean output tokens (tests.procs.start_sim)
+
+
+def two_step_block() -> str:
+    """The README's Python block that enqueues a second run from the first one's answers."""
+    section = (ROOT / "README.md").read_text().split("## From Python", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "judging" in b]
+    assert len(blocks) == 1, "README.md's 'From Python' has no (or several) two-step blocks"
+    return blocks[0]
+
+
+def test_the_readmes_two_step_example_generates_judges_and_joins_by_id(
+    tmp_path: Path, redis_url: str, procs: list[Proc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the sim and a real short-queue worker, and the client's settings in the environment
+    sim, url = start_sim(tmp_path)
+    procs.append(sim)
+    env = worker_env(redis_url, url)
+    procs.append(start_worker(tmp_path, "short", env, concurrency=8))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    # When the README's block runs
+    scope: dict[str, object] = {}
+    exec(compile(two_step_block(), "README.md (two-step example)", "exec"), scope)
+
+    # Then every question has one answer and one judgment, joined by its id
+    joined = scope["joined"]
+    assert sorted(joined["id"]) == sorted(f"q{i}" for i in range(20))  # type: ignore[index]
+    tm = tokenmill.Client()
+    answers = {row["id"]: row for row in tm.results("answers")}
+    judgments = {row["id"]: row for row in tm.results("judgments")}
+    assert len(answers) == len(judgments) == 20
+    for row in joined.itertuples():  # type: ignore[attr-defined]
+        answer, judgment = answers[row.id], judgments[row.id]
+        # each is the sim's text for its own request: the judging prompt quotes the answer
+        assert row.answer == answer["messages"][-1]["content"]
+        assert row.verdict == judgment["messages"][-1]["content"]
+        assert f"Answer: {row.answer}\n" in judgment["messages"][0]["content"]
+        assert (
+            row.answer
+            == expected_for(answer, max_tokens=10240, reasoning=False, mean_output_tokens=MEAN).content
+        )
+        assert (
+            row.verdict
+            == expected_for(judgment, max_tokens=1024, reasoning=False, mean_output_tokens=MEAN).content
+        )
+    for run in ("answers", "judgments"):
+        assert tm.status(run).totals == {"queued": 0, "running": 0, "done": 20, "failed": 0, "total": 20}
