@@ -98,15 +98,42 @@ def test_dicts_a_dataframe_a_dataset_and_a_file_are_the_same_jobs_as_the_clis(
     assert sorted(tm.status("api").partitions) == ["P", "default"]
 
 
-def test_a_dataframes_missing_values_are_absent_fields_and_its_numpy_values_plain(tm: Client) -> None:
+def test_a_dataframes_missing_values_are_absent_fields_and_its_numpy_values_plain(
+    tm: Client, rclient: redis.Redis
+) -> None:
     df = pd.DataFrame(
-        {"prompt": ["p0", "p1"], "seed": pd.array([3, None], dtype="Int64"), "tag": ["t", None]}
+        {
+            "prompt": ["p0", "p1"],
+            "seed": pd.array([3, None], dtype="Int64"),  # NA
+            "temperature": [0.5, float("nan")],  # NaN
+            "tag": ["t", None],  # None
+        }
     )
     df["metadata"] = [{"n": 1}, {"n": 2}]
     df["stop_words"] = [pd.Series([1, 2]).to_numpy(), pd.Series([3]).to_numpy()]  # numpy arrays in cells
     assert tm.enqueue(df, run="r").new == 2
-    finish_rows = tm.enqueue([{"prompt": "p1", "metadata": {"n": 2}, "stop_words": [3]}], run="r")
-    assert (finish_rows.new, finish_rows.existing) == (0, 1)  # the same job as the DataFrame's row 1
+    same = [{"prompt": "p0", "seed": 3, "temperature": 0.5}, {"prompt": "p1"}]  # the jobs' requests
+    assert (tm.enqueue(same, run="r").new, tm.enqueue(same, run="r").existing) == (0, 2)
+    finish_jobs(rclient, "r", mean_output_tokens=10)
+    rows = list(tm.results("r", include_truncated=True))
+    assert [r["metadata"] for r in rows] == [
+        {"n": 1, "tag": "t", "stop_words": [1, 2]},
+        {"n": 2, "stop_words": [3]},
+    ]
+
+
+def test_a_dataframe_read_from_parquet_holds_numpy_arrays_and_enqueues_as_its_rows(
+    tm: Client, tmp_path: Path
+) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": "q0"}], "grid": [[1, 2], [3]]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}], "grid": [[4]]},
+    ]
+    pd.DataFrame(rows).to_parquet(tmp_path / "f.parquet")
+    df = pd.read_parquet(tmp_path / "f.parquet")
+    assert type(df["messages"][0]).__module__ == "numpy"  # lists come back as numpy arrays
+    assert tm.enqueue(df, run="r").new == 2
+    assert tm.enqueue(rows, run="r").existing == 2
 
 
 @pytest.mark.parametrize(
