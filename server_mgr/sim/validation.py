@@ -164,6 +164,9 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
     messages = check_messages(body)
     stream = bool(body.get("stream", False))
     opts = parse_options(body, stream=stream)
+    abort = grammar_error(opts.constraint) if opts.constraint else None
+    if abort:  # the scheduler aborts it before a token: nothing to draw from the grammar
+        opts = replace(opts, constraint=None)
     # 0.5.23: max_completion_tokens wins; 0 is falsy, i.e. unlimited
     max_new = _int(body, "max_completion_tokens") or _int(body, "max_tokens") or None
     seed = _int(body, "seed")
@@ -221,6 +224,6 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
         reasoning=bool(params["reasoning"]),
         tool_parsing=bool(cfg.tool_call_parser and opts.calls_tools),
         parsers=bool(cfg.tool_call_parser or cfg.reasoning_parser),
-        abort=grammar_error(opts.constraint) if opts.constraint else None,
+        abort=abort,
         max_new_tokens=max(len(output.tokens), min(limit or budget, budget)),
     )
