@@ -77,6 +77,20 @@ max_queued_option = click.option(
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=None)
 @click.option("--seed", type=int, default=None)
 @click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=JSON",
+    help="A request option for every row (repeatable), e.g. --param 'top_k=20'; a row's own value wins.",
+)
+@click.option(
+    "--params",
+    "params_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A JSON object of request options for every row (--param and the flags win over it).",
+)
+@click.option(
     "--samples",
     type=click.IntRange(min=1),
     default=None,
@@ -97,6 +111,8 @@ def enqueue(
     temperature: float | None,
     top_p: float | None,
     seed: int | None,
+    params: tuple[str, ...],
+    params_file: str | None,
     samples: int | None,
     skip_invalid: bool,
     max_queued: int | None,
@@ -104,11 +120,13 @@ def enqueue(
 ) -> None:
     """Enqueue dataset FILES (JSONL, Parquet, or a Hugging Face datasets directory) into a run."""
     from producer.enqueue import Enqueuer, Routing
+    from producer.options import run_params
     from tokenmill import redis_conn
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
-    if samples and samples > 1 and temperature == 0:
+    options = run_params(params_file, params, {"temperature": temperature, "top_p": top_p, "seed": seed})
+    if samples and samples > 1 and options.get("temperature") == 0:
         click.echo(
             "warning: --samples with --temperature 0 (greedy decoding): the samples of a prompt "
             "will all be the same text",
@@ -121,9 +139,7 @@ def enqueue(
         short_max_tokens=short_max_tokens,
         long_max_tokens=long_max_tokens,
         long_prompt_tokens=long_prompt_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        params=options,
     )
     enq = Enqueuer(
         Ledger(client, run),
@@ -215,10 +231,11 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(("jsonl", "parquet")),
+    type=click.Choice(("jsonl", "parquet", "openai-batch")),
     default="jsonl",
     show_default=True,
-    help="OUT/<partition>.jsonl, or a typed OUT/<partition>.parquet.",
+    help="OUT/<partition>.jsonl, a typed OUT/<partition>.parquet, or OpenAI Batch output lines "
+    "(OUT/<partition>.jsonl, failed and cancelled jobs included).",
 )
 @run_store_option
 @redis_option
@@ -244,8 +261,11 @@ def export(
     notes = []
     if summary.not_done:
         notes.append(f"{summary.not_done} jobs not done yet (not exported)")
+    if summary.failed:
+        notes.append(f"{summary.failed} failed (written with their error)")
     if summary.cancelled:
-        notes.append(f"{summary.cancelled} cancelled (not exported)")
+        written = "written as batch_cancelled" if fmt == "openai-batch" else "not exported"
+        notes.append(f"{summary.cancelled} cancelled ({written})")
     if summary.skipped_truncated:
         notes.append(
             f"{summary.skipped_truncated} truncated (finish_reason length) left out; "

@@ -14,7 +14,6 @@ CLI's messages.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
@@ -97,24 +96,21 @@ class Client:
         enqueued, unless ``skip_invalid``; an id enqueued before with other content raises
         :class:`~tokenmill.errors.IdConflictError` once everything else is enqueued.
 
-        ``params`` (request options for every row, ``enqueue --param``) is not supported yet:
-        a non-empty one raises :class:`~tokenmill.errors.ConfigError`.
+        ``params`` are request options for every row (``enqueue --param``; README, "Request
+        options"), checked now (an :class:`~tokenmill.errors.InputError` names a bad one);
+        ``temperature``, ``top_p`` and ``seed`` win over them, and a row's own value over both.
         """
         from producer.enqueue import Enqueuer, Routing
+        from producer.options import run_options
         from producer.sources import sources
         from tokenmill import redis_conn
         from tokenmill.ledger import Ledger
 
         keys.check_run(run)
-        if params:
-            raise ConfigError(
-                "params= (request options for every row) is not supported by this version of "
-                f"tokenmill yet; got {sorted(params)}"
-            )
         _check_counts(samples=samples, limit=limit, max_queued=max_queued, short_max_tokens=short_max_tokens,
                       long_max_tokens=long_max_tokens, long_prompt_tokens=long_prompt_tokens)  # fmt: skip
-        _check_sampling(temperature, top_p, seed)
-        if samples and samples > 1 and temperature == 0:
+        options = run_options(params, {"temperature": temperature, "top_p": top_p, "seed": seed})
+        if samples and samples > 1 and options.get("temperature") == 0:
             warnings.warn(
                 "samples with temperature 0 (greedy decoding): the samples of a prompt will all be "
                 "the same text",
@@ -126,9 +122,7 @@ class Client:
             short_max_tokens=short_max_tokens,
             long_max_tokens=long_max_tokens,
             long_prompt_tokens=long_prompt_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
+            params=options,
         )
         enq = Enqueuer(
             Ledger(self._redis, run),
@@ -283,18 +277,3 @@ def _check_counts(**values: int | None) -> None:
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_sampling(temperature: float | None, top_p: float | None, seed: int | None) -> None:
-    """The run's sampling options, checked as the CLI's ``--temperature``, ``--top-p`` and
-    ``--seed`` are."""
-    if temperature is not None and not (_is_number(temperature) and temperature >= 0):
-        raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise ConfigError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

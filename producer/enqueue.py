@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from producer.options import check_request
 from producer.readers import Record, dataset_stem, iter_records
 from producer.rows import Row, normalize_row
 from tokenmill import keys
@@ -24,7 +26,7 @@ from tokenmill.bulk import IN_FLIGHT, EnqueueStream
 from tokenmill.errors import IdConflictError, InputError
 from tokenmill.jobspec import JobSpec, canonical_request, content_hash, job_id_for, sample_id, sample_seed
 from tokenmill.ledger import Ledger
-from tokenmill.tokens import estimate_prompt_tokens
+from tokenmill.tokens import BYTES_PER_TOKEN, estimate_prompt_tokens
 
 # Rows per enqueue script call: both the producer and Redis spend less per row on smaller calls;
 # 1,000-row calls ran 20% slower than 250-row ones, 2,000-row 38%, and 100 to 250 alike.
@@ -33,39 +35,36 @@ BATCH = 200
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """How rows become requests: which queue, how many tokens."""
+    """How rows become requests: which queue, how many tokens, the run's request options."""
 
     model: str
     short_max_tokens: int = 10240
     long_max_tokens: int = 16384
     long_prompt_tokens: int = 4096
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)  # checked (producer.options.run_params)
     _model_json: bytes = field(init=False, repr=False, compare=False)
+    _params_json: dict[str, bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_model_json", orjson.dumps(self.model))
+        object.__setattr__(self, "_params_json", {k: orjson.dumps(v) for k, v in self.params.items()})
 
     def spec(self, row: Row, partition: str, source: str) -> JobSpec:
         """The job for ``row``: its queue by estimated prompt size, its request with the row's
-        own options over the run's, and its id (the row's, or the request's content hash)."""
-        is_long = estimate_prompt_tokens(row.messages) > self.long_prompt_tokens
+        own options over the run's, and its id (the row's, or the request's content hash).
+        Options that do not go together raise :class:`InputError` naming the row."""
+        options, options_json = self._options(row)
+        estimate = estimate_prompt_tokens(row.messages)
+        if "tools" in options_json:  # the chat template renders the tool definitions too
+            estimate += len(options_json["tools"]) // BYTES_PER_TOKEN
+        is_long = estimate > self.long_prompt_tokens
         queue = "long" if is_long else "short"
         max_tokens = row.max_tokens or (self.long_max_tokens if is_long else self.short_max_tokens)
-        temperature = self.temperature if row.temperature is None else row.temperature
-        top_p = self.top_p if row.top_p is None else row.top_p
-        seed = self.seed if row.seed is None else row.seed
-        request: dict[str, object] = {"model": self.model, "messages": row.messages, "max_tokens": max_tokens}
-        if temperature is not None:
-            request["temperature"] = temperature
-        if top_p is not None:
-            request["top_p"] = top_p
-        if seed is not None:
-            request["seed"] = seed
-        request_json = canonical_request(
-            self._model_json, row.messages_json, max_tokens, temperature, top_p, seed
-        )
+        if options:
+            check_request(source, options, max_tokens)
+        request: dict[str, Any] = {"model": self.model, "messages": row.messages, "max_tokens": max_tokens}
+        request.update(options)
+        request_json = canonical_request(self._model_json, row.messages_json, max_tokens, options_json)
         digest = content_hash(request_json)
         return JobSpec(
             job_id_for(partition, row.record_id, digest),
@@ -80,18 +79,26 @@ class Routing:
             row.metadata_json,
         )
 
+    def _options(self, row: Row) -> tuple[Mapping[str, Any], dict[str, bytes]]:
+        """The row's options over the run's, and each one's JSON (the run's dumped once)."""
+        if not row.options:
+            return self.params, self._params_json
+        options = {**self.params, **row.options}
+        options_json = {**self._params_json, **{k: orjson.dumps(v) for k, v in row.options.items()}}
+        return options, options_json
+
     def samples(self, row: Row, partition: str, source: str, n: int) -> list[JobSpec]:
         """``n`` jobs for ``row``: the prompt's job as :meth:`spec` makes it, as sample ``k`` with
         id ``<id>#<k>`` and a seed derived from the prompt's seed and ``k``."""
         base = self.spec(row, partition, source)
         req = base.request
+        _, options_json = self._options(row)
         out = []
         for k in range(n):
             seed = sample_seed(req.get("seed"), k)
             request_json = canonical_request(
-                self._model_json, row.messages_json, req["max_tokens"], req.get("temperature"),
-                req.get("top_p"), seed,
-            )  # fmt: skip
+                self._model_json, row.messages_json, req["max_tokens"], {**options_json, "seed": b"%d" % seed}
+            )
             out.append(
                 JobSpec(
                     sample_id(base.job_id, k),
@@ -173,14 +180,11 @@ class Enqueuer:
                     for rec in records:
                         if limit is not None and taken >= limit:
                             break
-                        row = self._row(rec)
-                        if row is None:
+                        specs = self._specs(rec, part)
+                        if specs is None:
                             continue
                         taken += 1
-                        if self.samples is None:
-                            batch.append(self.routing.spec(row, part, rec.source))
-                        else:
-                            batch += self.routing.samples(row, part, rec.source, self.samples)
+                        batch += specs
                         if len(batch) >= BATCH:
                             self._send(stream, part, batch, IN_FLIGHT)
                             batch = []
@@ -195,13 +199,16 @@ class Enqueuer:
         while len(stream) > in_flight:
             self._tally(*stream.read())
 
-    def _row(self, rec: Record) -> Row | None:
-        """The record's row; ``None`` for a bad one that is skipped (it raises otherwise)."""
+    def _specs(self, rec: Record, partition: str) -> list[JobSpec] | None:
+        """The record's jobs; ``None`` for a bad record that is skipped (it raises otherwise)."""
         data = rec.data
         try:
             if rec.error is not None or data is None:
                 raise InputError(rec.source, rec.error or "empty record")
-            return normalize_row(rec.source, data)
+            row = normalize_row(rec.source, data)
+            if self.samples is None:
+                return [self.routing.spec(row, partition, rec.source)]
+            return self.routing.samples(row, partition, rec.source, self.samples)
         except InputError as exc:
             if not self.skip_invalid:
                 raise

@@ -4,7 +4,9 @@ Rows come in enqueue order; each job is one ledger entry, so a row can never app
 done job's row is built from Redis, a sealed one's read from its shard (``producer/export_rows``).
 Every sealed shard is checked before anything is written: a missing or unreadable one stops the
 export, naming the shard and its jobs. Files are written to a temporary name and renamed, so a
-crash never leaves half a file. ``--format parquet`` writes ``DIR/<partition>.parquet``.
+crash never leaves half a file. ``--format parquet`` writes ``DIR/<partition>.parquet``;
+``--format openai-batch`` writes OpenAI's Batch output lines (``producer/export_batch``), failed
+and cancelled jobs included.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from producer import export_batch
 from producer.export_parquet import ParquetRows
-from producer.export_rows import RowCounts, ShardReader, check_shards, check_store_reachable, partition_rows
+from producer.export_rows import (
+    EndedBuilder,
+    RowCounts,
+    ShardReader,
+    check_shards,
+    check_store_reachable,
+    partition_rows,
+)
 from tokenmill.errors import ShardLostError
 from tokenmill.jobspec import prompt_id
 from tokenmill.ledger import Ledger
@@ -32,19 +44,33 @@ class ExportSummary:
     cancelled: int = 0
     from_shards: int = 0
     from_redis: int = 0
+    failed: int = 0  # written as error lines (openai-batch)
+
+
+def row_id(job_id: str, spec: dict[str, Any]) -> str:
+    """The export row's ``id``: the input row's own, else the job's (a sample's prompt's)."""
+    return spec.get("record_id") or (job_id if spec.get("sample") is None else prompt_id(job_id))
 
 
 def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     """The export format of docs/architecture.md for one done job; a sample of ``enqueue
     --samples`` carries ``sample`` and its prompt's id."""
     request = spec["request"]
-    assistant: dict[str, Any] = {"role": "assistant", "content": result.get("content", "")}
+    content = result.get("content", "")
+    tool_calls = result.get("tool_calls")
+    # OpenAI's shape: an assistant turn that only called tools has null content
+    assistant: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not tool_calls else None,
+    }
     if result.get("reasoning_content"):
         assistant["reasoning_content"] = result["reasoning_content"]
+    if tool_calls:
+        assistant["tool_calls"] = tool_calls
     usage = result.get("usage") or {}
     sample = spec.get("sample")
     row = {
-        "id": spec.get("record_id") or (job_id if sample is None else prompt_id(job_id)),
+        "id": row_id(job_id, spec),
         "partition": partition,
         "messages": [*request["messages"], assistant],
         "finish_reason": result.get("finish_reason"),
@@ -57,6 +83,9 @@ def export_row(job_id: str, partition: str, spec: dict[str, Any], result: dict[s
     }
     if sample is not None:
         row["sample"] = sample
+    for name in ("matched_stop", "logprobs", "output_token_ids"):
+        if result.get(name) is not None:
+            row[name] = result[name]
     return row
 
 
@@ -73,15 +102,21 @@ def export_run(
     out.mkdir(parents=True, exist_ok=True)
     summary = ExportSummary()
     readers = open_shards(ledger, store)
+    batch = fmt == "openai-batch"
+    ended = _batch_ended(ledger.run) if batch else None
     for partition, reader in readers.items():
-        target = out / f"{partition}.{fmt}"
+        target = out / f"{partition}.{'jsonl' if batch else fmt}"
         tmp = target.with_name(f".{target.name}.tmp")
         counts = RowCounts()
         n = 0
         try:
             with _writer(fmt, tmp) as write:
-                for _, truncated, row in partition_rows(ledger, reader, counts, export_row):
-                    if truncated and not include_truncated:
+                for job_id, truncated, row, was_ended in partition_rows(
+                    ledger, reader, counts, export_row, ended
+                ):
+                    if batch and not was_ended:
+                        row = orjson.dumps(export_batch.done_line(ledger.run, job_id, orjson.loads(row)))
+                    elif truncated and not include_truncated:
                         summary.skipped_truncated += 1
                         continue
                     write(row)
@@ -93,6 +128,7 @@ def export_run(
         summary.files[str(target)] = n
         summary.not_done += counts.not_done
         summary.cancelled += counts.cancelled
+        summary.failed += counts.failed
         summary.from_shards += counts.from_shards
         summary.from_redis += counts.from_redis
     return summary
@@ -121,10 +157,18 @@ def run_rows(
     """The export rows (JSON) of the readers' partitions, one after another, each in enqueue
     order: the rows ``export_run`` writes as JSON Lines, streamed (``Client.results``)."""
     for reader in readers.values():
-        for _, truncated, row in partition_rows(ledger, reader, RowCounts(), export_row):
-            if truncated and not include_truncated:
+        for line in partition_rows(ledger, reader, RowCounts(), export_row):
+            if line.truncated and not include_truncated:
                 continue
-            yield row
+            yield line.row
+
+
+def _batch_ended(run: str) -> EndedBuilder:
+    def ended(job_id: str, spec: dict[str, Any], error_class: str, message: str) -> dict[str, Any]:
+        row = {"id": row_id(job_id, spec), "sample": spec.get("sample")}
+        return export_batch.failed_line(run, job_id, export_batch.custom_id(row), error_class, message)
+
+    return ended
 
 
 @contextmanager

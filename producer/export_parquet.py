@@ -1,10 +1,13 @@
 """``tokenmill export --format parquet``: the export rows as a typed Parquet file per partition.
 
 Columns follow the export row: ``id``, ``partition``, ``finish_reason`` and ``model`` are
-strings; ``messages`` is a list of ``{role, content, reasoning_content, name}`` structs (absent
-keys are null), what chat-training loaders expect; ``usage`` is a struct of two integers;
-``metadata`` (free-form per row) is JSON text. A field the export row gains later (``sample``)
-becomes a column typed by its first value (nested values as JSON text). Rows are written in
+strings; ``messages`` is a list of ``{role, content, reasoning_content, name, tool_call_id,
+tool_calls}`` structs (absent keys are null; ``tool_calls`` in OpenAI's shape), what
+chat-training loaders expect; ``usage`` is a struct of two integers; ``metadata`` (free-form per
+row) is JSON text; ``sample``, ``matched_stop``, ``logprobs`` (OpenAI's ``{content: [{token,
+logprob, bytes, top_logprobs}]}``) and ``output_token_ids`` are typed columns, null in rows
+that lack them. A field the export row gains later becomes a column typed by its first value
+(nested values as JSON text). Rows are written in
 row groups of :data:`BATCH`, so memory stays flat. A message Parquet's struct cannot hold
 (other keys, non-text content) is refused with the job named: export such a run as JSONL.
 """
@@ -21,8 +24,23 @@ import pyarrow.parquet as pq
 from tokenmill.errors import ExportError
 
 BATCH = 1000
-MESSAGE_KEYS = ("role", "content", "reasoning_content", "name")
-MESSAGE = pa.struct([pa.field(k, pa.string()) for k in MESSAGE_KEYS])
+FUNCTION_CALL = pa.struct([pa.field("name", pa.string()), pa.field("arguments", pa.string())])
+TOOL_CALL = pa.struct(
+    [pa.field("id", pa.string()), pa.field("type", pa.string()), pa.field("function", FUNCTION_CALL)]
+)
+MESSAGE_TEXT = ("role", "content", "reasoning_content", "name", "tool_call_id")
+MESSAGE_KEYS = (*MESSAGE_TEXT, "tool_calls")
+MESSAGE = pa.struct(
+    [*(pa.field(k, pa.string()) for k in MESSAGE_TEXT), pa.field("tool_calls", pa.list_(TOOL_CALL))]
+)
+TOP_LOGPROB = pa.struct(
+    [
+        pa.field("token", pa.string()),
+        pa.field("logprob", pa.float64()),
+        pa.field("bytes", pa.list_(pa.int32())),
+    ]
+)
+TOKEN_LOGPROB = pa.struct([*TOP_LOGPROB, pa.field("top_logprobs", pa.list_(TOP_LOGPROB))])
 KNOWN: dict[str, pa.DataType] = {
     "id": pa.string(),
     "partition": pa.string(),
@@ -31,6 +49,10 @@ KNOWN: dict[str, pa.DataType] = {
     "usage": pa.struct([pa.field("prompt_tokens", pa.int64()), pa.field("completion_tokens", pa.int64())]),
     "model": pa.string(),
     "metadata": pa.string(),
+    "sample": pa.int64(),
+    "matched_stop": pa.string(),  # a stop string, or a stop token id as its decimal text
+    "logprobs": pa.struct([pa.field("content", pa.list_(TOKEN_LOGPROB))]),
+    "output_token_ids": pa.list_(pa.int64()),
 }
 
 
@@ -47,7 +69,9 @@ def _extra_type(value: Any) -> pa.DataType:
 def _check_messages(row: dict[str, Any]) -> None:
     for i, message in enumerate(row.get("messages") or ()):
         for key, value in message.items():
-            if key not in MESSAGE_KEYS or not isinstance(value, str):
+            if key == "tool_calls" and isinstance(value, list):
+                continue
+            if key not in MESSAGE_KEYS or not isinstance(value, str | None):
                 raise ExportError(
                     f"job {row.get('id')!r}: messages[{i}].{key} ({type(value).__name__}) does not fit "
                     f"the Parquet messages column ({', '.join(MESSAGE_KEYS)}: text); export this run "
@@ -112,6 +136,8 @@ class ParquetRows:
 def _cell(f: pa.Field, value: Any) -> Any:
     if value is None:
         return None
+    if f.name == "matched_stop":
+        return str(value)
     if f.name == "metadata" or (pa.types.is_string(f.type) and not isinstance(value, str)):
         return orjson.dumps(value).decode()
     return value

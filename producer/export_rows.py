@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -27,7 +27,10 @@ from tokenmill.results import ResultStore
 from tokenmill.shards import RowGroup, ShardFile, ShardRow
 
 FIELDS = ("state", "spec", "result", "truncated", "shard")
+ENDED_FIELDS = ("error_class", "error", "last_error_class", "last_error")
 RowBuilder = Callable[[str, str, dict[str, Any], dict[str, Any]], dict[str, Any]]
+# (job id, spec, error class, message) -> the line of a job that ended failed or cancelled
+EndedBuilder = Callable[[str, dict[str, Any], str, str], dict[str, Any]]
 
 
 @dataclass(slots=True)
@@ -120,6 +123,16 @@ class GroupMerge:
             heapq.heappush(self.heads, (row.seq, next(self.tie), shard_id, row, rows))
 
 
+class Exported(NamedTuple):
+    """One job's line: its export row (JSON), or with ``ended`` the line of a failed or
+    cancelled job."""
+
+    job_id: str
+    truncated: bool
+    row: bytes
+    ended: bool = False
+
+
 @dataclass(slots=True)
 class RowCounts:
     """What a walk over one partition found."""
@@ -128,6 +141,7 @@ class RowCounts:
     from_shards: int = 0
     not_done: int = 0
     cancelled: int = 0
+    failed: int = 0  # written as such (openai-batch)
     ignored: int = 0
 
 
@@ -170,27 +184,41 @@ def _why(reader: ShardReader, shard_id: str, exc: BaseException) -> str:
 
 
 def partition_rows(
-    ledger: Ledger, reader: ShardReader, counts: RowCounts, build_row: RowBuilder
-) -> Iterator[tuple[str, bool, bytes]]:
-    """``(job id, truncated, export row JSON)`` for each done or sealed job of the reader's
+    ledger: Ledger,
+    reader: ShardReader,
+    counts: RowCounts,
+    build_row: RowBuilder,
+    ended: EndedBuilder | None = None,
+) -> Iterator[Exported]:
+    """An :class:`Exported` for each done or sealed job of the reader's
     partition, in enqueue order; a done job's row is ``build_row(id, partition, spec, result)``
-    (the sealer built a sealed one's the same way). ``reader`` must have checked the shards."""
+    (the sealer built a sealed one's the same way). With ``ended``, a failed or cancelled job
+    is ``ended(id, spec, error class, message)`` too (counted as failed and cancelled). ``reader``
+    must have checked the shards."""
     partition = reader.partition
     merge = GroupMerge(reader)
     for groups in reader.groups.values():
         merge.add(groups)
+    fields = FIELDS + ENDED_FIELDS if ended is not None else FIELDS
     try:
-        for seq, (job_id, (state, spec, result, truncated, shard)) in enumerate(
-            ledger.iter_jobs(partition, FIELDS)
+        for seq, (job_id, (state, spec, result, truncated, shard, *why)) in enumerate(
+            ledger.iter_jobs(partition, fields)
         ):
-            if state == b"done" and spec is not None and result is not None:
+            if ended is not None and state in (b"failed", b"cancelled") and spec is not None:
+                failed = state == b"failed"
+                error_class, message = (why[0], why[1]) if failed else (b"cancelled", why[3])
+                counts.failed += failed
+                counts.cancelled += not failed
+                line = ended(job_id, orjson.loads(spec), _text(error_class), _text(message))
+                yield Exported(job_id, False, orjson.dumps(line), ended=True)
+            elif state == b"done" and spec is not None and result is not None:
                 row = build_row(job_id, partition, orjson.loads(spec), orjson.loads(result))
                 counts.from_redis += 1
-                yield job_id, truncated == b"1", orjson.dumps(row)
+                yield Exported(job_id, truncated == b"1", orjson.dumps(row))
             elif state == b"sealed" and shard is not None:
                 found = _sealed_row(ledger, reader, merge, seq, job_id, shard.decode())
                 counts.from_shards += 1
-                yield job_id, found.truncated, found.row
+                yield Exported(job_id, found.truncated, found.row)
             elif state == b"cancelled":
                 counts.cancelled += 1
             else:
@@ -198,6 +226,10 @@ def partition_rows(
     finally:
         counts.ignored += merge.ignored
         reader.close()
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode() if raw else ""
 
 
 def _sealed_row(

@@ -1,8 +1,14 @@
 """Input rows → normalized requests, validated so that every problem names its row.
 
 A row has ``messages`` (an OpenAI chat list) or ``prompt`` (a string, sent as one user message),
-and optionally ``id``, ``max_tokens``, ``metadata`` and the sampling overrides ``temperature``,
-``top_p`` and ``seed``. Every other top-level field is kept in ``metadata`` under its own name.
+and optionally ``id``, ``max_tokens``, ``metadata`` and request options: a top-level field that
+names a generation option of SGLang's chat API (``stop``, ``response_format``, ``tools``,
+``logprobs``..., :mod:`tokenmill.options`) is that request's option, checked here
+(:mod:`producer.options`). Every other top-level field is kept in ``metadata`` under its own name.
+
+An OpenAI Batch API line (``custom_id``, ``method``, ``url``, ``body``) is read as the row its
+``body`` is, with ``custom_id`` as its id; the body's ``model`` (an OpenAI model name, not the
+server's) is kept in ``metadata``.
 
 A field whose value is null counts as absent, and null-valued keys inside messages are dropped:
 Parquet and Arrow fill fields a row does not have with nulls, and a row must mean the same thing
@@ -11,19 +17,21 @@ whichever format it came in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from producer.options import check_option
 from producer.readers import json_kind
 from tokenmill.errors import InputError
+from tokenmill.options import OPTIONS, REFUSED
 
-ROLES = ("system", "user", "assistant", "tool")
-KNOWN_FIELDS = frozenset(
-    {"messages", "prompt", "id", "max_tokens", "metadata", "temperature", "top_p", "seed"}
-)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ROW_FIELDS = frozenset({"messages", "prompt", "id", "max_tokens", "max_completion_tokens", "metadata"})
+_OPTION_LIKE = OPTIONS | REFUSED.keys() | {"n"}  # fields read as options (refused ones raise)
+BATCH_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+BATCH_URL = "/v1/chat/completions"
 _SHOW_CHARS = 60
 
 
@@ -40,9 +48,7 @@ class Row:
     record_id: str | None = None
     max_tokens: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # request options, checked
     messages_json: bytes = field(default=b"", compare=False, repr=False)
     metadata_json: bytes = field(default=b"{}", compare=False, repr=False)
 
@@ -50,30 +56,76 @@ class Row:
 def normalize_row(source: str, data: dict[str, Any]) -> Row:
     """Validate ``data`` and return its :class:`Row`; a bad row raises :class:`InputError`.
 
-    This runs once per row of every enqueue, so absent options cost a dictionary lookup each,
-    not a call.
+    This runs once per row of every enqueue, so a row without options or extra fields costs a
+    dictionary lookup per field, not a call.
     """
     row = _without_nulls(data)
+    if "custom_id" in row and "body" in row:
+        row = _batch_row(source, row)
     messages = _messages(source, row)
     get = row.get
     record_id, max_tokens = get("id"), get("max_tokens")
     if record_id is not None:
         record_id = _record_id(source, record_id)
+    if "max_completion_tokens" in row:
+        max_tokens = _max_completion_tokens(source, max_tokens, row["max_completion_tokens"])
     if max_tokens is not None:
         max_tokens = _max_tokens(source, max_tokens)
-    metadata = _metadata(source, row) if len(row) > 1 else {}
-    temperature, top_p, seed = get("temperature"), get("top_p"), get("seed")
+    options, extra = _split_fields(source, row) if len(row) > 1 else ({}, None)
+    metadata = _metadata(source, get("metadata"), extra) if extra or "metadata" in row else {}
     return Row(
         messages,
         record_id,
         max_tokens,
         metadata,
-        temperature if temperature is None else _temperature(source, temperature),
-        top_p if top_p is None else _top_p(source, top_p),
-        seed if seed is None else _seed(source, seed),
+        options,
         _to_json(source, "messages", messages, orjson.OPT_SORT_KEYS),
         _to_json(source, "metadata", metadata) if metadata else b"{}",
     )
+
+
+def _split_fields(source: str, row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The row's request options (checked) and its other fields (metadata)."""
+    options: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for name, value in row.items():
+        if name in ROW_FIELDS:
+            continue
+        if name in _OPTION_LIKE:
+            options[name] = check_option(source, name, value)
+        else:
+            extra[name] = value
+    if options.get("n") == 1:
+        del options["n"]
+    return options, extra
+
+
+def _batch_row(source: str, row: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI Batch API line as the row its body is: ``custom_id`` is the id; the body's
+    ``model`` goes to metadata (the server's model is the run's)."""
+    url, method, body = row.get("url"), row.get("method", "POST"), row["body"]
+    if url != BATCH_URL:
+        raise InputError(source, f"OpenAI batch line has url {_show(url)}; tokenmill runs {BATCH_URL} only")
+    if method != "POST":
+        raise InputError(source, f'OpenAI batch line has method {_show(method)}; expected "POST"')
+    if not isinstance(body, dict):
+        raise InputError(source, f'OpenAI batch line: "body" must be an object, got {json_kind(body)}')
+    custom_id = row["custom_id"]
+    if not isinstance(custom_id, str) or _blank(custom_id):
+        problem = f'"custom_id" must be a non-empty string, got {_show(custom_id)}'
+        raise InputError(source, f"OpenAI batch line: {problem}")
+    for name in ("id", "metadata"):
+        if name in body:
+            raise InputError(source, f'OpenAI batch line: "body" has {name!r}, which is not a request field')
+    out = _without_nulls(body)
+    model = out.pop("model", None)
+    out["id"] = custom_id
+    extra = {k: v for k, v in row.items() if k not in BATCH_FIELDS}
+    if model is not None:
+        extra["model"] = model
+    if extra:
+        out["metadata"] = extra
+    return out
 
 
 # --- messages ------------------------------------------------------------------------------------
@@ -125,8 +177,24 @@ def _message(source: str, index: int, message: Any) -> dict[str, Any]:
         )
     content = out.get("content")
     if not isinstance(content, str) or _blank(content):  # the common case skips the call
+        if role == "assistant" and out.get("tool_calls") and not content:
+            return _tool_call_message(source, index, out)
         out = {**out, "content": _content(source, f"messages[{index}] ({role})", content)}
     return out
+
+
+def _tool_call_message(source: str, index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn that only called tools (no content), as tool-use conversations have."""
+    calls = message["tool_calls"]
+
+    def named(call: Any) -> bool:
+        fn = call.get("function") if isinstance(call, dict) else None
+        return isinstance(fn, dict) and isinstance(fn.get("name"), str)
+
+    if not isinstance(calls, list) or not all(named(c) for c in calls):
+        shape = '{"id", "type": "function", "function": {"name", "arguments"}}'
+        raise InputError(source, f'messages[{index}] (assistant) "tool_calls" must be a list of {shape}')
+    return {k: v for k, v in message.items() if k != "content"}
 
 
 def _content(source: str, where: str, content: Any) -> str | list[dict[str, Any]]:
@@ -186,48 +254,37 @@ def _max_tokens(source: str, value: Any) -> int:
     return int(value)
 
 
-def _temperature(source: str, value: Any) -> float:
-    if not _is_number(value) or value < 0:
-        raise InputError(source, f'"temperature" must be a number >= 0, got {_show(value)}')
-    return float(value)
-
-
-def _top_p(source: str, value: Any) -> float:
-    if not _is_number(value) or not 0 < value <= 1:
-        raise InputError(source, f'"top_p" must be a number in (0, 1], got {_show(value)}')
-    return float(value)
-
-
-def _seed(source: str, value: Any) -> int:
-    if not _is_int(value):
-        raise InputError(source, f'"seed" must be an integer, got {_show(value)}')
-    return int(value)
+def _max_completion_tokens(source: str, max_tokens: Any, value: Any) -> Any:
+    """``max_completion_tokens`` (OpenAI's newer name) is ``max_tokens``; both must agree."""
+    if max_tokens is not None and max_tokens != value:
+        both = f'"max_tokens" ({_show(max_tokens)}) and "max_completion_tokens" ({_show(value)})'
+        raise InputError(source, f"{both} disagree")
+    if not _is_int(value) or value <= 0:
+        raise InputError(source, f'"max_completion_tokens" must be a positive integer, got {_show(value)}')
+    return value
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
 # --- metadata ------------------------------------------------------------------------------------
 
 
-def _metadata(source: str, row: dict[str, Any]) -> dict[str, Any]:
-    """``metadata`` as given, plus every unknown top-level field under its own name."""
-    given = row.get("metadata", {})
+def _metadata(source: str, given: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``metadata`` as given, plus every other top-level field under its own name."""
+    given = {} if given is None else given
     if not isinstance(given, dict):
         raise InputError(source, f'"metadata" must be an object, got {json_kind(given)}')
-    extra = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
+    if not extra:
+        return given
     for name in extra:
         if name in given:
             raise InputError(
                 source,
                 f'field {name!r} is both a top-level field and a key of "metadata"; rename one',
             )
-    return {**given, **extra} if extra else given
+    return {**given, **extra}
 
 
 def _to_json(source: str, what: str, value: Any, option: int = 0) -> bytes:

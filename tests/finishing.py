@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import orjson
 import redis
 
 from server_mgr.sim.textgen import expected_completion
@@ -24,6 +25,11 @@ def all_job_ids(client: redis.Redis, run: str) -> list[str]:
     for part in sorted(p.decode() for p in client.smembers(k.partitions())):
         out += [x.decode() for x in client.lrange(k.jobs(part), 0, -1)]
     return out
+
+
+def job_request(client: redis.Redis, run: str, job_id: str) -> dict[str, object]:
+    """The request a job sends (its spec's ``request``)."""
+    return orjson.loads(client.hget(keys.RunKeys(run).job(job_id), "spec"))["request"]
 
 
 def finish_jobs(

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 import tokenmill
-from tests.finishing import all_job_ids, finish_jobs
+from tests.finishing import all_job_ids, finish_jobs, job_request
 from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import ROOT
 from tokenmill import (
@@ -183,16 +183,60 @@ def test_bad_options_are_refused_by_name(tm: Client) -> None:
     for kwargs, name in [
         ({"samples": 0}, "samples"),
         ({"short_max_tokens": -1}, "short_max_tokens"),
-        ({"temperature": -0.5}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"seed": 1.5}, "seed"),
-        ({"params": {"stop": ["\n\n"]}}, "params"),
+        ({"limit": True}, "limit"),
     ]:
         with pytest.raises(ConfigError, match=name):
             tm.enqueue([{"prompt": "p"}], run="r", **kwargs)  # type: ignore[arg-type]
+    for kwargs, source in [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": 1.5}, "seed"),
+        ({"params": {"top_k": 0}}, "params['top_k']"),
+        ({"params": {"stream": True}}, "params['stream']"),
+        ({"params": {"max_tokens": 9}}, "params['max_tokens']"),  # short_max_tokens= says it
+        ({"params": {"no_such_option": 1}}, "params['no_such_option']"),
+        ({"params": ["stop"]}, "params"),
+    ]:
+        with pytest.raises(InputError) as bad:
+            tm.enqueue([{"prompt": "p"}], run="r", **kwargs)  # type: ignore[arg-type]
+        assert bad.value.source == source, bad.value
     with pytest.raises(ConfigError, match="run"):
         tm.enqueue([{"prompt": "p"}], run="no spaces allowed")
     assert tm.runs() == []
+
+
+def test_params_are_the_runs_request_options_as_the_clis_param(
+    tm: Client, tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
+    # Given rows, one with a stop list of its own, enqueued by the CLI with --param and --samples
+    rows = [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two", "stop": ["END"]}]
+    path = write_jsonl(tmp_path / "P.jsonl", rows)
+    flags = ["--samples", "1", "--short-max-tokens", "10240", "--long-max-tokens", "16384"]
+    params = ["--param", 'stop=["\\n\\n"]', "--param", "top_k=20", "--temperature", "0.7"]
+    cli("enqueue", str(path), "--run", "by-cli", *flags, *params, env={"TOKENMILL_REDIS_URL": redis_url})
+
+    # When the same rows are enqueued through the API with params (the example shape)
+    r = tm.enqueue(
+        rows,
+        run="api",
+        partition="P",
+        samples=1,
+        params={"stop": ["\n\n"], "top_k": 20, "temperature": 2.0},
+        temperature=0.7,  # wins over params, as --temperature over --param
+        short_max_tokens=10240,
+        long_max_tokens=16384,
+    )
+
+    # Then they are the CLI's jobs, each request with the run's options and a row's own over them
+    assert (r.new, r.existing) == (2, 0)
+    assert all_job_ids(rclient, "api") == all_job_ids(rclient, "by-cli")
+    finish_jobs(rclient, "api", mean_output_tokens=10)
+    sent = {row["id"]: row for row in tm.results("api", include_truncated=True)}
+    assert sorted(sent) == ["a", "b"] and all(row["sample"] == 0 for row in sent.values())
+    requests = {job: job_request(rclient, "api", job) for job in all_job_ids(rclient, "api")}
+    stops = sorted(str(req["stop"]) for req in requests.values())
+    assert stops == [str(["END"]), str(["\n\n"])], requests
+    assert {(req["top_k"], req["temperature"]) for req in requests.values()} == {(20, 0.7)}
 
 
 def test_status_is_the_status_json_document(tm: Client, redis_url: str) -> None:
@@ -264,7 +308,7 @@ def test_results_are_the_exports_rows_from_redis_and_sealed_shards_in_its_order(
     tm: Client, tmp_path: Path, redis_url: str, rclient: redis.Redis
 ) -> None:
     # Given a run of two partitions whose jobs are partly sealed into shards, partly done in Redis
-    rows = [{"prompt": f"question {i}", "n": i} for i in range(30)]
+    rows = [{"prompt": f"question {i}", "i": i} for i in range(30)]
     tm.enqueue(rows[:20], run="r", partition="A", short_max_tokens=12)
     tm.enqueue(rows[20:], run="r", partition="B", short_max_tokens=12)
     ids = all_job_ids(rclient, "r")

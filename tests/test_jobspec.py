@@ -38,12 +38,20 @@ MESSAGES: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": [{"type": "text", "text": "look"}, {"text": "again", "type": "text"}]}],
     [{"role": "user", "content": 'quotes " and \\ and \n and \u2028 and 🙂'}],
 ]
-OPTIONS = [
+SCALAR_OPTIONS = [
     {},
     {"temperature": 0.7},
     {"top_p": 1.0, "seed": -4},
     {"temperature": 0.0, "top_p": 0.95, "seed": 12345678901},
     {"temperature": 1e-7, "seed": 0},
+]
+SCHEMA = {"type": "object", "properties": {"why": {"type": "string"}, "answer": {"type": "integer"}}}
+OPTIONS = [
+    *SCALAR_OPTIONS,
+    {"stop": ["\n\n", "END"], "top_k": 20, "logprobs": True, "top_logprobs": 3},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "qa", "schema": SCHEMA}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}], "tool_choice": "auto"},
+    {"chat_template_kwargs": {"enable_thinking": False}, "regex": "[a-z]+"},
 ]
 
 
@@ -58,11 +66,29 @@ def test_the_assembled_request_is_byte_for_byte_the_canonical_one(
         orjson.dumps(model),
         orjson.dumps(messages, option=orjson.OPT_SORT_KEYS),
         77,
-        options.get("temperature"),
-        options.get("top_p"),
-        options.get("seed"),
+        {k: orjson.dumps(v) for k, v in options.items()},
     )
     assert assembled == canonical(request)
+    assert orjson.loads(assembled) == request
+
+
+@pytest.mark.parametrize("options", SCALAR_OPTIONS)
+def test_requests_with_scalar_options_hash_as_before_options_existed(options: dict[str, Any]) -> None:
+    # Before request options, the canonical form was every key sorted (nested ones too)
+    request = {"model": "m", "messages": MESSAGES[2], "max_tokens": 9, **options}
+    assert canonical(request) == orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+
+
+def test_an_options_own_key_order_is_kept_and_is_part_of_the_id() -> None:
+    # The order of a schema's properties is the order SGLang generates them in
+    swapped = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    fmt = {"type": "json_schema", "json_schema": {"name": "qa", "schema": SCHEMA}}
+    a = {"model": "m", "messages": MESSAGES[0], "max_tokens": 9, "response_format": fmt}
+    b = {**a, "response_format": {**fmt, "json_schema": {"name": "qa", "schema": swapped}}}
+
+    stored = orjson.loads(canonical(a))["response_format"]["json_schema"]["schema"]["properties"]
+    assert list(stored) == ["why", "answer"]
+    assert content_hash(a) != content_hash(b)
 
 
 @pytest.mark.parametrize(
@@ -71,10 +97,11 @@ def test_the_assembled_request_is_byte_for_byte_the_canonical_one(
         {"prompt": "Write a haiku", "lang": "en"},
         {"messages": REQUEST["messages"], "temperature": 0.2, "metadata": {"k": [1, 2]}},
         {"prompt": "with an id", "id": 17, "max_tokens": 9, "seed": 5},
+        {"prompt": "options", "stop": "END", "top_p": 0.5, "response_format": {"type": "json_object"}},
     ],
 )
 def test_a_routed_row_is_the_job_the_plain_builder_makes(data: dict[str, Any]) -> None:
-    routing = Routing(model="m", top_p=0.9)
+    routing = Routing(model="m", params={"top_p": 0.9, "stop": ["\n"]})
     row = normalize_row("f.jsonl:1", data)
 
     fast = routing.spec(row, "P", "f.jsonl:1")

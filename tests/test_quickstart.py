@@ -60,6 +60,7 @@ def test_the_readme_quick_start_runs_as_written(
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}", "COLUMNS": "160"}
     env.pop("TOKENMILL_REDIS_URL", None)
     env.pop("TOKENMILL_SERVER_URL", None)
+    env["TOKENMILL_SEAL_AFTER_S"] = "2"  # seal the finished partitions within seconds, not a minute
     seen: list[str] = []
 
     for line in quick_start_lines():
@@ -83,6 +84,8 @@ def test_the_readme_quick_start_runs_as_written(
             procs.append(proc)
             if argv[1] == "server":
                 wait_for(lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, 60, "the sim")
+            elif argv[1] == "seal":
+                wait_for(lambda p=proc: "sealing into" in p.output() or not p.alive(), 60, "the sealer")
             else:
                 wait_for(lambda p=proc: " ready." in p.output() or not p.alive(), 60, "a worker")
             assert proc.alive(), proc.output()
@@ -99,7 +102,11 @@ def test_the_readme_quick_start_runs_as_written(
             assert res.returncode == 0, f"{line}\n{res.stdout}\n{res.stderr}"
 
     # Every command the quick start names ran, and the export is what the README shows
-    assert seen == ["source", "export", "export", "server", "enqueue", "worker", "worker", "status", "export"]
+    setup = ["source", "export", "export", "export", "server", "enqueue"]
+    assert seen == [*setup, "worker", "worker", "seal", "status", "export"]
+    # The sealer the quick start starts keeps its shards where the README says
+    assert env["TOKENMILL_RESULTS_URL"] == "results"
+    wait_for(lambda: any((clone / "results").rglob("*.parquet")), 120, "the sealer's first shard")
     exported = read_export(clone / "prepared")
     assert sorted(exported) == ["B1", "B2"]
     assert len(exported["B1"]) == 120 and len(exported["B2"]) == 80

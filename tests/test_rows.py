@@ -57,9 +57,7 @@ def test_messages_keep_their_extra_keys_and_every_option_is_read() -> None:
         record_id="row-1",
         max_tokens=256,
         metadata={"source": "web"},
-        temperature=0.7,
-        top_p=1.0,
-        seed=3,
+        options={"temperature": 0.7, "top_p": 1.0, "seed": 3},
     )
     assert row.messages is not messages
 
@@ -132,7 +130,7 @@ def test_a_row_needs_exactly_one_of_messages_or_prompt(data: dict[str, Any], exp
         ([{"content": "x"}], 'messages[0] has no "role"'),
         (
             [USER, {"role": "bot", "content": "x"}],
-            "messages[1] has unknown role 'bot'; expected one of system, user, assistant, tool",
+            "messages[1] has unknown role 'bot'; expected one of system, developer, user, assistant, tool",
         ),
         ([{"role": "user"}], 'messages[0] (user) has no "content"'),
         ([{"role": "user", "content": None}], 'messages[0] (user) has no "content"'),
@@ -204,8 +202,8 @@ def test_id_must_be_a_non_empty_string_or_an_integer(value: Any, expected: str) 
         ("top_p", 0, '"top_p" must be a number in (0, 1], got 0'),
         ("top_p", 1.5, '"top_p" must be a number in (0, 1], got 1.5'),
         ("top_p", True, '"top_p" must be a number in (0, 1], got True'),
-        ("seed", 1.0, '"seed" must be an integer, got 1.0'),
-        ("seed", "7", "\"seed\" must be an integer, got '7'"),
+        ("seed", 1.0, '"seed" must be a 64-bit integer, got 1.0'),
+        ("seed", "7", "\"seed\" must be a 64-bit integer, got '7'"),
     ],
 )
 def test_sampling_overrides_are_checked(field: str, value: Any, expected: str) -> None:

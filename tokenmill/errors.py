@@ -13,6 +13,11 @@ class TokenmillError(Exception):
     """Base of every tokenmill error."""
 
 
+class StopReached(TokenmillError):
+    """Not an error: a stream's line handler ends the stream at a stop string that straddles a
+    checkpoint (``workers.stream.StopGuard``); the attempt ends as SGLang would have ended it."""
+
+
 # --- configuration and input -------------------------------------------------------------------
 
 
@@ -133,6 +138,12 @@ class InvalidRequestError(TerminalError):
     error_class = "invalid_request"
 
 
+class UnsupportedOptionError(TerminalError):
+    """The server does not serve a request option the job asked for (e.g. too old a version)."""
+
+    error_class = "unsupported_option"
+
+
 class AuthError(TerminalError):
     """The server refused our API key. Workers stop claiming instead of failing every job."""
 
@@ -163,6 +174,12 @@ class StreamError(RetryableError):
     """An error chunk arrived mid-stream, or the stream ended without a finish."""
 
     error_class = "stream_error"
+
+
+class IncompleteOutputError(RetryableError):
+    """The stream ended, but the per-token data it was asked for does not cover every token."""
+
+    error_class = "incomplete_output"
 
 
 class RequestTimeoutError(RetryableError):

@@ -14,37 +14,44 @@ from typing import Any
 
 import orjson
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed")
-
 
 def canonical(request: dict[str, Any]) -> bytes:
-    """The request as canonical JSON (sorted keys): what is hashed and what is stored."""
-    return orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+    """The request as canonical JSON: what is hashed and what is stored.
+
+    Top-level keys are sorted and so are the messages' keys (a message means the same whatever
+    its key order), but an option's value keeps its own order: the order of a JSON Schema's
+    ``properties`` is the order SGLang generates them in, so two schemas that differ only there
+    are two jobs, and the schema sent is the one given.
+    """
+    rest = {k: orjson.dumps(v) for k, v in request.items() if k not in _ASSEMBLED}
+    return canonical_request(
+        orjson.dumps(request.get("model")),
+        orjson.dumps(request["messages"], option=orjson.OPT_SORT_KEYS),
+        request.get("max_tokens"),
+        rest,
+    )
+
+
+_ASSEMBLED = frozenset(("model", "messages", "max_tokens"))
 
 
 def canonical_request(
-    model_json: bytes,
-    messages_json: bytes,
-    max_tokens: int,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    model_json: bytes, messages_json: bytes, max_tokens: int | None, options_json: dict[str, bytes]
 ) -> bytes:
-    """:func:`canonical` of ``{"model", "messages", "max_tokens"}`` plus the sampling options that
-    are set, assembled from the model and messages already serialized (messages with sorted keys).
+    """:func:`canonical` assembled from values already serialized: the model, the messages (with
+    sorted keys) and each option's value (``options_json``, name -> JSON).
 
-    Byte for byte what :func:`canonical` gives for the same request (a test checks), so ids do not
-    depend on which of the two built them; the producer uses this one to dump each prompt once.
+    The producer uses this one to dump each prompt once and a run's options once; ids do not
+    depend on which of the two built them (a test checks byte for byte). For a request whose
+    options are scalars the bytes are what ``orjson.dumps(request, OPT_SORT_KEYS)`` gave before
+    options could be objects, so ids of runs enqueued then do not change.
     """
-    parts = [b'{"max_tokens":', b"%d" % max_tokens, b',"messages":', messages_json, b',"model":', model_json]
-    if seed is not None:
-        parts += (b',"seed":', orjson.dumps(seed))
-    if temperature is not None:
-        parts += (b',"temperature":', orjson.dumps(temperature))
-    if top_p is not None:
-        parts += (b',"top_p":', orjson.dumps(top_p))
-    parts.append(b"}")
-    return b"".join(parts)
+    parts = dict(options_json)
+    parts["messages"] = messages_json
+    parts["model"] = model_json
+    if max_tokens is not None:
+        parts["max_tokens"] = b"%d" % max_tokens
+    return b"{" + b",".join(b'"%s":%s' % (k.encode(), parts[k]) for k in sorted(parts)) + b"}"
 
 
 def content_hash(request: dict[str, Any] | bytes) -> str:

@@ -528,6 +528,7 @@ def commit_call(
         int(result.get("continued_tokens") or 0),
         new_tokens,
         1 if result.get("finish_reason") == "length" else 0,
+        int(result.get("discarded_tokens") or 0),
     ]
     if lengths is not None:
         script_keys.append(k.lengths())

@@ -38,6 +38,8 @@ RUN_STATS = {
     "continued_jobs": ("tokenmill_continued_jobs", "Jobs that finished by continuing a checkpoint."),
     "continued_tokens": ("tokenmill_continued_tokens", "Tokens reused from checkpoints."),
     "truncated": ("tokenmill_truncated_jobs", "Jobs done with finish_reason length."),
+    "restarted_jobs": ("tokenmill_restarted_jobs", "Jobs that started over, throwing a checkpoint away."),
+    "discarded_tokens": ("tokenmill_discarded_tokens", "Checkpointed tokens thrown away by restarts."),
 }
 # admission used hash field -> (metric name, help, is a counter)
 ADMISSION_FIELDS = {

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tokenmill import errors
 from tokenmill.admission import LengthTracker, Slot
 from tokenmill.ledger import Checkpoint, Claim, LengthReport
+from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, restart_reason, stop_strings
 from tokenmill.settings import Settings
-from workers.stream import Progress, StreamClient, stream_chat
+from workers.stream import Progress, StopGuard, StreamClient, stream_chat
 from workers.watch import AttemptState, Watch
 
 if TYPE_CHECKING:
@@ -58,8 +59,11 @@ class Attempted:
         assert self.outcome is not None
         result = self.outcome.result
         result["server"] = self.url
-        if self.claim.checkpoint and not settings.continue_partial:
-            result["restarted"] = True  # a checkpoint existed; continue_partial is off
+        if self.claim.checkpoint and not self.state.base:
+            # a checkpoint existed and was not continued (continue_partial off, or the request's
+            # options forbid it: tokenmill.options.restart_reason): its tokens are thrown away
+            result["restarted"] = True
+            result["discarded_tokens"] = self.claim.checkpoint.tokens
         lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
         return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
 
@@ -69,6 +73,11 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
     task's thread to settle (it may have to wait for Redis)."""
     s = rt.settings
     base = claim.checkpoint if s.continue_partial else Checkpoint()
+    if base:
+        why = restart_reason(claim.spec["request"])
+        if why is not None:
+            log.info("job %s: starting over (%d tokens thrown away): %s", claim.job_id, base.tokens, why)
+            base = Checkpoint()
     state = AttemptState(base=base, progress=Progress())
     tracker = None
     if slot.tokens:
@@ -88,7 +97,6 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
             log.warning("job %s: continuation refused (%s); starting over", claim.job_id, exc.message)
             state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(), 0
             done.outcome = await run_attempt(client, claim, s, rt.watch, state)
-            done.outcome.result["restarted"] = True
     except (errors.GenerationError, errors.StaleClaimError) as exc:
         done.error = exc
     return done
@@ -103,25 +111,35 @@ def committed(rt: Runtime, done: Attempted, commit: Commit, verdict: str) -> str
     return "done" if verdict == "ok" else verdict
 
 
+# Fields of the stored request that the attempt sets itself rather than copying.
+_SET_HERE = frozenset(("model", "messages", "max_tokens", "min_tokens", "return_token_ids"))
+
+
 def build_request(
     claim: Claim, settings: Settings, base: Checkpoint
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The chat request for this attempt, continuing from ``base`` when it is non-empty."""
+    """The chat request for this attempt, continuing from ``base`` when it is non-empty: the
+    job's request options as enqueued, with its token counts less what ``base`` holds."""
     req = claim.spec["request"]
     messages = list(req["messages"])
     extra: dict[str, Any] = {"rid": f"{claim.run}/{claim.job_id}/{claim.attempt}"}
-    max_tokens = req.get("max_tokens")
+    max_tokens, min_tokens = req.get("max_tokens"), req.get("min_tokens")
     if base:
         messages.append({"role": "assistant", "content": continuation_text(base, settings.think_end_tag)})
         extra["continue_final_message"] = True
         if max_tokens is not None:
             max_tokens -= base.tokens
+        if min_tokens:
+            min_tokens = max(0, min_tokens - base.tokens)
     request: dict[str, Any] = {"model": req.get("model") or settings.model, "messages": messages}
+    request.update((k, v) for k, v in req.items() if k not in _SET_HERE)
     if max_tokens is not None:
         request["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "seed"):
-        if req.get(name) is not None:
-            request[name] = req[name]
+    if min_tokens:
+        request["min_tokens"] = min_tokens
+    if req.get("return_token_ids"):
+        # SGLang refuses return_token_ids on a stream; the same ids come in its sglext chunk
+        request[SGLEXT_OUTPUT_IDS] = True
     return request, extra
 
 
@@ -148,6 +166,8 @@ async def run_attempt(
     request, extra = build_request(claim, settings, state.base)
     if request.get("max_tokens") is not None and request["max_tokens"] <= 0:
         return await _ended_at_the_limit(client, claim, settings, request, extra, state)
+    if state.base and request.get("stop"):
+        state.progress.guard = StopGuard.of(state.base.content, state.base.reasoning, stop_strings(request))
     loop = asyncio.get_running_loop()
     started = loop.time()
     stream = asyncio.ensure_future(stream_chat(client, request, extra, state.progress))
@@ -196,12 +216,13 @@ def _outcome(
     claim: Claim, request: dict[str, Any], state: AttemptState, finish: str, started: float
 ) -> Outcome:
     p = state.progress
+    req = claim.spec["request"]
     ck = state.checkpoint()
     new_completion = p.tokens
     prompt_tokens = state.prompt_tokens()
     ttft = (p.first_chunk_at - started) if p.first_chunk_at and started else None
     decode_s = (p.last_chunk_at - p.first_chunk_at) if p.first_chunk_at else 0.0
-    result = {
+    result: dict[str, Any] = {
         "content": ck.content,
         "reasoning_content": ck.reasoning or None,
         "finish_reason": finish,
@@ -212,5 +233,33 @@ def _outcome(
         "ttft_s": round(ttft, 4) if ttft is not None else None,
         "decode_tps": round(p.tokens / decode_s, 2) if decode_s > 0 else None,
     }
+    if p.matched_stop is not None and any(req.get(name) for name in STOPS):
+        result["matched_stop"] = p.matched_stop  # (without stop options it is the EOS token's id)
+    _per_token_data(req, p, result)
     new_tokens = max(0, new_completion - state.reported_tokens)
     return Outcome(result=result, new_tokens=new_tokens)
+
+
+def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) -> None:
+    """Tool calls, log-probabilities and token ids into ``result``; a list that does not cover
+    every generated token is an error, never a short row (such jobs are never continued, so
+    the attempt's tokens are all the job's)."""
+    if p.tool_calls:
+        result["tool_calls"] = p.tool_calls
+    tokens = p.tokens
+    if req.get("logprobs"):
+        got = len(p.logprobs or ())
+        if got != tokens:
+            raise errors.IncompleteOutputError(f"the server sent {got} log-probabilities for {tokens} tokens")
+        result["logprobs"] = {"content": p.logprobs or []}
+    if req.get("return_token_ids"):
+        if p.output_ids is None:
+            raise errors.UnsupportedOptionError(
+                "the server sent no token ids: return_token_ids needs SGLang >= 0.5.23 (its sglext "
+                "output_ids on a stream)"
+            )
+        if len(p.output_ids) != tokens:
+            raise errors.IncompleteOutputError(
+                f"the server sent {len(p.output_ids)} token ids for {tokens} tokens"
+            )
+        result["output_token_ids"] = p.output_ids

@@ -16,6 +16,7 @@ call; checkpoints are taken by the process's watch (:mod:`workers.watch`) from t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +26,7 @@ import orjson
 from openai import APIStatusError, AsyncOpenAI
 
 from tokenmill import errors
+from tokenmill.options import SGLEXT_OUTPUT_IDS
 from workers import taxonomy
 from workers.transport import ConnectionPool, Response
 
@@ -47,6 +49,14 @@ class Progress:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     model: str | None = None
+    matched_stop: str | int | None = None
+    # Read only for requests that ask for them (:func:`handler_for`); the plain path never looks.
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    output_ids: list[int] | None = None
+    guard: StopGuard | None = None
+    # (part, n): a stop string across the checkpoint cut n characters from the end of its part
+    trim: tuple[str, int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -102,13 +112,15 @@ async def stream_chat(
     client: StreamClient, request: dict[str, Any], extra: dict[str, Any], progress: Progress
 ) -> Progress:
     """Stream ``request`` and accumulate into ``progress``; raise a classified error on failure."""
-    lines = _Lines(progress, asyncio.get_running_loop())
+    lines = _Lines(progress, asyncio.get_running_loop(), handler_for(request, progress))
     try:
         body = orjson.dumps({**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS})
         response = await client.pool.request(client.request_bytes(body), lines.feed)
         if not 200 <= response.status < 300:
             raise client.status_error(response)
         lines.end()
+    except errors.StopReached:
+        pass  # a stop string across a checkpoint: the text ends there, as one run would have
     except errors.GenerationError:
         raise
     except Exception as exc:  # classified in one place
@@ -120,29 +132,44 @@ async def stream_chat(
     return progress
 
 
+LineHandler = Callable[[bytes, Progress, asyncio.AbstractEventLoop], None]
+
+
 class _Lines:
     """The body of a stream, as it arrives: split into lines, each ``data:`` line parsed."""
 
-    __slots__ = ("buf", "loop", "progress")
+    __slots__ = ("buf", "loop", "on_line", "progress")
 
-    def __init__(self, progress: Progress, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, progress: Progress, loop: asyncio.AbstractEventLoop, on_line: LineHandler) -> None:
         self.buf = b""
         self.progress = progress
         self.loop = loop
+        self.on_line = on_line
 
     def feed(self, data: bytes) -> None:
         if b"\n" not in data:
             self.buf += data
             return
         *lines, self.buf = (self.buf + data).split(b"\n") if self.buf else data.split(b"\n")
+        on_line = self.on_line
         for line in lines:
             if line.startswith(_DATA):
-                _on_line(line[6:], self.progress, self.loop)
+                on_line(line[6:], self.progress, self.loop)
 
     def end(self) -> None:
         if self.buf.startswith(_DATA):
-            _on_line(self.buf[6:], self.progress, self.loop)
+            self.on_line(self.buf[6:], self.progress, self.loop)
         self.buf = b""
+
+
+def handler_for(request: dict[str, Any], progress: Progress) -> LineHandler:
+    """The plain per-line path, or the full one for a request that asks for tool calls,
+    log-probabilities or token ids, or whose continuation guards its stop strings."""
+    if progress.guard is not None or request.get("tools") or request.get("logprobs"):
+        return _on_line_full
+    if request.get(SGLEXT_OUTPUT_IDS):
+        return _on_line_full
+    return _on_line
 
 
 def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:
@@ -165,6 +192,7 @@ def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> No
         reason = choice.get("finish_reason")
         if reason:
             p.finish_reason = reason
+            p.matched_stop = choice.get("matched_stop")
         p.last_chunk_at = loop.time()
         if not p.first_chunk_at:
             p.first_chunk_at = p.last_chunk_at
@@ -174,3 +202,118 @@ def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> No
     usage = obj.get("usage")
     if usage:
         p.usage = usage
+
+
+def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:
+    """:func:`_on_line` for the requests that need more of each chunk: tool-call fragments
+    assembled by index, log-probabilities appended, the token ids of SGLang's ``sglext`` chunk,
+    and a stop string that straddles a checkpoint."""
+    if payload.startswith(_DONE):
+        return
+    obj = orjson.loads(payload)
+    choices = obj.get("choices")
+    if choices:
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if text:
+            p.content.append(text)
+            p.chunks += 1
+        text = delta.get("reasoning_content")
+        if text:
+            p.reasoning.append(text)
+            p.chunks += 1
+        calls = delta.get("tool_calls")
+        if calls:
+            _add_tool_calls(p, calls)
+            p.chunks += 1
+        logprobs = choice.get("logprobs")
+        if logprobs and logprobs.get("content"):
+            (p.logprobs if p.logprobs is not None else _new_list(p, "logprobs")).extend(logprobs["content"])
+        reason = choice.get("finish_reason")
+        if reason:
+            p.finish_reason = reason
+            p.matched_stop = choice.get("matched_stop")
+        p.last_chunk_at = loop.time()
+        if not p.first_chunk_at:
+            p.first_chunk_at = p.last_chunk_at
+            p.model = obj.get("model")
+    elif "error" in obj:
+        raise taxonomy.from_error_chunk(obj)
+    else:
+        ext = obj.get("sglext")
+        if ext and ext.get("output_ids"):
+            p.output_ids = list(ext["output_ids"][0])
+    usage = obj.get("usage")
+    if usage:
+        p.usage = usage
+    if p.guard is not None and choices:
+        p.guard.check(p)
+
+
+def _new_list(p: Progress, name: str) -> list[Any]:
+    out: list[Any] = []
+    setattr(p, name, out)
+    return out
+
+
+def _add_tool_calls(p: Progress, fragments: list[dict[str, Any]]) -> None:
+    """Fold streamed tool-call fragments into whole calls: the first fragment of an ``index``
+    carries its id and function name, later ones more of its arguments."""
+    calls = p.tool_calls if p.tool_calls is not None else _new_list(p, "tool_calls")
+    for frag in fragments:
+        index = frag.get("index") or 0
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+        call = calls[index]
+        if frag.get("id"):
+            call["id"] = frag["id"]
+        fn = frag.get("function") or {}
+        if fn.get("name"):
+            call["function"]["name"] = fn["name"]
+        args = fn.get("arguments")
+        if args:
+            call["function"]["arguments"] += args if isinstance(args, str) else orjson.dumps(args).decode()
+
+
+@dataclass(slots=True)
+class StopGuard:
+    """A continued job's stop strings, checked across the checkpoint.
+
+    SGLang looks for stop strings in what it generates; a continuation's prompt ends with the
+    checkpoint, so a stop string that began in the checkpoint and ends in the continuation is
+    not seen, and the text would run past it. The guard looks at the checkpoint's tail and the
+    first characters the continuation adds to the same part (content, or reasoning when the
+    checkpoint ended inside it): a match there must start in the tail. It cuts the text where
+    the stop string begins and ends the stream, as one uninterrupted run would have ended.
+    """
+
+    tail: str  # the checkpoint's last (longest stop - 1) characters of ``part``
+    part: str  # "content" or "reasoning"
+    stops: tuple[str, ...]
+    longest: int
+
+    @classmethod
+    def of(cls, content: str, reasoning: str, stops: tuple[str, ...]) -> StopGuard | None:
+        longest = max((len(s) for s in stops), default=0)
+        part, text = ("content", content) if content else ("reasoning", reasoning)
+        if longest < 2 or not text:
+            return None  # a one-character stop string cannot straddle
+        return cls(text[-(longest - 1) :], part, stops, longest)
+
+    def check(self, p: Progress) -> None:
+        pieces: list[str] = getattr(p, self.part)
+        if not pieces:
+            return
+        new = "".join(pieces)
+        window = self.tail + new[: self.longest - 1]
+        hits = [(i, s) for s in self.stops if 0 <= (i := window.find(s)) < len(self.tail)]
+        if hits:
+            cut, stop = min(hits)
+            pieces.clear()
+            p.content.clear()  # nothing after the stop string is kept
+            p.finish_reason, p.matched_stop, p.guard = "stop", stop, None
+            p.trim = (self.part, len(self.tail) - cut)
+            raise errors.StopReached
+        if len(new) >= self.longest - 1:
+            p.guard = None  # past the window: any later stop string is SGLang's to find

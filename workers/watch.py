@@ -44,9 +44,16 @@ class AttemptState:
 
     def checkpoint(self) -> Checkpoint:
         p = self.progress
+        content, reasoning = self.base.content, self.base.reasoning
+        if p.trim is not None:  # a stop string began inside the checkpoint (workers.stream.StopGuard)
+            part, n = p.trim
+            if part == "content":
+                content = content[:-n]
+            else:
+                reasoning = reasoning[:-n]
         return Checkpoint(
-            content=self.base.content + "".join(p.content),
-            reasoning=self.base.reasoning + "".join(p.reasoning),
+            content=content + "".join(p.content),
+            reasoning=reasoning + "".join(p.reasoning),
             tokens=self.base.tokens + p.tokens,
             prompt_tokens=self.prompt_tokens(),
         )

@@ -15,10 +15,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from server_mgr.sim import faults, sse
+from server_mgr.sim import faults, render, sse
+from server_mgr.sim.errors import RequestError
 from server_mgr.sim.scheduler import QueueFullError, SimRequest
 from server_mgr.sim.state import STATE, SimState
-from server_mgr.sim.validation import ChatPlan, RequestError, plan_chat
+from server_mgr.sim.validation import ChatPlan, plan_chat
 
 FAULT_AFTER_TOKENS = 3
 QUEUE_FULL = "The request queue is full."
@@ -58,13 +59,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         fault = "error"
     elif cfg.stall_every and n % cfg.stall_every == 0:
         fault = "stall"
-    c = plan.completion
+    out = plan.output
     req = SimRequest(
         rid=plan.rid,
-        prompt_tokens=c.prompt_tokens,
-        output_tokens=c.completion_tokens,
+        prompt_tokens=out.prompt_tokens,
+        output_tokens=0 if plan.abort else len(out.tokens),
         max_new_tokens=plan.max_new_tokens,
-        finish_reason=c.finish_reason,
+        finish_reason="abort" if plan.abort else out.finish_reason,
     )
     try:
         state.scheduler.submit(req)
@@ -110,41 +111,44 @@ def peer(request: web.Request) -> str:
 async def _stream(
     request: web.Request, state: SimState, plan: ChatPlan, req: SimRequest, fault: str | None
 ) -> web.StreamResponse:
-    c = plan.completion
-    tokens, split = c.tokens, c.reasoning_tokens
     enc = sse.ChunkEncoder(plan.rid, int(time.time()), plan.model)
+    if plan.abort:
+        return await _stream_abort(request, plan, req)
     resp = await _open_stream(request)
     await resp.write(enc.role())
+    renderer = render.StreamRenderer(plan, enc)
     sent = 0
     while True:
         upto = req.emitted
         if fault and (upto >= FAULT_AFTER_TOKENS or req.finished):
             return await _stream_fault(state, plan, req, resp, enc, fault, sent)
-        if upto > sent:
-            buf = b""
-            if sent < split:
-                done = min(upto, split)
-                buf = enc.reasoning("".join(tokens[sent:done]), _usage(plan, req, done, split))
-            if upto > split:
-                buf += enc.content("".join(tokens[max(sent, split) : upto]), _usage(plan, req, upto, split))
-            await resp.write(buf)
-            sent = upto
-        elif req.finished:
+        if req.finished:
+            await resp.write(renderer.step(req.generated, req.finish_reason != "abort"))
             break
+        if upto > sent:
+            await resp.write(renderer.step(upto, False))
+            sent = upto
         else:
             await req.wait()
-    tail = enc.finish(req.finish_reason)
+    tail = renderer.finish(req.finish_reason)
+    if plan.opts.output_ids_in_sglext:
+        tail += enc.sglext([plan.output.ids()[: req.generated]])
     if plan.include_usage:
-        tail += enc.usage(req.prompt_tokens, req.generated, min(req.generated, split))
+        tail += enc.usage(req.prompt_tokens, req.generated, _reasoning_tokens(plan, req.generated))
     await resp.write(tail + sse.DONE)
     return resp
 
 
-def _usage(plan: ChatPlan, req: SimRequest, generated: int, split: int) -> bytes:
-    """The running usage a chunk carries with ``continuous_usage_stats`` (else nothing)."""
-    if not plan.continuous_usage:
-        return b""
-    return orjson.dumps(sse.usage_body(req.prompt_tokens, generated, min(generated, split)))
+def _reasoning_tokens(plan: ChatPlan, generated: int) -> int:
+    return min(generated, plan.output.reasoning_tokens) if plan.reasoning else 0
+
+
+async def _stream_abort(request: web.Request, plan: ChatPlan, req: SimRequest) -> web.StreamResponse:
+    """A grammar that does not compile: SGLang's scheduler aborts the request with 400."""
+    while not req.finished:
+        await req.wait()
+    err = RequestError(plan.abort or "", type_="BadRequestError")
+    return json_response(err.body(), err.status)
 
 
 async def _stream_fault(
@@ -163,7 +167,7 @@ async def _stream_fault(
         await asyncio.Event().wait()  # until the client disconnects and aiohttp cancels us
     buf = sse.error_chunk(QUEUE_FULL, "SERVICE_UNAVAILABLE", 503)
     if plan.include_usage:
-        buf += enc.usage(req.prompt_tokens, sent, min(sent, plan.completion.reasoning_tokens))
+        buf += enc.usage(req.prompt_tokens, sent, _reasoning_tokens(plan, sent))
     await resp.write(buf + sse.DONE)
     return resp
 
@@ -177,18 +181,8 @@ async def _whole(state: SimState, plan: ChatPlan, req: SimRequest, fault: str | 
             err = RequestError(QUEUE_FULL, status=503, type_="503")
             return json_response(err.body(), 503)
         await req.wait()
-    c = plan.completion
-    n = req.generated
-    n_reason = min(n, c.reasoning_tokens)
-    body = sse.chat_response(
-        rid=plan.rid,
-        created=int(time.time()),
-        model=plan.model,
-        reasoning_content="".join(c.tokens[:n_reason]),
-        content="".join(c.tokens[n_reason:n]),
-        finish_reason=req.finish_reason,
-        prompt_tokens=req.prompt_tokens,
-        completion_tokens=n,
-        reasoning_tokens=n_reason,
-    )
+    if plan.abort:
+        err = RequestError(plan.abort, type_="BadRequestError")
+        return json_response(err.body(), err.status)
+    body = render.whole(plan, req.generated, req.finish_reason)
     return web.Response(body=body, content_type="application/json")

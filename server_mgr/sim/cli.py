@@ -36,6 +36,11 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
     default=None,
     help="Any name: outputs start with reasoning text (reasoning_content).",
 )
+@click.option(
+    "--tool-call-parser",
+    default=None,
+    help="qwen25 (or qwen, hermes): tool calls are written as <tool_call> blocks and parsed.",
+)
 @click.option("--mem-fraction-static", type=float, default=0.88, show_default=True)
 @click.option("--tp-size", "--tensor-parallel-size", "tp_size", type=int, default=1, show_default=True)
 @click.option("--stream-interval", type=int, default=1, show_default=True)

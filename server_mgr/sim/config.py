@@ -18,6 +18,7 @@ KV_BYTES_PER_TOKEN = 131072  # 32 layers x 8 kv heads x 128 dims x 2 (K, V) x 2 
 CHUNKED_PREFILL_SIZE = 8192
 MAX_PREFILL_TOKENS = 16384
 CUDA_GRAPH_MAX_BS = 256
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes")  # SGLang's names of the one format the sim writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class SimConfig:
     max_queued_requests: int | None = None
     api_key: str | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     mem_fraction_static: float = 0.88
     tp_size: int = 1
     stream_interval: int = 1
@@ -113,6 +115,11 @@ class SimConfig:
             raise ValueError(
                 "--stream-interval, --decode-log-interval, --load-snapshot-publish-interval and "
                 "--tp-size must be >= 1"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser!r}: the sim writes tool calls in the "
+                f"Qwen 2.5 format only ({', '.join(TOOL_CALL_PARSERS)})"
             )
         if not 0.0 <= self.perturb <= 1.0:
             raise ValueError(f"--sim-perturb must be in [0, 1], got {self.perturb}")

@@ -11,14 +11,16 @@ from typing import Any
 
 import orjson
 
-from server_mgr.sim.textgen import EOS_TOKEN_ID
-
 DONE = b"data: [DONE]\n\n"
-_TAIL = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
 
 
-def _usage_tail(usage: bytes) -> bytes:
-    return b'},"logprobs":null,"finish_reason":null,"matched_stop":null}],"usage":' + usage + b"}\n\n"
+def _tail(logprobs: bytes = b"", usage: bytes = b"") -> bytes:
+    """The end of a one-choice chunk after its delta: ``logprobs`` and ``usage`` JSON or empty."""
+    tail = b'},"logprobs":' + (logprobs or b"null") + b',"finish_reason":null,"matched_stop":null}]'
+    return tail + (b',"usage":' + usage if usage else b"") + b"}\n\n"
+
+
+_TAIL = _tail()
 
 
 def usage_body(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
@@ -31,11 +33,6 @@ def usage_body(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }
-
-
-def matched_stop(finish_reason: str) -> int | None:
-    """A natural stop matched the EOS token; length and abort match nothing."""
-    return EOS_TOKEN_ID if finish_reason == "stop" else None
 
 
 def error_chunk(message: str, type_: str, code: int) -> bytes:
@@ -65,19 +62,36 @@ class ChunkEncoder:
     def role(self) -> bytes:
         return self._head + b'"reasoning_content":null,"role":"assistant","content":""' + _TAIL
 
-    def content(self, text: str, usage: bytes = b"") -> bytes:
-        """A content delta; ``usage`` (``continuous_usage_stats``) rides on the chunk when given."""
-        return self._content + orjson.dumps(text) + (_usage_tail(usage) if usage else _TAIL)
+    def content(self, text: str, usage: bytes = b"", logprobs: bytes = b"") -> bytes:
+        """A content delta; ``usage`` (``continuous_usage_stats``) and ``logprobs`` (the entries
+        of this step's tokens) ride on the chunk when given."""
+        return self._content + orjson.dumps(text) + (_tail(logprobs, usage) if usage or logprobs else _TAIL)
 
-    def reasoning(self, text: str, usage: bytes = b"") -> bytes:
-        return self._reasoning + orjson.dumps(text) + (_usage_tail(usage) if usage else _TAIL)
+    def reasoning(self, text: str, usage: bytes = b"", logprobs: bytes = b"") -> bytes:
+        return self._reasoning + orjson.dumps(text) + (_tail(logprobs, usage) if usage or logprobs else _TAIL)
 
-    def finish(self, finish_reason: str) -> bytes:
+    def bare(self, logprobs: bytes, usage: bytes = b"") -> bytes:
+        """A chunk with an empty delta carrying the step's ``logprobs`` (what SGLang sends when a
+        parser took the step's text)."""
+        return self._head + b'"reasoning_content":null' + _tail(logprobs, usage)
+
+    def model_chunk(self, delta: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
+        """A chunk SGLang builds with pydantic (tool-call deltas and the text around them):
+        every delta field present, null when unset, and a top-level ``usage``."""
+        full = {"role": None, "content": None, "reasoning_content": None, **delta}
+        choice = {"index": 0, "delta": full, "logprobs": None, "finish_reason": None, "matched_stop": None}
+        body = orjson.dumps({"choices": [choice], "usage": usage})
+        return b"data: " + self._top + b"," + body[1:] + b"\n\n"
+
+    def finish(self, finish_reason: str, matched: int | str | None) -> bytes:
         """The separate finish chunk, with an empty delta."""
-        tail = orjson.dumps(
-            {"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched_stop(finish_reason)}
-        )
+        tail = orjson.dumps({"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched})
         return self._head + b'"reasoning_content":null},' + tail[1:-1] + b"}]}\n\n"
+
+    def sglext(self, output_ids: list[list[int]]) -> bytes:
+        """The chunk with ``sglext.output_ids`` (``return_output_ids_in_sglext``), before usage."""
+        body = orjson.dumps({"choices": [], "usage": None, "sglext": {"output_ids": output_ids}})
+        return b"data: " + self._top + b"," + body[1:] + b"\n\n"
 
     def usage(self, prompt: int, completion: int, reasoning: int) -> bytes:
         body = orjson.dumps(usage_body(prompt, completion, reasoning))
@@ -89,34 +103,34 @@ def chat_response(
     rid: str,
     created: int,
     model: str,
-    reasoning_content: str | None,
-    content: str,
+    message: dict[str, Any],
+    choice_extra: dict[str, Any],
     finish_reason: str,
+    matched_stop: int | str | None,
     prompt_tokens: int,
     completion_tokens: int,
     reasoning_tokens: int,
+    sglext: dict[str, Any] | None = None,
 ) -> bytes:
-    """A non-streaming ``chat.completion`` body (§3.3)."""
-    return orjson.dumps(
-        {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": content or None,
-                        "reasoning_content": reasoning_content or None,
-                    },
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                    "matched_stop": matched_stop(finish_reason),
-                }
-            ],
-            "usage": usage_body(prompt_tokens, completion_tokens, reasoning_tokens),
-            "metadata": {"weight_version": "default"},
-        }
-    )
+    """A non-streaming ``chat.completion`` body (§3.3); ``message`` is the assistant message,
+    ``choice_extra`` holds ``logprobs`` and the token id fields."""
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", **message},
+        "logprobs": choice_extra.get("logprobs"),
+        "finish_reason": finish_reason,
+        "matched_stop": matched_stop,
+        **{k: v for k, v in choice_extra.items() if k != "logprobs"},
+    }
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_body(prompt_tokens, completion_tokens, reasoning_tokens),
+        "metadata": {"weight_version": "default"},
+    }
+    if sglext:
+        body["sglext"] = sglext
+    return orjson.dumps(body)

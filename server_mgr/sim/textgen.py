@@ -46,6 +46,8 @@ _WORDS = (
 VOCAB: tuple[str, ...] = tuple(" " + w for w in dict.fromkeys(_WORDS))
 THINK_END = "</think>"  # ends the reasoning in a continued partial
 EOS_TOKEN_ID = 151645  # matched_stop of a natural stop (Qwen's <|im_end|>)
+VOCAB_ID_BASE = 1000  # the id of VOCAB[i] is VOCAB_ID_BASE + i
+UNBOUNDED = 2**31  # the natural length of an output that ignores EOS
 # Tokens the chat template adds around each message and for the generation prompt.
 TOKENS_PER_MESSAGE = 4
 TOKENS_FOR_REPLY = 3
@@ -66,6 +68,22 @@ class Completion:
     tokens: list[str]
     reasoning_tokens: int = 0  # how many leading entries of ``tokens`` are reasoning
     prompt_tokens: int = 0
+    key: bytes = b""  # the hash the uninterrupted output is drawn from (log-probabilities use it)
+    start: int = 0  # index of ``tokens[0]`` in that output
+
+
+@dataclass(frozen=True, slots=True)
+class Steering:
+    """How request options bend the token choice, by vocabulary index: a large positive
+    ``logit_bias`` forces a token everywhere, a large negative one bans it, ``stop_token_ids``
+    are banned before ``min_tokens`` (SGLang's min-new-tokens penalty), and ``ignore_eos`` or
+    ``min_tokens`` move the natural end."""
+
+    forced: int | None = None
+    banned: frozenset[int] = frozenset()
+    banned_early: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 def message_text(content: Any) -> str:
@@ -102,6 +120,7 @@ def _hash_key(
     temperature: float | None,
     top_p: float | None,
     sim_seed: int,
+    salt: Sequence[Any] = (),
 ) -> bytes:
     norm = [[str(m.get("role")), message_text(m.get("content"))] for m in messages]
     temp = None if temperature is None else float(temperature)
@@ -109,7 +128,10 @@ def _hash_key(
         # greedy decoding does not depend on the sampling seed or top_p
         seed, top_p = None, None
     tp = None if top_p is None else float(top_p)
-    payload = orjson.dumps([norm, seed, temp, tp, int(sim_seed)])
+    fields: list[Any] = [norm, seed, temp, tp, int(sim_seed)]
+    if salt:  # options that change the output (penalties); absent, keys are as they always were
+        fields.append(list(salt))
+    payload = orjson.dumps(fields)
     return hashlib.blake2b(payload, digest_size=32).digest()
 
 
@@ -136,10 +158,12 @@ def _reasoning_split(length: int, fraction: float) -> int:
     return min(length - 1, max(1, math.floor(length * fraction)))
 
 
-def _tokens(key: bytes, n: int, perturb: float) -> list[str]:
+def _tokens(key: bytes, n: int, perturb: float, steering: Steering | None = None) -> list[str]:
     vocab_size = len(VOCAB)
     picks = _words(key, b"tok")
     ids = [next(picks) % vocab_size for _ in range(n)]
+    if steering is not None:
+        ids = [_steer(i, pos, steering) for pos, i in enumerate(ids)]
     if perturb > 0.0:
         # separate streams decide which tokens to swap and for what, so that a perturbed output
         # keeps its length and differs from the clean one exactly at the swapped positions
@@ -150,8 +174,25 @@ def _tokens(key: bytes, n: int, perturb: float) -> list[str]:
     return [VOCAB[i] for i in ids]
 
 
+def _steer(index: int, position: int, steering: Steering) -> int:
+    if steering.forced is not None:
+        return steering.forced
+    banned = steering.banned | (steering.banned_early if position < steering.min_tokens else frozenset())
+    for _ in range(len(VOCAB)):
+        if index not in banned:
+            return index
+        index = (index + 1) % len(VOCAB)
+    return index
+
+
 def _assemble(
-    tokens: list[str], start: int, split: int, reasoning: bool, finish: FinishReason, prompt: int
+    tokens: list[str],
+    start: int,
+    split: int,
+    reasoning: bool,
+    finish: FinishReason,
+    prompt: int,
+    key: bytes = b"",
 ) -> Completion:
     """A Completion for ``tokens``, the slice of the full output that begins at index ``start``."""
     n_reason = max(0, min(len(tokens), split - start)) if reasoning else 0
@@ -164,6 +205,8 @@ def _assemble(
         tokens=tokens,
         reasoning_tokens=n_reason,
         prompt_tokens=prompt,
+        key=key,
+        start=start,
     )
 
 
@@ -180,23 +223,29 @@ def expected_completion(
     sim_seed: int = 0,
     context_length: int = 32768,
     max_total_tokens: int | None = None,
+    steering: Steering | None = None,
+    salt: Sequence[Any] = (),
 ) -> Completion:
     """What the sim generates for ``messages`` (no continuation).
 
     ``max_tokens`` is the request's effective limit (``max_completion_tokens or max_tokens``);
     None or 0 means unlimited, as in SGLang. Without it, output stops at its natural length or
-    at the context edge (finish ``length``).
+    at the context edge (finish ``length``). ``steering`` and ``salt`` carry the request options
+    that change the tokens (see :class:`Steering`; ``salt``: the penalties' values).
     """
-    key = _hash_key(messages, seed, temperature, top_p, sim_seed)
-    length, fraction = _shape(key, mean_output_tokens)
+    key = _hash_key(messages, seed, temperature, top_p, sim_seed, salt)
+    natural, fraction = _shape(key, mean_output_tokens)
+    length = natural
+    if steering is not None:
+        length = UNBOUNDED if steering.ignore_eos else max(natural, steering.min_tokens)
     prompt = count_prompt_tokens(messages)
     limit = generation_budget(prompt, context_length=context_length, max_total_tokens=max_total_tokens)
     if max_tokens:
         limit = min(limit, max_tokens)
     n = min(length, limit)
     finish: FinishReason = "length" if n < length else "stop"
-    split = _reasoning_split(length, fraction)
-    return _assemble(_tokens(key, n, perturb), 0, split, reasoning, finish, prompt)
+    split = _reasoning_split(natural, fraction)
+    return _assemble(_tokens(key, n, perturb, steering), 0, split, reasoning, finish, prompt, key)
 
 
 def split_partial(messages: Sequence[Message]) -> tuple[list[Message], Message]:
@@ -264,7 +313,7 @@ def expected_continuation(
     end = len(tokens) if not max_tokens else min(len(tokens), max_tokens)
     finish: FinishReason = "length" if end < len(tokens) else full.finish_reason
     split = full.reasoning_tokens if reasoning else 0
-    return _assemble(tokens[:end], first, split, reasoning, finish, full.prompt_tokens + k)
+    return _assemble(tokens[:end], first, split, reasoning, finish, full.prompt_tokens + k, full.key)
 
 
 def _foreign_continuation(

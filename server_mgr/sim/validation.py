@@ -13,31 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from server_mgr.sim import textgen
+from server_mgr.sim import decode, textgen
 from server_mgr.sim.config import SimConfig
+from server_mgr.sim.errors import RequestError
 from server_mgr.sim.logs import SimLog
+from server_mgr.sim.options import Options, grammar_error, parse_options
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature is greedy decoding
-
-
-class RequestError(Exception):
-    """A request SGLang would refuse: ``status``, error ``type`` and the exact ``message``."""
-
-    def __init__(self, message: str, *, status: int = 400, type_: str = "BadRequestError"):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type_
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "object": "error",
-            "message": self.message,
-            "type": self.type,
-            "param": None,
-            "code": self.status,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +32,12 @@ class ChatPlan:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    completion: textgen.Completion
+    output: decode.Output
+    opts: Options
+    reasoning: bool  # the reasoning parser separates this request's thinking
+    tool_parsing: bool  # the tool-call parser reads this request's output
+    parsers: bool  # the server runs a reasoning or tool-call parser (where logprobs go)
+    abort: str | None  # the scheduler aborts the request with this message (a bad grammar)
     max_new_tokens: int  # the limit the scheduler knows (clamped to the context)
 
 
@@ -155,8 +143,8 @@ def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog
 
 
 def _truncated_input(
-    messages: list[dict[str, Any]], params: dict[str, Any], continued: bool, cfg: SimConfig
-) -> textgen.Completion:
+    messages: list[dict[str, Any]], params: dict[str, Any], continued: bool, cfg: SimConfig, opts: Options
+) -> decode.Output:
     """With --allow-auto-truncate, an over-long input is cut to the scheduler's input limit.
 
     The output is the same token sequence, now with the budget of the truncated input.
@@ -167,13 +155,18 @@ def _truncated_input(
     )
     limit = min(budget, params["max_tokens"] or budget)
     unbounded = {**params, "max_tokens": limit, "context_length": 2**40, "max_total_tokens": None}
-    completion = textgen.resolve(messages, continue_final_message=continued, **unbounded)
-    return replace(completion, prompt_tokens=prompt)
+    output = decode.build(messages, unbounded, opts, continued=continued, tool_parser=cfg.tool_call_parser)
+    return replace(output, prompt_tokens=prompt)
 
 
 def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
-    """Validate a /v1/chat/completions body and compute its deterministic completion."""
+    """Validate a /v1/chat/completions body and compute its deterministic output."""
     messages = check_messages(body)
+    stream = bool(body.get("stream", False))
+    opts = parse_options(body, stream=stream)
+    abort = grammar_error(opts.constraint) if opts.constraint else None
+    if abort:  # the scheduler aborts it before a token: nothing to draw from the grammar
+        opts = replace(opts, constraint=None)
     # 0.5.23: max_completion_tokens wins; 0 is falsy, i.e. unlimited
     max_new = _int(body, "max_completion_tokens") or _int(body, "max_tokens") or None
     seed = _int(body, "seed")
@@ -196,21 +189,25 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
             "continue a final assistant message (sim fault --sim-refuse-continuations)"
         )
     try:
-        completion = textgen.resolve(messages, continue_final_message=continued, **params)
+        output = decode.build(messages, params, opts, continued=continued, tool_parser=cfg.tool_call_parser)
     except textgen.ContinuationError as exc:
         raise RequestError(str(exc)) from None
-    limit = _check_context(completion.prompt_tokens, max_new, cfg, log)
-    if completion.prompt_tokens >= cfg.context_len:
-        completion = _truncated_input(messages, params, continued, cfg)
-    elif completion.prompt_tokens > cfg.max_req_input_len:
+    limit = _check_context(output.prompt_tokens, max_new, cfg, log)
+    if output.prompt_tokens >= cfg.context_len:
+        output = _truncated_input(messages, params, continued, cfg, opts)
+    elif output.prompt_tokens > cfg.max_req_input_len:
         raise RequestError(
-            f"Input length ({completion.prompt_tokens} tokens) exceeds the maximum allowed "
+            f"Input length ({output.prompt_tokens} tokens) exceeds the maximum allowed "
             f"length ({cfg.max_req_input_len} tokens). Use a shorter input or enable "
             "--allow-auto-truncate."
         )
     check_sampling(body, max_new)
+    if max_new and opts.min_tokens > max_new:
+        raise RequestError(
+            f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {opts.min_tokens}."
+        )
     budget = textgen.generation_budget(
-        completion.prompt_tokens,
+        output.prompt_tokens,
         context_length=cfg.context_len,
         max_total_tokens=cfg.max_total_tokens,
     )
@@ -219,9 +216,14 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
     return ChatPlan(
         rid=rid if isinstance(rid, str) and rid else uuid.uuid4().hex,
         model=str(body.get("model") or "default"),
-        stream=bool(body.get("stream", False)),
+        stream=stream,
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         continuous_usage=bool(isinstance(options, dict) and options.get("continuous_usage_stats")),
-        completion=completion,
-        max_new_tokens=max(completion.completion_tokens, min(limit or budget, budget)),
+        output=output,
+        opts=opts,
+        reasoning=bool(params["reasoning"]),
+        tool_parsing=bool(cfg.tool_call_parser and opts.calls_tools),
+        parsers=bool(cfg.tool_call_parser or cfg.reasoning_parser),
+        abort=abort,
+        max_new_tokens=max(len(output.tokens), min(limit or budget, budget)),
     )

@@ -3,12 +3,14 @@
 -- Post: the job is `done` with its result; the checkpoint and lease are gone; counts move
 --       running -> done; run totals and the throughput bucket grow, and the run's last
 --       activity time is now; the job waits in its partition's unsealed set (scored by its
---       enqueue seq) for the sealer. With KEYS 7, the run's lengths hash counts one more request
---       ended in ARGV 9's bin and reached ARGV 10...'s.
+--       enqueue seq) for the sealer; an attempt that started over and threw a checkpoint's
+--       tokens away counts them. With KEYS 7, the run's lengths hash counts one more request
+--       ended in ARGV 10's bin and reached ARGV 11...'s.
 -- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), [7 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
---       [9 lengths field ended in (e<bin>), 10... lengths fields reached (r<bin>)].
+--       9 checkpoint tokens thrown away (a restart), [10 lengths field ended in (e<bin>),
+--       11... lengths fields reached (r<bin>)].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
 if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
@@ -32,8 +34,12 @@ if tonumber(ARGV[6]) > 0 then
   redis.call('HINCRBY', KEYS[4], 'continued_tokens', ARGV[6])
 end
 if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[4], 'truncated', 1) end
+if tonumber(ARGV[9]) > 0 then
+  redis.call('HINCRBY', KEYS[4], 'restarted_jobs', 1)
+  redis.call('HINCRBY', KEYS[4], 'discarded_tokens', ARGV[9])
+end
 if KEYS[7] then
-  for i = 9, #ARGV do redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
+  for i = 10, #ARGV do redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
 end
 local n = tonumber(ARGV[7])
 if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end

@@ -1,0 +1,195 @@
+"""What one request generates once its options apply: the tokens, where they stop, and why.
+
+:mod:`server_mgr.sim.textgen` draws the free text; this module bends it the way SGLang 0.5.23's
+scheduler and detokenizer would:
+
+- an output constraint (``response_format``, ``regex``, ``ebnf``) or a forced tool call
+  (``tool_choice`` ``required`` or named; ``auto`` calls a tool for about half the prompts when
+  a tool-call parser is set) replaces the content with a string of the grammar, after the
+  reasoning when there is reasoning; it ends on EOS, or on ``length`` cut anywhere;
+- stop strings: the output ends at the first step whose text contains one (the first in the
+  request's list when several complete at that step), ``matched_stop`` is that string and the
+  text is cut before its first occurrence; the token that completed it is counted, as SGLang
+  counts it. A stop token id ends the output on that token (counted, not shown); before
+  ``min_tokens`` stop token ids are never drawn. A stop string beats a stop token at one step;
+- a continuation (``continue_final_message``) of a constrained request starts a new value of
+  the grammar, as SGLang's grammar knows nothing of the partial; stop strings are matched in the
+  new text only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+import orjson
+import rstr
+
+from server_mgr.sim import ebnf, schemagen, textgen, tokens, toolcalls
+from server_mgr.sim.options import Options, rng_for
+
+# A logit_bias at least this large forces its token (at most this negative bans it): a random or
+# tiny model's logits spread over a few units; smaller biases leave the sim's output alone.
+LOGIT_BIAS_DECIDES = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """The generated tokens of one request and how they are shown."""
+
+    tokens: list[str]  # every token generated (``completion_tokens`` counts them)
+    reasoning_tokens: int  # leading tokens that are reasoning
+    finish_reason: str  # stop | length (tool_calls is decided when the text is parsed)
+    matched_stop: int | str | None
+    text_end: int  # chars of "".join(tokens) shown: a stop string and what follows are cut
+    prompt_tokens: int
+    key: bytes  # log-probabilities are drawn from it
+    start: int  # position of tokens[0] in the uninterrupted output
+    stop: tuple[str, ...] = ()
+    offsets: list[int] = field(default_factory=list)  # cumulative chars after each token
+
+    @property
+    def text(self) -> str:
+        return "".join(self.tokens)[: self.text_end]
+
+    @property
+    def reasoning_chars(self) -> int:
+        return min(self.offsets[self.reasoning_tokens - 1] if self.reasoning_tokens else 0, self.text_end)
+
+    def ids(self) -> list[int]:
+        return tokens.ids(self.tokens)
+
+    def logprobs(self, first: int, last: int, top: int) -> list[dict[str, Any]]:
+        """``logprobs.content`` entries of tokens ``first`` to ``last`` (excluded)."""
+        return tokens.entries(self.key, self.start + first, self.tokens[first:last], top)
+
+    def shown_after(self, k: int) -> int | None:
+        """Chars a stream may show after ``k`` tokens, or None while SGLang holds the output back
+        because its text ends with the start of a stop string."""
+        end = self.offsets[k - 1] if k else 0
+        if self.stop:
+            text = "".join(self.tokens[:k])
+            for s in self.stop:
+                if any(text.endswith(s[:i]) for i in range(1, len(s) + 1)):
+                    return None
+        return end
+
+
+def build(
+    messages: Sequence[textgen.Message],
+    params: dict[str, Any],
+    opts: Options,
+    *,
+    continued: bool,
+    tool_parser: str | None,
+) -> Output:
+    """The output of a request (``params``: those of :func:`textgen.resolve`)."""
+    steer = _steering(opts)
+    base = textgen.resolve(
+        messages, continue_final_message=continued, steering=steer, salt=opts.key_extra, **params
+    )
+    toks, finish = list(base.tokens), base.finish_reason
+    grammar = _grammar_text(messages, params, opts, base, tool_parser)
+    if grammar is not None:
+        head = toks[: base.reasoning_tokens]
+        body = tokens.pieces(grammar)
+        limit = _limit(params, base.prompt_tokens)
+        full = head + body
+        toks = full[:limit]
+        finish = "length" if len(toks) < len(full) else "stop"
+    offsets = list(accumulate(len(t) for t in toks))
+    matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" and not opts.ignore_eos else None
+    if finish == "stop" and opts.ignore_eos:
+        finish = "length"
+    n, text_end = len(toks), offsets[-1] if offsets else 0
+    hit = _first_stop(toks, offsets, opts)
+    if hit is not None:
+        n, matched, text_end = hit
+        toks, offsets, finish = toks[:n], offsets[:n], "stop"
+    return Output(
+        tokens=toks,
+        reasoning_tokens=min(base.reasoning_tokens, n),
+        finish_reason=finish,
+        matched_stop=matched,
+        text_end=text_end,
+        prompt_tokens=base.prompt_tokens,
+        key=base.key,
+        start=base.start,
+        stop=opts.stop,
+        offsets=offsets,
+    )
+
+
+def _steering(opts: Options) -> textgen.Steering | None:
+    vocab = {tokens.token_id(v): i for i, v in enumerate(textgen.VOCAB)}
+    strongest = sorted(opts.logit_bias.items(), key=lambda kv: -kv[1])
+    forced = [vocab[t] for t, b in strongest if b >= LOGIT_BIAS_DECIDES and t in vocab]
+    banned = frozenset(vocab[t] for t, b in strongest if b <= -LOGIT_BIAS_DECIDES and t in vocab)
+    early = frozenset(vocab[t] for t in opts.stop_token_ids if t in vocab)
+    if not (forced or banned or early or opts.min_tokens or opts.ignore_eos):
+        return None
+    return textgen.Steering(
+        forced=forced[0] if forced else None,
+        banned=banned,
+        banned_early=early,
+        min_tokens=opts.min_tokens,
+        ignore_eos=opts.ignore_eos,
+    )
+
+
+def _limit(params: dict[str, Any], prompt_tokens: int) -> int:
+    budget = textgen.generation_budget(
+        prompt_tokens, context_length=params["context_length"], max_total_tokens=params["max_total_tokens"]
+    )
+    return min(budget, params["max_tokens"]) if params.get("max_tokens") else budget
+
+
+def _grammar_text(
+    messages: Sequence[textgen.Message],
+    params: dict[str, Any],
+    opts: Options,
+    base: textgen.Completion,
+    tool_parser: str | None,
+) -> str | None:
+    """The content a grammar or a tool call makes the model write; None for free text."""
+    # the grammar's own draw: from the whole request, so a continuation draws a new value
+    key = base.key + orjson.dumps([messages[-1].get("content") if messages else None])
+    if opts.constraint is not None:
+        rng = rng_for(key, opts.constraint.kind, opts.constraint.spec)
+        if opts.constraint.kind == "regex":
+            return rstr.Rstr(rng).xeger(opts.constraint.spec)
+        if opts.constraint.kind == "ebnf":
+            return ebnf.generate(opts.constraint.spec, rng)
+        return json.dumps(schemagen.generate(opts.constraint.spec, rng), ensure_ascii=False)
+    if opts.forced_tools or (opts.calls_tools and tool_parser and rng_for(key, "auto").random() < 0.5):
+        return toolcalls.render(toolcalls.planned_calls(opts, key), tool_parser)
+    return None
+
+
+def _first_stop(toks: list[str], offsets: list[int], opts: Options) -> tuple[int, int | str, int] | None:
+    """(tokens kept, matched, chars shown) of the first stop string or stop token, or None."""
+    best: tuple[int, int, int | str, int] | None = None  # (step, rank, matched, shown)
+    if opts.stop:
+        text = "".join(toks)
+        for rank, s in enumerate(opts.stop):
+            pos = text.find(s) if s else -1
+            if pos == -1:
+                continue
+            step = bisect.bisect_left(offsets, pos + len(s)) + 1
+            cand = (step, rank, s, pos)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+    if opts.stop_token_ids:
+        for i, tok in enumerate(toks):
+            if i >= opts.min_tokens and tokens.token_id(tok) in opts.stop_token_ids:
+                if best is None or i + 1 < best[0]:
+                    best = (i + 1, len(opts.stop), tokens.token_id(tok), offsets[i] - len(tok))
+                break
+    if best is None:
+        return None
+    step, _, matched, shown = best
+    return step, matched, shown

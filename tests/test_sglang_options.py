@@ -1,0 +1,316 @@
+"""The generation options of SGLang's chat API, one test body for both engines (issue 24).
+
+Each test runs against the sim and against real SGLang 0.5.23 (the tiny CPU model, random
+weights, ``--tool-call-parser qwen25``): stop strings, log-probabilities, grammars, tool calls,
+token ids, SGLang's 400s and what a ``continue_final_message`` continuation of a constrained
+request gives. Where the two differ the sim is wrong; what was measured is in
+``docs/sglang-conformance.md`` ("Request options"). Greedy requests compare a stream with the
+same request sent whole; grammar requests sample with a seed, since a greedy random model under a
+JSON grammar writes whitespace until ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.engines import ENGINE_PARAMS, Engine, running_engine
+from tests.sglang_client import post_json, sse_frames
+
+USER = [{"role": "user", "content": "Tell me about caches and queues. Ünïcödé δέλτα 日本語 🚀"}]
+GREEDY = {"model": "tm", "messages": USER, "temperature": 0}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    workdir = tmp_path_factory.mktemp(f"options-{request.param}")
+    with running_engine(request.param, workdir, "--tool-call-parser", "qwen25") as eng:
+        yield eng
+
+
+def whole(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    status, answer = post_json(engine, "/v1/chat/completions", {**GREEDY, **body, "stream": False})
+    assert status == 200, answer
+    return answer
+
+
+def streamed(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    """A stream assembled as a client would: text, logprob entries, tool calls, the finish chunk."""
+    frames = sse_frames(engine, {**GREEDY, **body})
+    assert frames[-1] == "[DONE]", frames[-3:]
+    chunks = [f for f in frames[:-1] if f.get("choices")]
+    content, entries, calls = "", [], {}
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        if choice.get("logprobs"):
+            entries += choice["logprobs"]["content"]
+        for call in delta.get("tool_calls") or []:
+            if call.get("id"):
+                assert call["index"] not in calls, f"a second first delta for call {call['index']}"
+                assert call["type"] == "function" and call["function"]["name"], call
+                calls[call["index"]] = {"name": call["function"]["name"], "arguments": ""}
+            else:
+                assert call["function"].get("name") is None, call
+            calls[call["index"]]["arguments"] += call["function"].get("arguments") or ""
+    finish = chunks[-1]["choices"][0]
+    assert finish["delta"] == {"reasoning_content": None}, finish
+    return {"content": content, "logprobs": entries, "tool_calls": calls, "finish": finish, "frames": frames}
+
+
+def test_a_stop_string_across_tokens_ends_the_output_before_it_streamed_and_whole(engine: Engine) -> None:
+    base = whole(engine, {"max_tokens": 24, "logprobs": True})
+    text = base["choices"][0]["message"]["content"]
+    pieces = [e["token"] for e in base["choices"][0]["logprobs"]["content"]]
+    assert "".join(pieces) == text, (pieces, text)
+    boundary = len("".join(pieces[:6]))
+    stop = text[boundary - 2 : boundary + 2]  # straddles the 6th and 7th tokens
+    cut = text.find(stop)
+
+    answer = whole(engine, {"max_tokens": 24, "stop": stop})
+    stream = streamed(engine, {"max_tokens": 24, "stop": stop})
+
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == text[:cut] == stream["content"]
+    assert choice["finish_reason"] == "stop" == stream["finish"]["finish_reason"]
+    assert choice["matched_stop"] == stop == stream["finish"]["matched_stop"]
+    ends = [len("".join(pieces[: i + 1])) for i in range(len(pieces))]
+    completing = next(i for i, end in enumerate(ends) if end >= cut + len(stop))
+    assert answer["usage"]["completion_tokens"] == completing + 1  # the token that completed it counts
+
+
+def test_the_first_stop_string_of_a_list_to_appear_is_the_one_matched(engine: Engine) -> None:
+    base = whole(engine, {"max_tokens": 16})["choices"][0]["message"]["content"]
+    early, late = base[4:7], base[-3:]
+
+    answer = whole(engine, {"max_tokens": 16, "stop": ["\u2603 never", late, early]})
+
+    choice = answer["choices"][0]
+    assert choice["matched_stop"] == early and choice["message"]["content"] == base[: base.find(early)]
+
+
+def test_logprobs_give_one_entry_per_completion_token_streamed_and_whole(engine: Engine) -> None:
+    answer = whole(engine, {"max_tokens": 8, "logprobs": True, "top_logprobs": 2})
+    stream = streamed(engine, {"max_tokens": 8, "logprobs": True, "top_logprobs": 2})
+
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert len(entries) == answer["usage"]["completion_tokens"] == 8 == len(stream["logprobs"])
+    for entry in entries:
+        assert set(entry) == {"token", "bytes", "logprob", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0
+        assert [set(t) for t in entry["top_logprobs"]] == [{"token", "bytes", "logprob"}] * 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the most probable
+    assert [e["token"] for e in stream["logprobs"]] == [e["token"] for e in entries]
+    assert [e["logprob"] for e in stream["logprobs"]] == pytest.approx(
+        [e["logprob"] for e in entries], abs=1e-3
+    )
+    assert "".join(e["token"] for e in entries) == answer["choices"][0]["message"]["content"]
+
+
+def test_logprobs_without_top_logprobs_have_an_empty_list(engine: Engine) -> None:
+    entries = whole(engine, {"max_tokens": 3, "logprobs": True})["choices"][0]["logprobs"]["content"]
+
+    assert len(entries) == 3 and all(e["top_logprobs"] == [] for e in entries)
+
+
+def test_a_json_schema_output_validates_streamed_and_whole(engine: Engine) -> None:
+    body = {"temperature": 1.0, "seed": 1, "max_tokens": 96, "response_format": JSON_SCHEMA}
+    answer = whole(engine, body)
+    stream = streamed(engine, body)
+
+    content = answer["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), SCHEMA)
+    assert stream["content"] == content
+    assert answer["choices"][0]["finish_reason"] == "stop" == stream["finish"]["finish_reason"]
+
+
+def test_a_json_object_output_is_a_json_object(engine: Engine) -> None:
+    body = {"temperature": 1.0, "seed": 11, "max_tokens": 64, "response_format": {"type": "json_object"}}
+    content = whole(engine, body)["choices"][0]["message"]["content"]
+
+    assert isinstance(json.loads(content), dict), content
+
+
+def test_a_regex_output_matches_the_regex(engine: Engine) -> None:
+    regex = r"(yes|no), [a-z]{3,6}\."
+    answer = whole(engine, {"max_tokens": 32, "regex": regex})
+    stream = streamed(engine, {"max_tokens": 32, "regex": regex})
+
+    content = answer["choices"][0]["message"]["content"]
+    assert re.fullmatch(regex, content), content
+    assert stream["content"] == content
+
+
+def test_an_ebnf_output_is_a_sentence_of_the_grammar(engine: Engine) -> None:
+    grammar = 'root ::= "Answer: " ("yes" | "no") "."'
+    content = whole(engine, {"max_tokens": 32, "ebnf": grammar})["choices"][0]["message"]["content"]
+
+    assert content in ("Answer: yes.", "Answer: no."), content
+
+
+def test_required_tool_calls_come_as_openai_tool_calls_streamed_like_whole(engine: Engine) -> None:
+    body = {"temperature": 1.0, "seed": 1, "max_tokens": 128, "tools": TOOLS, "tool_choice": "required"}
+    answer = whole(engine, body)
+    stream = streamed(engine, body)
+
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" == stream["finish"]["finish_reason"]
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["message"]["content"] == ""
+    for i, call in enumerate(calls):
+        assert (
+            call["index"] == i
+            and call["type"] == "function"
+            and re.fullmatch(r"call_[0-9a-f]{24}", call["id"])
+        )
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert [stream["tool_calls"][i] for i in sorted(stream["tool_calls"])] == [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+    ]
+
+
+def test_a_named_tool_choice_calls_that_function(engine: Engine) -> None:
+    body = {
+        "temperature": 1.0,
+        "seed": 4,
+        "max_tokens": 96,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+    }
+    calls = whole(engine, body)["choices"][0]["message"]["tool_calls"]
+
+    assert [c["function"]["name"] for c in calls] == ["add"], calls
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS["add"])
+
+
+def test_token_ids_come_whole_and_are_refused_on_a_stream(engine: Engine) -> None:
+    answer = whole(engine, {"max_tokens": 12, "return_token_ids": True})
+    status, refused = post_json(
+        engine, "/v1/chat/completions", {**GREEDY, "max_tokens": 12, "return_token_ids": True, "stream": True}
+    )
+
+    choice = answer["choices"][0]
+    assert len(choice["response_token_ids"]) == answer["usage"]["completion_tokens"] == 12
+    assert len(choice["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+    assert status == 400 and refused["type"] == "BadRequest"
+    assert refused["message"] == (
+        "return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
+        "stream=false when using return_token_ids=true."
+    )
+
+
+def test_a_stream_gives_the_output_ids_in_sglext_when_asked(engine: Engine) -> None:
+    ids = whole(engine, {"max_tokens": 12, "return_token_ids": True})["choices"][0]["response_token_ids"]
+    frames = sse_frames(engine, {**GREEDY, "max_tokens": 12, "return_output_ids_in_sglext": True})
+
+    ext = [f for f in frames[:-1] if "sglext" in f]
+    assert len(ext) == 1 and ext[0]["choices"] == [] and ext[0]["sglext"] == {"output_ids": [ids]}
+    assert frames.index(ext[0]) == len(frames) - 2  # after the finish chunk, before [DONE]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tool_choice": "required"}, "Tools cannot be empty if tool choice is set to required."),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "Tool 'nope' not found in tools list.",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice 'required' or a named tool cannot be combined with response_format, regex, "
+            "or ebnf: the tool-call constraint and the output constraint cannot both be honored.",
+        ),
+        (
+            {"regex": "a+", "response_format": {"type": "json_object"}},
+            "Only one of json_schema, regex, ebnf, or structural_tag can be set.",
+        ),
+        (
+            {"lora_path": "my-adapter"},
+            "LoRA adapter 'my-adapter' was requested, but LoRA is not enabled. Please launch the "
+            "server with --enable-lora flag and preload adapters using --lora-paths or "
+            "/load_lora_adapter endpoint.",
+        ),
+    ],
+)
+def test_options_sglang_refuses_get_its_400_and_message(engine: Engine, body: dict, message: str) -> None:
+    for stream in (False, True):
+        status, answer = post_json(
+            engine, "/v1/chat/completions", {**GREEDY, "max_tokens": 4, **body, "stream": stream}
+        )
+
+        assert status == 400, answer
+        assert answer["message"] == message
+
+
+def test_a_regex_that_does_not_compile_is_a_400(engine: Engine) -> None:
+    status, answer = post_json(
+        engine, "/v1/chat/completions", {**GREEDY, "max_tokens": 4, "regex": "(unclosed"}
+    )
+
+    assert status == 400, answer
+    assert answer["message"].startswith("Failed to compile regex grammar: "), answer
+
+
+def test_a_json_schema_continuation_starts_a_new_json_value(engine: Engine) -> None:
+    body = {"temperature": 1.0, "seed": 1, "max_tokens": 96, "response_format": JSON_SCHEMA}
+    first = whole(engine, body)["choices"][0]["message"]["content"]
+    partial = first[: len(first) // 2]
+
+    cont = whole(
+        engine,
+        {
+            **body,
+            "messages": [*USER, {"role": "assistant", "content": partial}],
+            "continue_final_message": True,
+        },
+    )["choices"][0]["message"]["content"]
+
+    jsonschema.validate(json.loads(cont), SCHEMA)  # a whole value of its own
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(partial + cont)
