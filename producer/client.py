@@ -17,7 +17,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import orjson
 
@@ -27,6 +27,9 @@ from tokenmill.errors import ConfigError
 from tokenmill.settings import Settings, redact_url
 
 if TYPE_CHECKING:
+    import os
+    from collections.abc import Sequence
+
     import datasets
     import pandas
 
@@ -35,6 +38,16 @@ if TYPE_CHECKING:
     from tokenmill.ledger import Ledger
 
 log = logging.getLogger("tokenmill.client")
+
+# What Client.enqueue takes (producer.sources): rows, a DataFrame, a Dataset, or dataset files.
+Rows = Union[
+    Iterable[Mapping[str, Any]],
+    "pandas.DataFrame",
+    "datasets.Dataset",
+    str,
+    "os.PathLike[str]",
+    "Sequence[str | os.PathLike[str]]",
+]
 
 
 class Client:
@@ -70,7 +83,7 @@ class Client:
 
     def enqueue(
         self,
-        rows: Iterable[Mapping[str, Any]] | Any,
+        rows: Rows,
         *,
         run: str,
         partition: str | None = None,
