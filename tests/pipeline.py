@@ -88,3 +88,13 @@ def expected_for(row: dict[str, Any], *, max_tokens: int, reasoning: bool, mean_
         reasoning=reasoning,
         mean_output_tokens=mean_output_tokens,
     )
+
+
+def without_nulls(value: object) -> object:
+    """``value`` without null-valued keys at any depth: Arrow (a Dataset) fills a key some rows
+    lack with null in the others; drop those to compare with an export's rows."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value

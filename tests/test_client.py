@@ -20,7 +20,7 @@ import redis
 
 import tokenmill
 from tests.finishing import all_job_ids, finish_jobs, job_request
-from tests.pipeline import cli, read_export, write_jsonl
+from tests.pipeline import cli, read_export, without_nulls, write_jsonl
 from tests.procs import ROOT
 from tokenmill import (
     CancelSummary,
@@ -332,16 +332,7 @@ def test_results_are_the_exports_rows_from_redis_and_sealed_shards_in_its_order(
     df = tm.to_pandas("r", include_truncated=True)
     assert df.to_dict("records") == [{**dict.fromkeys(df.columns), **r} for r in got]
     ds = tm.to_dataset("r", include_truncated=True)
-    assert len(ds) == 30 and [_without_nulls(r) for r in ds] == got
-
-
-def _without_nulls(value: object) -> object:
-    """Arrow fills a key some rows lack with null in the others: drop those to compare."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
+    assert len(ds) == 30 and [without_nulls(r) for r in ds] == got
 
 
 def test_to_dataset_without_the_datasets_package_names_the_extra(tm: Client, redis_url: str) -> None:

@@ -1,17 +1,18 @@
 """The README's two-step example, run as written: answers for a small dataset, then a judging
 prompt per answer into a second run, each waited for, the two joined by id, on the sim with real
 celery worker processes. The block is read from README.md; only the environment points the
-client at the test's Redis and sim."""
+client at the test's Redis and sim. And a ``datasets.Dataset`` in, a Dataset out."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import datasets
 import pytest
 
 import tokenmill
-from tests.pipeline import expected_for
+from tests.pipeline import cli, expected_for, read_export, without_nulls
 from tests.procs import ROOT, Proc, start_sim, start_worker, worker_env
 
 MEAN = 40  # the sim's mean output tokens (tests.procs.start_sim)
@@ -63,3 +64,27 @@ def test_the_readmes_two_step_example_generates_judges_and_joins_by_id(
         )
     for run in ("answers", "judgments"):
         assert tm.status(run).totals == {"queued": 0, "running": 0, "done": 20, "failed": 0, "total": 20}
+
+
+def test_a_dataset_in_and_a_dataset_out_with_real_workers_are_the_exports_rows(
+    tmp_path: Path, redis_url: str, procs: list[Proc]
+) -> None:
+    # Given a datasets.Dataset of prompts, the sim and a real worker
+    sim, url = start_sim(tmp_path)
+    procs.append(sim)
+    env = worker_env(redis_url, url)
+    procs.append(start_worker(tmp_path, "short", env, concurrency=8))
+    prompts = datasets.Dataset.from_list([{"id": f"p{i}", "prompt": f"Say {i} in words."} for i in range(30)])
+
+    # When it is enqueued, waited for and read back as a Dataset
+    tm = tokenmill.Client(redis_url=redis_url, server_url=url)
+    assert tm.enqueue(prompts, run="ds", partition="train", short_max_tokens=256).new == 30
+    final = tm.wait("ds", timeout=120)
+    completions = tm.to_dataset("ds", include_truncated=True)
+
+    # Then it holds the rows `tokenmill export` writes, in its order
+    cli("export", "--run", "ds", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
+    exported = read_export(tmp_path / "out")["train"]
+    assert final.totals["done"] == 30 and len(completions) == 30
+    assert [without_nulls(row) for row in completions] == exported
+    assert [row["id"] for row in completions] == [f"p{i}" for i in range(30)]
