@@ -2,9 +2,10 @@
 ``tokenmill[datasets]`` and ``tokenmill[pandas]``).
 
 The rows are the export's (``Client.results``), in its order. The Dataset is built through Arrow a
-batch at a time (the rows' types inferred, as ``load_dataset("json")`` infers them from an
-export: a key some rows lack is null in the others); the DataFrame holds each row's values as
-they are (``messages`` a list of dicts, ``metadata`` a dict).
+batch at a time, its column types inferred from the values (a key some rows lack, such as an
+assistant message's ``reasoning_content`` or a metadata field, is null in the rows without it);
+the DataFrame holds each row's values as they are (``messages`` a list of dicts, ``metadata`` a
+dict).
 """
 
 from __future__ import annotations
