@@ -554,11 +554,11 @@ def heartbeat_args(
         claim.token,
         int(lease_ttl_s * 1000),
         1 if ck is not None else 0,
-        ck.content if ck else "",
-        ck.reasoning if ck else "",
-        ck.tokens if ck else 0,
+        ck.content if ck is not None else "",
+        ck.reasoning if ck is not None else "",
+        ck.tokens if ck is not None else 0,  # kept without text too (a stream of tool calls)
         new_tokens,
-        ck.prompt_tokens if ck else 0,
+        ck.prompt_tokens if ck is not None else 0,
     ]
     if claim.slot is not None:
         script_keys += [claim.slot[0], claim.slot[1], k.lengths()]

@@ -59,7 +59,7 @@ class Attempted:
         assert self.outcome is not None
         result = self.outcome.result
         result["server"] = self.url
-        if self.claim.checkpoint and not self.state.base:
+        if self.claim.checkpoint.tokens and not self.state.base:
             # a checkpoint existed and was not continued (continue_partial off, or the request's
             # options forbid it: tokenmill.options.restart_reason): its tokens are thrown away
             result["restarted"] = True
@@ -73,11 +73,11 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
     task's thread to settle (it may have to wait for Redis)."""
     s = rt.settings
     base = claim.checkpoint if s.continue_partial else Checkpoint()
-    if base:
-        why = restart_reason(claim.spec["request"])
-        if why is not None:
-            log.info("job %s: starting over (%d tokens thrown away): %s", claim.job_id, base.tokens, why)
-            base = Checkpoint()
+    why = restart_reason(claim.spec["request"]) if base.tokens else None
+    if why is not None:
+        log.info("job %s: starting over (%d tokens thrown away): %s", claim.job_id, base.tokens, why)
+    if why is not None or not base:  # a checkpoint without text (tool calls) is no base either
+        base = Checkpoint()
     state = AttemptState(base=base, progress=Progress())
     tracker = None
     if slot.tokens:
