@@ -12,6 +12,7 @@ import pytest
 from producer.enqueue import Routing
 from producer.options import run_params
 from producer.rows import normalize_row
+from tests.pipeline import cli, write_jsonl
 from tokenmill.errors import InputError
 from tokenmill.options import restart_reason
 
@@ -291,3 +292,39 @@ def test_a_tool_use_conversation_is_a_valid_prompt() -> None:
 )
 def test_which_requests_a_crashed_job_may_continue(request_: dict[str, Any], restarts: bool) -> None:
     assert (restart_reason(request_) is not None) == restarts
+
+
+def test_enqueue_stops_at_a_bad_option_naming_file_line_and_option_and_keeps_every_row_before(
+    tmp_path: Path, redis_url: str
+) -> None:
+    env = {"TOKENMILL_REDIS_URL": redis_url}
+    rows = [
+        {"prompt": "a", "stop": ["\n\n"]},
+        {"prompt": "b", "response_format": {"type": "json_object"}},
+        {"prompt": "c", "regex": "(unclosed"},
+        {"prompt": "d", "tools": [TOOL], "tool_choice": "required"},
+    ]
+    path = write_jsonl(tmp_path / "P.jsonl", rows)
+
+    res = cli("enqueue", str(path), "--run", "r", env=env, check=False)
+
+    assert res.returncode == 2, res.stderr
+    assert f"{path}:3: \"regex\": '(unclosed' does not compile" in res.stderr
+    assert "2 new" in res.stdout
+    # --skip-invalid takes every good row; the same file again adds nothing (options are the identity)
+    res = cli("enqueue", str(path), "--run", "r", "--skip-invalid", env=env)
+    assert "1 new" in res.stdout and "1 invalid" in res.stdout and "2 already queued" in res.stdout
+    assert f"{path}:3" in res.stderr
+    again = cli("enqueue", str(path), "--run", "r", "--skip-invalid", env=env)
+    assert "0 new" in again.stdout and "3 already queued" in again.stdout
+    # a run-wide option makes the same prompts new jobs
+    other = cli("enqueue", str(path), "--run", "r", "--skip-invalid", "--param", "top_k=5", env=env)
+    assert "3 new" in other.stdout, other.stdout
+
+
+def test_a_bad_run_param_stops_enqueue_before_any_row_naming_it(tmp_path: Path, redis_url: str) -> None:
+    path = write_jsonl(tmp_path / "P.jsonl", [{"prompt": "a"}])
+    res = cli("enqueue", str(path), "--run", "r", "--param", "stream=true",
+              env={"TOKENMILL_REDIS_URL": redis_url}, check=False)  # fmt: skip
+    assert res.returncode == 2
+    assert 'tokenmill: error: --param stream: "stream" cannot be set' in res.stderr
