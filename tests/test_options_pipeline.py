@@ -35,19 +35,20 @@ PARSER = ("--tool-call-parser", "qwen25")
 # The sim at ~50 tokens/s a stream, and outputs long enough (even under a grammar) that the
 # server is killed mid-stream with every kind of job holding a checkpoint.
 CHAOS_SIM = ("--sim-step-ms", "20")
-LONG_TEXT = {"type": "string", "minLength": 200, "maxLength": 240}
-NOTES = {"type": "array", "items": LONG_TEXT, "minItems": 4, "maxItems": 4}
+LONG_TEXT = {"type": "string", "minLength": 120, "maxLength": 150}
+NOTES = {"type": "array", "items": LONG_TEXT, "minItems": 3, "maxItems": 3}
 SCHEMA = {
     "type": "object",
     "properties": {"title": {"type": "string", "maxLength": 12}, "body": NOTES},
     "required": ["title", "body"],
     "additionalProperties": False,
 }
-REGEX = r"(yes|no):(( [a-z]{2,6}){50}){3}\."
+REGEX = r"(yes|no):(( [a-z]{2,6}){40}){2}\."
 TOOL = {
     "type": "function",
     "function": {
         "name": "write_note",
+        "strict": True,  # without it SGLang 0.5.23 does not hold the arguments to their schema
         "parameters": {
             "type": "object",
             "properties": {"topic": {"type": "string", "maxLength": 10}, "note": NOTES},
@@ -65,10 +66,10 @@ def prompt(i: int) -> str:
 
 
 def mixed_rows() -> list[dict[str, Any]]:
-    """Seven kinds of rows, three of each (grammars sample with a seed: a greedy random model
+    """Seven kinds of rows, two of each (grammars sample with a seed: a greedy random model
     under a JSON grammar writes whitespace until max_tokens)."""
     rows: list[dict[str, Any]] = []
-    for i in range(3):
+    for i in range(2):
         seeded = {"temperature": 1.0, "seed": 100 + i}
         fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
         rows += [
@@ -138,6 +139,7 @@ def checkpoints(client: redis.Redis, run: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+@pytest.mark.timeout(900)  # two SGLang starts and ~5,000 tokens on a 2-core CPU
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)
 def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_valid(
     kind: str, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
@@ -149,7 +151,7 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         rows = mixed_rows()
         env = worker_env(redis_url, engine.url)
         cli("enqueue", str(write_jsonl(tmp_path / "O.jsonl", rows)), "--run", "opts", "--temperature", "0",
-            "--short-max-tokens", "700", env=env)  # fmt: skip
+            "--short-max-tokens", "300", env=env)  # fmt: skip
         procs.append(start_worker(tmp_path, "short", env, concurrency=len(rows)))
 
         def cut_kinds() -> set[str]:
@@ -205,7 +207,7 @@ def test_what_the_worker_assembles_from_a_stream_equals_the_request_answered_who
     engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given jobs whose answers come in pieces: tool calls, log-probabilities, token ids, a schema
-    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 700}
+    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 400}
     fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
     rows = [
         {"id": "tool", "prompt": prompt(1), "tools": [TOOL], "tool_choice": "required", **seeded},
@@ -216,8 +218,9 @@ def test_what_the_worker_assembles_from_a_stream_equals_the_request_answered_who
     env = worker_env(redis_url, engine.url)
     cli("enqueue", str(write_jsonl(tmp_path / "W.jsonl", rows)), "--run", "w", "--temperature", "0", env=env)
 
-    # When a worker streams them
-    procs.append(start_worker(tmp_path, "short", env, concurrency=4))
+    # When a worker streams them, one at a time (a sampled request's tokens may differ inside a
+    # batch; each is compared with the same request alone)
+    procs.append(start_worker(tmp_path, "short", env, concurrency=1))
     wait_finished(rclient, "w", len(rows), 300)
     cli("export", "--run", "w", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
     exported = {r["id"]: r for r in read_export(tmp_path / "out")["W"]}
