@@ -12,9 +12,11 @@ A grammar that does not compile is not refused here: SGLang aborts it in the sch
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,29 +276,69 @@ def _key_extra(body: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def grammar_error(constraint: Constraint) -> str | None:
-    """SGLang's abort message for a grammar that does not compile; None when it compiles."""
-    try:
-        if constraint.kind == "regex":
-            re.compile(constraint.spec)
-        elif constraint.kind == "ebnf":
+    """SGLang's abort message for a grammar xgrammar cannot compile (None when it compiles):
+    ``Failed to compile <kind> grammar: `` and xgrammar's own error line."""
+    detail = None
+    if constraint.kind == "regex":
+        detail = _regex_error(constraint.spec)
+    elif constraint.kind == "ebnf":
+        try:
             ebnf.parse(constraint.spec)
-        else:
-            spec = constraint.spec
-            if not isinstance(spec, dict):
-                raise ValueError("the schema is not a JSON object")
-            jsonschema.Draft202012Validator.check_schema(spec)
-    except (re.error, ebnf.GrammarError, ValueError, jsonschema.SchemaError) as exc:
-        return f"Failed to compile {constraint.kind} grammar: {_first_line(exc)}"
+        except ebnf.GrammarError as exc:
+            detail = f"grammar_parser.cc:820: EBNF parser error at {exc}"
+    else:
+        detail = _schema_error(constraint.spec)
+    if detail is None:
+        return None
+    stamp = time.strftime("%H:%M:%S")
+    return f"Failed to compile {constraint.kind} grammar: [{stamp}] /project/cpp/{detail}\n"
+
+
+def _regex_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        where = "regex_converter.cc:94: Regex parsing error at position"
+        if exc.msg.startswith("missing ), unterminated subpattern"):
+            return f"{where} {len(pattern) + 1}: The parenthesis is not closed."
+        return f"{where} {(exc.pos or 0) + 1}: {exc.msg}"
     return None
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+def _schema_error(schema: Any) -> str | None:
+    """xgrammar's wording for a ``type`` it does not know, else jsonschema's first line."""
+    where = "json_schema_converter.cc:5082: "
+    if not isinstance(schema, dict):
+        return where + "the schema is not a JSON object"
+    for node in _schema_nodes(schema):
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if kind is not None and not all(isinstance(k, str) for k in kinds):
+            return where + "Type should be a string"
+        for k in kinds:
+            if k is not None and k not in JSON_TYPES:
+                return where + f'Unsupported type "{k}"'
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return where + str(exc).splitlines()[0]
+    return None
+
+
+JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def _schema_nodes(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _schema_nodes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schema_nodes(value)
 
 
 def rng_for(key: bytes, *parts: Any) -> random.Random:
     """A seeded RNG for ``key`` and ``parts`` (the same every run, on every machine)."""
-    import hashlib
-
     digest = hashlib.blake2b(key + orjson.dumps(parts, option=orjson.OPT_SORT_KEYS), digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "little"))
