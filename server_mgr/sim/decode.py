@@ -93,14 +93,18 @@ def build(
         messages, continue_final_message=continued, steering=steer, salt=opts.key_extra, **params
     )
     toks, finish = list(base.tokens), base.finish_reason
+    eos = False  # the output ends with the EOS token, counted and given a log-probability
     grammar = _grammar_text(messages, params, opts, base, tool_parser)
     if grammar is not None:
-        head = toks[: base.reasoning_tokens]
-        body = tokens.pieces(grammar)
-        limit = _limit(params, base.prompt_tokens)
-        full = head + body
-        toks = full[:limit]
+        # under a grammar the model must end with EOS once the grammar is complete; SGLang
+        # counts that token (free text's natural stop does not count it in the sim: see
+        # docs/sglang-conformance.md)
+        full = [*toks[: base.reasoning_tokens], *tokens.pieces(grammar), tokens.EOS_TEXT]
+        toks = full[: _limit(params, base.prompt_tokens)]
         finish = "length" if len(toks) < len(full) else "stop"
+        eos = finish == "stop"
+        if eos:
+            toks.pop()
     offsets = list(accumulate(len(t) for t in toks))
     matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" and not opts.ignore_eos else None
     if finish == "stop" and opts.ignore_eos:
@@ -110,6 +114,9 @@ def build(
     if hit is not None:
         n, matched, text_end = hit
         toks, offsets, finish = toks[:n], offsets[:n], "stop"
+    elif eos:
+        toks.append(tokens.EOS_TEXT)
+        offsets.append(text_end + len(tokens.EOS_TEXT))
     return Output(
         tokens=toks,
         reasoning_tokens=min(base.reasoning_tokens, n),

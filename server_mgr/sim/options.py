@@ -28,8 +28,10 @@ from server_mgr.sim.errors import RequestError
 
 MAX_STOP_COUNT = 32
 TOOL_CHOICES = ("none", "auto", "required")
-# the sampling options that change a greedy output (the penalties); top_k and min_p do not
-OUTPUT_CHANGING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+# Sampling options that change a sampled output (not a greedy one: top_k and min_p keep the most
+# probable token). The penalties act only on tokens already generated; measured on SGLang, a
+# greedy output of 8 tokens was the same with and without them, and the sim leaves its output
+# alone for them.
 SAMPLED_ONLY = ("top_k", "min_p")
 
 
@@ -268,11 +270,12 @@ def lora_disabled(adapter: Any) -> str:
 
 
 def _key_extra(body: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Option values that change the output (a greedy one too, for the penalties)."""
-    greedy = body.get("temperature") is not None and float(body["temperature"]) < 1e-6
-    names = OUTPUT_CHANGING if greedy else OUTPUT_CHANGING + SAMPLED_ONLY
-    defaults = {"repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0}
-    return tuple((n, body[n]) for n in names if body.get(n) is not None and body[n] != defaults.get(n, 0))
+    """Option values that change a sampled output (none changes a greedy one)."""
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and temperature < 1e-6:
+        return ()
+    defaults = {"top_k": -1, "min_p": 0.0}
+    return tuple((n, body[n]) for n in SAMPLED_ONLY if body.get(n) is not None and body[n] != defaults[n])
 
 
 def grammar_error(constraint: Constraint) -> str | None:
@@ -291,7 +294,8 @@ def grammar_error(constraint: Constraint) -> str | None:
     if detail is None:
         return None
     stamp = time.strftime("%H:%M:%S")
-    return f"Failed to compile {constraint.kind} grammar: [{stamp}] /project/cpp/{detail}\n"
+    kind = "json" if constraint.kind == "json_schema" else constraint.kind  # SGLang's grammar key
+    return f"Failed to compile {kind} grammar: [{stamp}] /project/cpp/{detail}\n"
 
 
 def _regex_error(pattern: str) -> str | None:
