@@ -307,3 +307,57 @@ def test_a_json_schema_continuation_starts_a_new_json_value(engine: Engine) -> N
     jsonschema.validate(json.loads(cont), SCHEMA)  # a whole value of its own
     with pytest.raises(json.JSONDecodeError):
         json.loads(partial + cont)
+
+
+def test_a_grammar_output_ends_on_eos_which_is_counted_and_has_a_logprob(engine: Engine) -> None:
+    body = {"max_tokens": 32, "regex": r"(yes|no), [a-z]{3,6}\.", "logprobs": True}
+    answer = whole(engine, body)
+    stream = streamed(engine, body)
+
+    choice = answer["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert choice["finish_reason"] == "stop" and isinstance(choice["matched_stop"], int)  # the EOS id
+    assert len(entries) == answer["usage"]["completion_tokens"]
+    assert entries[-1]["token"] == "<|im_end|>" and entries[-1]["logprob"] == 0.0
+    assert "".join(e["token"] for e in entries[:-1]) == choice["message"]["content"]
+    assert [e["token"] for e in stream["logprobs"]] == [e["token"] for e in entries]
+
+
+def test_tokenize_gives_the_prompts_token_ids(engine: Engine) -> None:
+    status, one = post_json(engine, "/v1/tokenize", {"model": "tm", "prompt": "hello world ünï"})
+    _, two = post_json(engine, "/tokenize", {"model": "tm", "prompt": ["hello", "hello world ünï"]})
+
+    assert status == 200 and set(one) == {"tokens", "count", "max_model_len"}
+    assert one["count"] == len(one["tokens"]) > 1 and all(isinstance(t, int) for t in one["tokens"])
+    assert two["tokens"][1] == one["tokens"] and two["count"] == [len(two["tokens"][0]), one["count"]]
+
+
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def thinker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """An engine with Qwen3's reasoning parser: the tiny model's template opens a think block."""
+    workdir = tmp_path_factory.mktemp(f"options-qwen3-{request.param}")
+    with running_engine(request.param, workdir, "--reasoning-parser", "qwen3") as eng:
+        yield eng
+
+
+@pytest.mark.parametrize(
+    ("switch", "thinks"),
+    [
+        ({}, True),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "low"}, True),
+    ],
+)
+def test_thinking_is_switched_by_chat_template_kwargs_and_reasoning_effort(
+    thinker: Engine, switch: dict, thinks: bool
+) -> None:
+    answer = whole(thinker, {"max_tokens": 12, **switch})
+    stream = streamed(thinker, {"max_tokens": 12, **switch})
+
+    message, usage = answer["choices"][0]["message"], answer["usage"]
+    if thinks:
+        assert message["reasoning_content"] and message["content"] == "" and usage["reasoning_tokens"] == 12
+    else:
+        assert message["content"] and message["reasoning_content"] is None and usage["reasoning_tokens"] == 0
+    assert stream["content"] == message["content"]
