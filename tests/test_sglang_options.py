@@ -24,11 +24,11 @@ from tests.sglang_client import post_json, sse_frames
 
 USER = [{"role": "user", "content": "Tell me about caches and queues. Ünïcödé δέλτα 日本語 🚀"}]
 GREEDY = {"model": "tm", "messages": USER, "temperature": 0}
-SCHEMA = {
+SCHEMA = {  # bounded, so that even a random model's output must end
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
     },
     "required": ["name", "age"],
     "additionalProperties": False,
@@ -42,7 +42,7 @@ TOOLS = [
             "strict": True,
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+                "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
                 "required": ["city", "unit"],
                 "additionalProperties": False,
             },
@@ -55,7 +55,10 @@ TOOLS = [
             "strict": True,
             "parameters": {
                 "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
                 "required": ["a", "b"],
                 "additionalProperties": False,
             },
@@ -68,7 +71,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 @pytest.fixture(scope="module", params=ENGINE_PARAMS)
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     workdir = tmp_path_factory.mktemp(f"options-{request.param}")
-    with running_engine(request.param, workdir, "--tool-call-parser", "qwen25") as eng:
+    flags = ("--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace")
+    with running_engine(request.param, workdir, *flags) as eng:
         yield eng
 
 
@@ -166,7 +170,7 @@ def test_logprobs_without_top_logprobs_have_an_empty_list(engine: Engine) -> Non
 
 
 def test_a_json_schema_output_validates_streamed_and_whole(engine: Engine) -> None:
-    body = {"temperature": 1.0, "seed": 1, "max_tokens": 96, "response_format": JSON_SCHEMA}
+    body = {"max_tokens": 64, "response_format": JSON_SCHEMA}
     answer = whole(engine, body)
     stream = streamed(engine, body)
 
@@ -176,11 +180,13 @@ def test_a_json_schema_output_validates_streamed_and_whole(engine: Engine) -> No
     assert answer["choices"][0]["finish_reason"] == "stop" == stream["finish"]["finish_reason"]
 
 
-def test_a_json_object_output_is_a_json_object(engine: Engine) -> None:
-    body = {"temperature": 1.0, "seed": 11, "max_tokens": 64, "response_format": {"type": "json_object"}}
-    content = whole(engine, body)["choices"][0]["message"]["content"]
+def test_a_json_object_output_is_an_object_or_its_start(engine: Engine) -> None:
+    choice = whole(engine, {"max_tokens": 64, "response_format": {"type": "json_object"}})["choices"][0]
+    content = choice["message"]["content"]
 
-    assert isinstance(json.loads(content), dict), content
+    # the random model opens a key it never closes (any string is a key): only the start shows
+    assert content.startswith("{"), content
+    assert choice["finish_reason"] == "length" or isinstance(json.loads(content), dict), content
 
 
 def test_a_regex_output_matches_the_regex(engine: Engine) -> None:
@@ -201,7 +207,7 @@ def test_an_ebnf_output_is_a_sentence_of_the_grammar(engine: Engine) -> None:
 
 
 def test_required_tool_calls_come_as_openai_tool_calls_streamed_like_whole(engine: Engine) -> None:
-    body = {"temperature": 1.0, "seed": 1, "max_tokens": 128, "tools": TOOLS, "tool_choice": "required"}
+    body = {"max_tokens": 128, "tools": TOOLS, "tool_choice": "required"}
     answer = whole(engine, body)
     stream = streamed(engine, body)
 
@@ -291,7 +297,7 @@ def test_a_regex_that_does_not_compile_is_a_400(engine: Engine) -> None:
 
 
 def test_a_json_schema_continuation_starts_a_new_json_value(engine: Engine) -> None:
-    body = {"temperature": 1.0, "seed": 1, "max_tokens": 96, "response_format": JSON_SCHEMA}
+    body = {"max_tokens": 64, "response_format": JSON_SCHEMA}
     first = whole(engine, body)["choices"][0]["message"]["content"]
     partial = first[: len(first) // 2]
 
@@ -361,3 +367,36 @@ def test_thinking_is_switched_by_chat_template_kwargs_and_reasoning_effort(
     else:
         assert message["content"] and message["reasoning_content"] is None and usage["reasoning_tokens"] == 0
     assert stream["content"] == message["content"]
+
+
+@pytest.fixture(scope="module", params=ENGINE_PARAMS)
+def plain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """An engine with no reasoning or tool-call parser."""
+    workdir = tmp_path_factory.mktemp(f"options-plain-{request.param}")
+    with running_engine(request.param, workdir, "--constrained-json-disable-any-whitespace") as eng:
+        yield eng
+
+
+def test_without_a_parser_a_stream_drops_the_logprobs_of_a_step_with_no_text(plain: Engine) -> None:
+    body = {"max_tokens": 32, "regex": r"(yes|no), [a-z]{3,6}\.", "logprobs": True}
+    answer = whole(plain, body)
+    stream = streamed(plain, body)
+
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert len(entries) == answer["usage"]["completion_tokens"] and entries[-1]["token"] == "<|im_end|>"
+    # the EOS step has no text: SGLang has no chunk to put its entry on when no parser runs
+    assert [e["token"] for e in stream["logprobs"]] == [e["token"] for e in entries[:-1]]
+
+
+def test_without_a_tool_parser_required_tools_give_a_json_array_in_the_content(plain: Engine) -> None:
+    body = {"max_tokens": 128, "tools": TOOLS, "tool_choice": "required"}
+    answer = whole(plain, body)
+    stream = streamed(plain, body)
+
+    choice = answer["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+    calls = json.loads(choice["message"]["content"])
+    assert calls and all(set(c) == {"name", "parameters"} for c in calls)
+    for call in calls:
+        jsonschema.validate(call["parameters"], SCHEMAS[call["name"]])
+    assert stream["content"] == choice["message"]["content"] and not stream["tool_calls"]
