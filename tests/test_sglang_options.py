@@ -24,6 +24,7 @@ from tests.sglang_client import post_json, sse_frames
 
 USER = [{"role": "user", "content": "Tell me about caches and queues. Ünïcödé δέλτα 日本語 🚀"}]
 GREEDY = {"model": "tm", "messages": USER, "temperature": 0}
+STREAM_USAGE = {"stream_options": {"include_usage": True}}
 SCHEMA = {  # bounded, so that even a random model's output must end
     "type": "object",
     "properties": {
@@ -292,8 +293,15 @@ def test_a_regex_that_does_not_compile_is_a_400(engine: Engine) -> None:
         engine, "/v1/chat/completions", {**GREEDY, "max_tokens": 4, "regex": "(unclosed"}
     )
 
+    frames = sse_frames(engine, {**GREEDY, "max_tokens": 4, "regex": "(unclosed", **STREAM_USAGE})
+
     assert status == 400, answer
     assert answer["message"].startswith("Failed to compile regex grammar: "), answer
+    # streamed: HTTP 200 (sse_frames checks it), the error as an event, the usage chunk, [DONE]
+    error, usage, done = frames
+    assert error["error"]["message"].startswith("Failed to compile regex grammar: ")
+    assert error["error"]["type"] == "BAD_REQUEST" and error["error"]["code"] == 400
+    assert usage["choices"] == [] and done == "[DONE]"
 
 
 def test_a_json_schema_continuation_starts_a_new_json_value(engine: Engine) -> None:
