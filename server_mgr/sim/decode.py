@@ -52,9 +52,11 @@ class Output:
     stop: tuple[str, ...] = ()
     offsets: list[int] = field(default_factory=list)  # cumulative chars after each token
 
+    full_text: str = ""  # "".join(tokens), computed once
+
     @property
     def text(self) -> str:
-        return "".join(self.tokens)[: self.text_end]
+        return self.full_text[: self.text_end]
 
     @property
     def reasoning_chars(self) -> int:
@@ -71,11 +73,9 @@ class Output:
         """Chars a stream may show after ``k`` tokens, or None while SGLang holds the output back
         because its text ends with the start of a stop string."""
         end = self.offsets[k - 1] if k else 0
-        if self.stop:
-            text = "".join(self.tokens[:k])
-            for s in self.stop:
-                if any(text.endswith(s[:i]) for i in range(1, len(s) + 1)):
-                    return None
+        for s in self.stop:
+            if any(self.full_text.endswith(s[:i], 0, end) for i in range(1, len(s) + 1)):
+                return None
         return end
 
 
@@ -128,6 +128,7 @@ def build(
         start=base.start,
         stop=opts.stop,
         offsets=offsets,
+        full_text="".join(toks),
     )
 
 

@@ -30,7 +30,7 @@ class StreamRenderer:
         self.plan = plan
         self.enc = enc
         out = plan.output
-        self.full = "".join(out.tokens)
+        self.full = out.full_text
         self.split = out.reasoning_chars if plan.reasoning else 0
         self.sent_tokens = 0  # tokens whose log-probabilities went out
         self.sent_chars = 0
