@@ -107,6 +107,15 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _token_ids(body: Mapping[str, Any]) -> frozenset[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _type_error("stop_token_ids", "a valid list of integers")
+    return frozenset(ids)
+
+
 def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     tools = body.get("tools")
     if tools is None:
@@ -216,7 +225,7 @@ def parse_options(body: Mapping[str, Any], *, stream: bool, lora: bool = False) 
     constraints = _constraint(body)
     opts = Options(
         stop=_stop(body),
-        stop_token_ids=frozenset(body.get("stop_token_ids") or ()),
+        stop_token_ids=_token_ids(body),
         min_tokens=_int(body, "min_tokens", 0) or 0,
         ignore_eos=_bool(body, "ignore_eos"),
         constraint=constraints[0] if constraints else None,
