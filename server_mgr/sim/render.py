@@ -30,7 +30,7 @@ class StreamRenderer:
         self.plan = plan
         self.enc = enc
         out = plan.output
-        self.full = "".join(out.tokens)
+        self.full = out.full_text
         self.split = out.reasoning_chars if plan.reasoning else 0
         self.sent_tokens = 0  # tokens whose log-probabilities went out
         self.sent_chars = 0
@@ -101,9 +101,10 @@ def whole(plan: ChatPlan, generated: int, finish_reason: str) -> bytes:
     matched = out.matched_stop if finish_reason == "stop" else None
     message: dict[str, Any] = {"content": content, "reasoning_content": reasoning or None}
     if plan.tool_parsing:
+        # SGLang keeps the text before the first call marker, calls or not
         normal, calls = toolcalls.parse(content)
+        message = {"content": normal, "reasoning_content": reasoning or None}
         if calls:
-            message = {"content": normal, "reasoning_content": reasoning or None}
             message["tool_calls"] = toolcalls.response_calls(calls)
             if finish_reason == "stop":
                 finish_reason, matched = "tool_calls", None
