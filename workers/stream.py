@@ -57,6 +57,7 @@ class Progress:
     guard: StopGuard | None = None
     # (part, n): a stop string across the checkpoint cut n characters from the end of its part
     trim: tuple[str, int] | None = None
+    whole: bool = False  # answered whole (whole_chat): no chunk comes before the end
 
     @property
     def tokens(self) -> int:
@@ -133,6 +134,50 @@ async def stream_chat(
 
 
 LineHandler = Callable[[bytes, Progress, asyncio.AbstractEventLoop], None]
+
+
+async def whole_chat(
+    client: StreamClient, request: dict[str, Any], extra: dict[str, Any], progress: Progress
+) -> Progress:
+    """Send ``request`` unstreamed and fill ``progress`` from the whole answer; raise a
+    classified error on failure (for jobs a stream would give less: ``options.answered_whole``)."""
+    loop = asyncio.get_running_loop()
+    body: list[bytes] = []
+    try:
+        data = orjson.dumps({**request, **extra, "stream": False})
+        response = await client.pool.request(client.request_bytes(data), body.append)
+        if not 200 <= response.status < 300:
+            raise client.status_error(response)
+        _fill(progress, orjson.loads(b"".join(body)), loop.time())
+    except errors.GenerationError:
+        raise
+    except Exception as exc:  # classified in one place
+        raise taxonomy.from_exception(exc) from exc
+    if progress.finish_reason is None:
+        raise errors.StreamError("the answer has no finish_reason")
+    if progress.finish_reason == "abort":
+        raise errors.StreamError("the server aborted the request (finish_reason: abort)")
+    return progress
+
+
+def _fill(p: Progress, answer: dict[str, Any], now: float) -> None:
+    """``p`` as the stream of ``answer`` (a ``chat.completion``) would have left it."""
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    for name in ("content", "reasoning"):
+        text = message.get("reasoning_content" if name == "reasoning" else "content")
+        if text:
+            getattr(p, name).append(text)
+    p.tool_calls = [
+        {"id": c.get("id"), "type": "function", "function": {**c["function"]}}
+        for c in message.get("tool_calls") or ()
+    ] or None
+    p.logprobs = (choice.get("logprobs") or {}).get("content")
+    p.output_ids = choice.get("response_token_ids")
+    p.finish_reason, p.matched_stop = choice.get("finish_reason"), choice.get("matched_stop")
+    p.usage, p.model = answer.get("usage"), answer.get("model")
+    p.chunks = 1
+    p.first_chunk_at = p.last_chunk_at = now
 
 
 class _Lines:
