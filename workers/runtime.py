@@ -28,7 +28,8 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
-        self.redis = redis_conn.connect(settings)
+        # one retry of its own: the worker rides Redis out itself (workers/durable.py, the pump)
+        self.redis = redis_conn.connect(settings, retries=1)
         self.loop = LoopThread(settings.event_loop)
         self.pool = ServerPool(settings, self.redis)
         self.admission = Admission(self.redis, settings)

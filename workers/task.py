@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import Any
 
+import redis
 from celery import Task
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
@@ -29,7 +30,10 @@ def generate(self: Task, run: str, partition: str, job_id: str) -> str:
     outcome = run_job(rt, run, job_id)
     if outcome in ("skipped", "stopping"):
         # Not claimed: keep the job's message alive (acks_late acks this delivery on return).
-        rt.ledger(run).republish([job_id])
+        try:
+            rt.ledger(run).republish([job_id])
+        except redis.RedisError as exc:  # its waiting lease, else the reconciler, puts it back
+            log.warning("job %s/%s: not republished (%s); the pump will put it back", run, job_id, exc)
         if rt.auth_error is not None:
             _stop_consuming(self)
     return outcome
