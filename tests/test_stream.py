@@ -291,6 +291,29 @@ def test_a_connect_that_hangs_times_out_after_connect_timeout_s() -> None:
     assert f"connecting to 127.0.0.1:{port} took more than 0.3s" in slow.value.message
 
 
+def test_a_request_no_answer_comes_back_for_fails_after_answer_timeout_s() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(30)  # a host that vanished: the request was taken, nothing comes back
+
+    async def go() -> float:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0, answer_timeout_s=0.5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await stream_chat(client, REQUEST, {}, Progress())
+        except errors.RequestTimeoutError as exc:
+            assert "sent no answer within 0.5s" in exc.message
+            return loop.time() - started
+        finally:
+            await client.close()
+            server.close()
+        raise AssertionError("the request did not time out")
+
+    assert 0.4 < run_on_worker_loop(go()) < 2.0
+
+
 def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -53,11 +53,17 @@ class StreamClient:
     headers (built once) and the connections its streams are read on. Built once per server per
     process."""
 
-    def __init__(self, url: str, api_key: str | None, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        connect_timeout_s: float = 10.0,
+        answer_timeout_s: float | None = None,
+    ) -> None:
         parts = urlsplit(f"{url.rstrip('/')}/v1/chat/completions")
         # without any user:password@ (the key goes in its own header)
         self.url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-        self.http = HttpClient(connect_timeout_s)
+        self.http = HttpClient(connect_timeout_s, answer_timeout_s)
         self.headers = {
             "Authorization": f"Bearer {api_key or 'EMPTY'}",
             "User-Agent": f"tokenmill/{__version__}",
@@ -67,9 +73,12 @@ class StreamClient:
         }
 
     @classmethod
-    def of(cls, url: str, api_key: str | None, connect_timeout_s: float) -> StreamClient:
-        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``)."""
-        return cls(url, api_key, connect_timeout_s)
+    def of(
+        cls, url: str, api_key: str | None, connect_timeout_s: float, answer_timeout_s: float | None = None
+    ) -> StreamClient:
+        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``); a
+        request no answer (headers) comes back for in ``answer_timeout_s`` fails."""
+        return cls(url, api_key, connect_timeout_s, answer_timeout_s)
 
     async def close(self) -> None:
         await self.http.close()

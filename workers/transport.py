@@ -20,6 +20,7 @@ have started it.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,8 +44,13 @@ class Response:
 class HttpClient:
     """Kept-alive connections to the servers, shared by a process's streams (on its loop)."""
 
-    def __init__(self, connect_timeout_s: float, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self, connect_timeout_s: float, answer_timeout_s: float | None = None, idle_s: float = IDLE_S
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        # a server sends a stream's headers at once (SGLang, as uvicorn, before the first token):
+        # a request that none come back for in this long went to a host that vanished
+        self.answer_timeout_s = answer_timeout_s
         self.idle_s = idle_s
         self._session: aiohttp.ClientSession | None = None
 
@@ -76,7 +82,16 @@ class HttpClient:
             raise _oserror(exc, url, self.connect_timeout_s) from exc
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str], sink: BodySink) -> Response:
-        async with self.session().post(url, data=body, headers=headers) as resp:
+        try:
+            async with asyncio.timeout(self.answer_timeout_s):
+                resp = await self.session().post(url, data=body, headers=headers)
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ClientError):  # the connect's own deadline
+                raise
+            raise TimeoutError(
+                f"{_where(url)} sent no answer within {self.answer_timeout_s:g}s of the request"
+            ) from None
+        async with resp:
             try:
                 if not 200 <= resp.status < 300:
                     return Response(resp.status, list(resp.headers.items()), await resp.read())
@@ -94,7 +109,7 @@ class HttpClient:
 
 def _oserror(exc: aiohttp.ClientError, url: str, connect_timeout_s: float) -> OSError:
     """aiohttp's error as the ``OSError`` the error taxonomy reads, in words."""
-    where = urlsplit(url).netloc.rpartition("@")[2]
+    where = _where(url)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return TimeoutError(f"connecting to {where} took more than {connect_timeout_s:g}s")
     if isinstance(exc, aiohttp.ClientHttpProxyError):
@@ -111,3 +126,7 @@ def _oserror(exc: aiohttp.ClientError, url: str, connect_timeout_s: float) -> OS
     if isinstance(exc, OSError):
         return exc
     return ConnectionError(f"{type(exc).__name__} talking to {where}: {exc}")
+
+
+def _where(url: str) -> str:
+    return urlsplit(url).netloc.rpartition("@")[2]
