@@ -28,15 +28,16 @@ HEALTH_CHECK_S = 30
 
 
 def connect(
-    settings: Settings, *, check: bool = True, name: str | None = None, retries: int | None = None
+    settings: Settings, *, check: bool = True, name: str | None = None, retries: int = 1
 ) -> redis.Redis:
     """A client for ``settings.redis_url`` (named ``name`` in CLIENT LIST); with ``check``, ping it
-    and raise a clear error. ``retries``: redis-py's own retries of a command on a connection
-    error (its default, 3, unless given: a caller that rides Redis out itself wants fewer)."""
+    and raise a clear error. ``retries``: redis-py's own retries of a command after a connection
+    error or a timeout. One replaces a kept connection Redis dropped; redis-py's default three,
+    each waiting out ``socket_timeout``, made a command to a vanished host take ~25 s (a
+    ``status`` then said nothing for that long); callers that ride Redis out retry themselves."""
     url = settings.redis_url
     kw: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_S, "client_name": name}
-    if retries is not None:
-        kw["retry"] = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries)
+    kw["retry"] = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries)
     if redis_url.is_sentinel(url):
         s = redis_url.parse_sentinel(url)
         sentinel = redis.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))

@@ -28,8 +28,7 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
-        # one retry of its own: the worker rides Redis out itself (workers/durable.py, the pump)
-        self.redis = redis_conn.connect(settings, retries=1)
+        self.redis = redis_conn.connect(settings)
         self.loop = LoopThread(settings.event_loop)
         self.pool = ServerPool(settings, self.redis)
         self.admission = Admission(self.redis, settings)
