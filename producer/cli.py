@@ -18,13 +18,14 @@ if TYPE_CHECKING:
     from tokenmill.settings import Settings
 
 
-def _connect(redis_url: str | None, name: str) -> tuple[Settings, redis.Redis]:
-    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST."""
+def _connect(redis_url: str | None, name: str, retries: int = 1) -> tuple[Settings, redis.Redis]:
+    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST (``retries``:
+    redis-py's own, see :func:`tokenmill.redis_conn.connect`)."""
     from tokenmill import redis_conn
     from tokenmill.settings import Settings
 
     settings = Settings.load(redis_url=redis_url)
-    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}")
+    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}", retries=retries)
 
 
 redis_option = click.option(
@@ -168,7 +169,9 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     from producer.status import run_status
 
     keys.check_run(run)
-    settings, client = _connect(redis_url, "status")
+    # a one-off look retries nothing: against a Redis host that vanished it says so in one
+    # socket_timeout (each retry of redis-py's costs two more: its connect retries too)
+    settings, client = _connect(redis_url, "status", retries=1 if watch else 0)
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
     urls = settings.server_urls
