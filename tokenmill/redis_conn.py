@@ -23,8 +23,9 @@ from tokenmill.errors import RedisUnavailableError
 from tokenmill.settings import Settings, redact_url
 
 log = logging.getLogger("tokenmill.redis")
-CONNECT_TIMEOUT_S = 5.0
 HEALTH_CHECK_S = 30
+# every client's, unless its URL names its own (from_url lets the URL's options win)
+DEADLINES: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, "socket_keepalive": True}
 
 
 def connect(
@@ -42,8 +43,8 @@ def connect(
         s = redis_url.parse_sentinel(url)
         sentinel = redis.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
         client: redis.Redis = sentinel.master_for(s.master_name, **_master_kw(s), **kw)
-    else:
-        client = redis.Redis.from_url(url, socket_connect_timeout=_connect_timeout(url), **kw)
+    else:  # redis-py 8's defaults, given for older ones (whose socket_timeout waited forever)
+        client = redis.Redis.from_url(url, **DEADLINES, **kw)
     if check:
         ping(client, url)
     return client
@@ -55,12 +56,7 @@ def connect_async(settings: Settings) -> aioredis.Redis:
         s = redis_url.parse_sentinel(url)
         sentinel = redis.asyncio.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
         return sentinel.master_for(s.master_name, **_master_kw(s))
-    return aioredis.Redis.from_url(url, socket_connect_timeout=_connect_timeout(url))
-
-
-def _connect_timeout(url: str) -> float:
-    """The URL's socket_connect_timeout if it names one (from_url's keywords would override it)."""
-    return float(redis.connection.parse_url(url).get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
+    return aioredis.Redis.from_url(url, **DEADLINES)
 
 
 def _sentinel_kw(s: redis_url.SentinelURL) -> dict[str, Any]:
