@@ -71,7 +71,7 @@ def group(tmp_path: Path) -> Iterator[tuple[RedisServer, Replica, Sentinel]]:
     primary = RedisServer(tmp_path / "primary").start()
     replica = Replica(tmp_path / "replica", primary).start()
     wait_for(
-        lambda: "master_link_status:up" in replica.client().execute_command("INFO", "replication").decode(),
+        lambda: replica.client().info("replication").get("master_link_status") == "up",
         20,
         "the replica in sync",
     )
