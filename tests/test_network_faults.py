@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import kombu
 import pytest
 import redis
 
@@ -265,3 +266,20 @@ def test_a_wrong_api_key_is_one_clear_error_within_seconds_and_fails_no_job(tmp_
     finally:
         sim.kill()
         server.kill()
+
+
+def test_the_brokers_connections_carry_deadlines_and_keepalive(redis_url: str) -> None:
+    from tokenmill.app import celery_config
+    from tokenmill.settings import Settings
+
+    # Given the Celery configuration a worker starts with
+    conf = celery_config(Settings.load(redis_url=redis_url))
+    # When kombu opens a channel on it
+    with kombu.Connection(conf["broker_url"], transport_options=conf["broker_transport_options"]) as conn:
+        channel = conn.default_channel
+        kwargs = channel.client.connection_pool.connection_kwargs
+        # Then its Redis connections give up on a silent host, and kombu checks its long-lived ones
+        assert kwargs["socket_timeout"] == 5.0 and kwargs["socket_connect_timeout"] == 5.0
+        assert kwargs["socket_keepalive"] is True
+        assert channel.health_check_interval == 10
+    assert conf["broker_connection_timeout"] == 5.0
