@@ -25,7 +25,7 @@ from tests import chaos, sealing
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.faultproxy import FaultProxy
 from tests.pipeline import cli
-from tests.procs import RedisServer, free_port, spawn, start_sim, wait_for, worker_env
+from tests.procs import Proc, RedisServer, free_port, spawn, start_sim, wait_for, worker_env
 from tests.test_sealing_chaos import aof_file
 from workers.job import ABANDON_AFTER_S
 from workers.task import STOP_SLACK_S
@@ -224,6 +224,7 @@ def test_workers_stop_on_sigterm_within_their_grace_while_redis_is_gone(
 def test_a_wrong_redis_password_is_one_clear_error_within_seconds(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "guarded", password="s3cret").start()
     sim, url = start_sim(tmp_path)
+    worker = None
     try:
         env = worker_env(f"redis://:n0t-the-pass@127.0.0.1:{server.port}/0", url)
         t0 = time.monotonic()
@@ -236,6 +237,8 @@ def test_a_wrong_redis_password_is_one_clear_error_within_seconds(tmp_path: Path
         assert "n0t-the-pass" not in out, "the password was logged"
         assert took < 15, f"{took:.1f}s to say so"
     finally:
+        if worker is not None:
+            worker.kill()
         sim.kill()
         server.kill()
 
@@ -245,7 +248,9 @@ def chaos_worker_args() -> list[str]:
     return [sys.executable, "-m", "tokenmill.cli", "worker", "--queue", "short", "--hostname", f"{name}@%h"]
 
 
-def test_a_wrong_api_key_is_one_clear_error_within_seconds_and_fails_no_job(tmp_path: Path) -> None:
+def test_a_wrong_api_key_is_one_clear_error_within_seconds_and_fails_no_job(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
     server = RedisServer(tmp_path / "redis").start()
     sim, url = start_sim(tmp_path, "--api-key", "right-key")
     try:
@@ -254,6 +259,7 @@ def test_a_wrong_api_key_is_one_clear_error_within_seconds_and_fails_no_job(tmp_
         cli("enqueue", str(wl.write(tmp_path)), *wl.enqueue_flags, env=env)
         t0 = time.monotonic()
         worker = spawn([*chaos_worker_args()], tmp_path / "worker.log", env=env)
+        procs.append(worker)
         wait_for(lambda: "refused the API key" in worker.output(), 30, "the refused key reported")
         took = time.monotonic() - t0
         assert took < 15, f"{took:.1f}s to say so"
@@ -262,7 +268,6 @@ def test_a_wrong_api_key_is_one_clear_error_within_seconds_and_fails_no_job(tmp_
         assert counts["failed"] == 0 and counts["done"] == 0, counts
         assert worker.output().count("refused the API key") == 1
         assert "wrong-key" not in worker.output()
-        worker.stop()
     finally:
         sim.kill()
         server.kill()
