@@ -74,6 +74,9 @@ def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
     if scheme == "sentinel":
         parse_sentinel(url, what)
         return
+    parts = urlsplit(url)
+    if not parts.query and (scheme == "unix" or parts.path.strip("/").isdigit() or not parts.path.strip("/")):
+        return  # no option to check: spare the read-only commands redis-py's import (0.3 s)
     from redis.connection import parse_url
 
     try:
