@@ -54,9 +54,11 @@ test-compose: $(STAMP) wheelhouse
 		$(BIN)/pytest -q -p no:cacheprovider --compose tests/compose; \
 		status=$$?; $(BIN)/python -m tests.compose.engine stop; exit $$status
 
+# pip keeps the dependencies whose markers hold for the Python it runs on: redis needs
+# async-timeout below Python 3.11.3 (Debian bookworm's is 3.11.2), so it is named here.
 wheelhouse: $(STAMP)
 	rm -f $(WHEELHOUSE)/*.whl
-	$(BIN)/pip wheel -q --wheel-dir $(WHEELHOUSE) . 'setuptools>=68' wheel
+	$(BIN)/pip wheel -q --wheel-dir $(WHEELHOUSE) . 'setuptools>=68' wheel 'async-timeout>=4.0.3'
 	rm -f $(WHEELHOUSE)/tokenmill-*.whl
 
 sglang-env:

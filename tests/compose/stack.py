@@ -182,6 +182,8 @@ class Stack:
         self.run("--profile", "producer", "down", "--remove-orphans", "--volumes", "--timeout", "10",
                  timeout=300, check=False)  # fmt: skip
         label = f"label=com.docker.compose.project={PROJECT}"
+        # compose builds the shared image once per service; the copies it replaced are dangling
+        docker("image", "prune", "--force", "--filter", label, check=False)
         left = []
         for kind in ("container", "network", "volume"):
             listing = ["ps", "-aq"] if kind == "container" else [kind, "ls", "-q"]

@@ -218,10 +218,10 @@ def test_a_killed_worker_and_a_restarted_redis_lose_and_duplicate_nothing(stack:
     stack.run("restart", "redis", timeout=300)
     totals = stack.wait_finished(run, jobs, timeout=900)
     assert totals["failed"] == 0, totals  # 0 lost
-    k = keys.RunKeys(run)
-    with stack.client() as client:
-        attempts = [int(client.hget(k.job(j), "attempts") or 0) for j in hit]
-    assert all(a >= 2 for a in attempts), f"the killed worker's jobs ran again: attempts {attempts}"
+    # the killed worker's jobs were reaped and continued from their checkpoints (the sealer has
+    # since stripped the jobs' own records: the run's counters say it)
+    stats = stack.status(run)["stats"]
+    assert stats.get("continued_jobs", 0) >= len(hit), (stats, sorted(hit))
     sources = {f"{p}{f}": DEMO / f"{f}.jsonl" for p in partitions for f in ("B1", "B2")}
     assert export_problems(stack, run, sources) == []  # 0 duplicated, every text exact
 
