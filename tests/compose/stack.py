@@ -12,6 +12,7 @@ shell leaks into the stack. Everything the tests talk to is on 127.0.0.1.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import subprocess
@@ -26,6 +27,7 @@ import orjson
 import redis
 
 from producer.status import run_status
+from tests.chaos import running_jobs
 from tests.compose import engine
 from tests.procs import ROOT, wait_for
 from tokenmill.local_redis import free_port
@@ -145,8 +147,6 @@ class Stack:
         """GET ``path`` on a published port: (status, body); an HTTP error status is returned too."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.port(port_name)}{path}")
         if auth is not None:
-            import base64
-
             token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
             req.add_header("Authorization", f"Basic {token}")
         try:
@@ -212,8 +212,6 @@ def published_ports(container: str) -> list[str]:
 
 def workers_seen(client: redis.Redis, run: str) -> set[str]:
     """Hostnames that hold a running job of ``run`` now (the ledger's ``worker`` = host:pid)."""
-    from tests.chaos import running_jobs
-
     return {v.worker.rsplit(":", 1)[0] for v in running_jobs(client, run).values() if v.worker}
 
 
