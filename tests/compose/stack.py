@@ -17,6 +17,7 @@ import os
 import secrets
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
