@@ -441,3 +441,20 @@ def test_without_a_tool_parser_required_tools_give_a_json_array_in_the_content(p
     for call in calls:
         jsonschema.validate(call["parameters"], SCHEMAS[call["name"]])
     assert stream["content"] == choice["message"]["content"] and not stream["tool_calls"]
+
+
+def test_n_greedy_choices_are_the_same_output_streamed_per_index(plain: Engine) -> None:
+    answer = whole(plain, {"max_tokens": 6, "n": 2})
+    frames = sse_frames(plain, {**GREEDY, "max_tokens": 6, "n": 2, **STREAM_USAGE})
+
+    texts = [c["message"]["content"] for c in answer["choices"]]
+    assert [c["index"] for c in answer["choices"]] == [0, 1] and texts[0] == texts[1]
+    assert answer["usage"]["completion_tokens"] == 12  # both choices' tokens
+    streamed_texts, finishes = ["", ""], {}
+    for frame in frames[:-2]:
+        choice = frame["choices"][0]
+        streamed_texts[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert streamed_texts == texts and finishes == {0: "length", 1: "length"}
+    assert frames[-2]["choices"] == [] and frames[-2]["usage"]["completion_tokens"] == 12

@@ -106,9 +106,8 @@ def build(
         if eos:
             toks.pop()
     offsets = list(accumulate(len(t) for t in toks))
-    matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" and not opts.ignore_eos else None
-    if finish == "stop" and opts.ignore_eos:
-        finish = "length"
+    # ignore_eos: free text runs to its limit (textgen); a complete grammar still ends the output
+    matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" else None
     n, text_end = len(toks), offsets[-1] if offsets else 0
     hit = _first_stop(toks, offsets, opts)
     if hit is not None:
