@@ -53,6 +53,7 @@ def server_flags(
         ("--context-length", c.context_length),
         ("--max-running-requests", c.max_running_requests),
         ("--reasoning-parser", c.reasoning_parser),
+        ("--tool-call-parser", c.tool_call_parser),
         ("--enable-metrics", c.enable_metrics),
         # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of these two
         ("--cuda-graph-backend-decode", None if c.cuda_graphs else "disabled"),

@@ -75,6 +75,7 @@ class ServerConfig:
     context_length: int | None = None
     max_running_requests: int | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # tool calls come back as tool_calls only with one
     enable_metrics: bool = False
     cuda_graphs: bool = True  # false: 0.5.23's --cuda-graph-backend-{decode,prefill} disabled
     api_key: str | None = field(default=None, repr=False)
@@ -302,6 +303,11 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
             "reasoning_parser",
             c.reasoning_parser is None or c.reasoning_parser in sglang_flags.REASONING_PARSERS,
             f"must be one of {', '.join(sglang_flags.REASONING_PARSERS)}",
+        ),
+        (
+            "tool_call_parser",
+            c.tool_call_parser is None or c.tool_call_parser in sglang_flags.TOOL_CALL_PARSERS,
+            f"must be one of {', '.join(sglang_flags.TOOL_CALL_PARSERS)}",
         ),
         ("launcher", bool(c.launcher), "must not be empty"),
         ("max_restarts", c.max_restarts >= 0, "must be >= 0"),

@@ -47,6 +47,16 @@ REASONING_PARSERS = (
     "gemma4",
 )
 
+# --tool-call-parser: SGLang 0.5.23's choices (FunctionCallParser.ToolCallParserEnum), and "auto".
+TOOL_CALL_PARSERS = (
+    "auto", "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
+    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon", "kimi_k2",
+    "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse", "poolside_v1",
+    "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5", "minimax-m2",
+    "minimax-m3", "nanbeige", "trinity", "interns1", "hermes", "hunyuan", "gigachat3", "gigachat35",
+    "gemma4", "inkling", "iquest_q1", "response_template",
+)  # fmt: skip
+
 # Flags the config owns: giving them in extra_args would duplicate or contradict a config key
 # (and --mem-fraction-static would defeat the OOM remediation, --api-key would leak in logs).
 MANAGED_FLAGS: dict[str, str] = {
@@ -67,6 +77,7 @@ MANAGED_FLAGS: dict[str, str] = {
     "--context-length": "context_length",
     "--max-running-requests": "max_running_requests",
     "--reasoning-parser": "reasoning_parser",
+    "--tool-call-parser": "tool_call_parser",
     "--enable-metrics": "enable_metrics",
     "--cuda-graph-backend-decode": "cuda_graphs",
     "--cuda-graph-backend-prefill": "cuda_graphs",
