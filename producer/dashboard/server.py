@@ -2,7 +2,8 @@
 
 Every route, the static files included, is behind basic auth when credentials are configured.
 The API's answers are the Python API's documents, unchanged: ``api/status`` is
-``Client.status(run).to_dict()``, the ``tokenmill status --json`` document. The Client's calls
+``Client.status(run).to_dict()``, the ``tokenmill status --json`` document; ``api/runs`` the
+``tokenmill runs --json`` one. The Client's calls
 block on Redis, so each runs in a thread.
 """
 
@@ -90,7 +91,7 @@ class _Api:
         self.client = client
 
     async def runs(self, request: web.Request) -> web.StreamResponse:
-        return await _answer(lambda: [info.to_dict() for info in self.client.runs()])
+        return await _answer(lambda: {"runs": [info.to_dict() for info in self.client.runs()]})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
         run = _run(request)

@@ -204,7 +204,7 @@
       const total = Object.values(c).reduce((a, b) => a + b, 0);
       return [p, progressBar(c), el("span", { text: total ? pct(c.done / total) : "–" }),
         ...states.map((s) => field(["partitions", p, s], c[s])),
-        field(["results", "sealed", p], sealed[p] || 0)];
+        p in sealed ? field(["results", "sealed", p], sealed[p]) : el("span", { text: "0" })];
     });
     table($("partitions"), ["partition", "progress", "done %", ...states, "sealed"], rows);
   }
@@ -330,9 +330,11 @@
     names.forEach((name, i) => {
       const cols = hist.servers[name] || { t: [] };
       const t = cols.t;
-      chart(`server:${name}:requests`, $(`srv-${i}-requests`),
-        timeOpts([line("running", COLORS[0]), line("queued", COLORS[3]), line("window", COLORS[1], { dash: [6, 3] }),
-          line("in flight", COLORS[4])], "requests"),
+      // an asinh scale: a window far above what runs (admission not limiting) leaves both readable
+      const requests = timeOpts([line("running", COLORS[0]), line("queued", COLORS[3]),
+        line("window", COLORS[1], { dash: [6, 3] }), line("in flight", COLORS[4])], "requests");
+      requests.scales.y = { distr: 4, asinh: 1 };
+      chart(`server:${name}:requests`, $(`srv-${i}-requests`), requests,
         [t, col(cols, "running"), col(cols, "queued"), col(cols, "window"), col(cols, "in_flight")]);
       const used = col(cols, "kv_used"), cap = col(cols, "kv_capacity");
       chart(`server:${name}:kv`, $(`srv-${i}-kv`),
@@ -498,7 +500,7 @@
 
   async function loadRuns() {
     try {
-      const runs = await api("api/runs");
+      const { runs } = await api("api/runs");
       tm.runs = runs;
       const sel = $("run");
       const names = runs.map((r) => r.run);
@@ -506,13 +508,13 @@
       if (wanted && !names.includes(wanted)) names.push(wanted);
       if (sel.dataset.sig !== JSON.stringify(names)) {
         sel.textContent = "";
-        for (const r of runs) {
-          const t = r.totals;
-          sel.append(el("option", { value: r.run, text: `${r.run} (${t.done}/${t.total} done)` }));
-        }
-        if (wanted && !runs.some((r) => r.run === wanted)) sel.append(el("option", { value: wanted, text: wanted }));
+        for (const name of names) sel.append(el("option", { value: name, text: name }));
         sel.dataset.sig = JSON.stringify(names);
         sel.value = tm.run || wanted || "";
+      }
+      for (const r of runs) {  // each run's progress, as of this listing
+        const option = [...sel.options].find((o) => o.value === r.run);
+        if (option) option.textContent = `${r.run} (${r.totals.done}/${r.totals.total} done)`;
       }
       $("run-note").textContent = `${runs.length} run${runs.length === 1 ? "" : "s"} in this Redis`;
       if (!wanted) showError("no runs in this Redis yet: enqueue one (tokenmill enqueue ... --run NAME)");
