@@ -447,6 +447,8 @@
 
   function render() {
     const st = tm.status, h = tm.hist;
+    const option = [...$("run").options].find((o) => o.value === st.run);
+    if (option) option.textContent = `${st.run} (${st.totals.done}/${st.totals.total} done)`;
     renderSummary(st);
     renderPartitions(st);
     renderServerTable(st);
