@@ -32,6 +32,10 @@ PAGE_NUMBERS = """
 return [...document.querySelectorAll('[data-path]')].map(
   e => [JSON.parse(e.dataset.path), JSON.parse(e.dataset.value)]);
 """
+HISTOGRAM_LABELS = """
+const u = window.tm.charts[arguments[0]], axis = u.axes[0];
+return {legend: u.series[0].value(u, 0), ticks: axis.values(u, axis.splits(u, 0))};
+"""
 CHART_POINTS = """
 return Object.fromEntries(Object.entries(window.tm.charts).map(
   ([k, u]) => [k, u.data.slice(1).map(s => s.filter(v => v !== null && v !== undefined).length)]));
@@ -166,6 +170,11 @@ def test_the_finished_run_matches_status_json_every_chart_has_points_and_nothing
     empty = {k: v for k, v in points.items() if not v or min(v) == 0}
     assert not empty, f"charts without data points: {empty}"
     assert min(points["jobs"]) >= 10, points  # a point a second over the run
+    # and the histograms label their bins (drawn on a canvas: read through the chart's own labels)
+    for key, field in (("hist-completion", "completion_tokens"), ("hist-reasoning", "reasoning_tokens")):
+        labels = driver.execute_script(HISTOGRAM_LABELS, key)
+        lo, hi, _ = doc["outputs"][field][0]
+        assert labels["legend"] == f"{lo}\u2013{hi - 1}" and labels["ticks"][0] == str(lo), (key, labels)
 
     # and the page logged no error
     assert console_errors(live) == []

@@ -16,7 +16,7 @@
   const STATE_COLOR = { done: "#2f9e44", running: "#1c7ed6", queued: "#868e96", failed: "#e03131",
     cancelled: "#f08c00", sealed: "#7048e8" };
 
-  const tm = window.tm = { run: null, runs: [], status: null, hist: null, charts: {}, ticks: 0,
+  const tm = window.tm = { run: null, runs: [], status: null, hist: null, charts: {}, bins: {}, ticks: 0,
     updated: null, samples: null };
   const $ = (id) => document.getElementById(id);
 
@@ -259,19 +259,28 @@
     histogram("reasoning", $("chart-reasoning"), o.reasoning_tokens || [], COLORS[4]);
   }
 
-  // a length histogram: one bar per bin (bins widen with length, so bars are drawn by index)
+  // a length histogram: one bar per bin (bins widen with length, so bars are drawn by index);
+  // the chart outlives this call, so its labels read the latest bins from tm.bins, not a closure
   function histogram(key, container, rows, color) {
-    const labels = rows.map(([lo, hi]) => `${lo}–${hi - 1}`);
+    tm.bins[key] = rows;
+    const bins = () => tm.bins[key] || [];
     const data = [rows.map((_, i) => i), rows.map((r) => r[2])];
     chart(`hist-${key}`, container, {
       height: 200,
-      scales: { x: { time: false, range: (u, lo, hi) => [lo - 0.6, hi + 0.6] } },
+      scales: { x: { time: false, range: (u, lo, hi) => [(lo ?? 0) - 0.6, (hi ?? 0) + 0.6] } },
       series: [
-        { label: "tokens", value: (u, v) => (v === null || labels[v] === undefined ? "–" : labels[v]) },
+        { label: "tokens", value: (u, v) => (bins()[v] ? `${bins()[v][0]}–${bins()[v][1] - 1}` : "–") },
         { label: "jobs", stroke: color, fill: `${color}88`, paths: uPlot.paths.bars({ size: [0.85, 40] }), points: { show: false } },
       ],
       axes: [
-        { label: "tokens", values: (u, splits) => splits.map((i) => (Number.isInteger(i) && rows[i] ? String(rows[i][0]) : "")) },
+        {
+          label: "tokens (lower edge of each bin)",
+          splits: () => {
+            const every = Math.max(1, Math.ceil(bins().length / 10));
+            return bins().map((_, i) => i).filter((i) => i % every === 0);
+          },
+          values: (u, splits) => splits.map((i) => (bins()[i] ? String(bins()[i][0]) : "")),
+        },
         { label: "jobs", size: 56 },
       ],
       legend: { live: true },
