@@ -17,7 +17,16 @@ export TOKENMILL_SGLANG_HOME
 # then alone the modules that time faults or health windows and failed beside SGLang.
 ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifecycle.py
 
-.PHONY: demo test test-parallel test-sglang sglang-env browser-env lint bench install clean
+# `make test-compose`: compose.yaml built and run in Docker against its running containers
+# (tests/compose; slow, so not part of `make test`). As root it installs Debian's docker.io and
+# debootstrap, starts dockerd if none runs (and stops it afterwards), and builds a debootstrap base
+# image once per machine, outside the clone (tests/compose/engine.py); the images are built from
+# that base and the wheelhouse, so nothing comes from Docker Hub.
+# `make wheelhouse`: wheels of everything tokenmill installs, for `INSTALL_FROM=wheelhouse`
+# builds with no package index (docs/deploy.md, "Air-gapped builds").
+WHEELHOUSE := docker/wheelhouse
+
+.PHONY: demo test test-parallel test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +51,18 @@ test-parallel: $(STAMP) sglang-env browser-env
 test-sglang: $(STAMP) sglang-env
 	$(BIN)/pytest -q -p no:cacheprovider -m sglang
 
+test-compose: $(STAMP) wheelhouse
+	$(BIN)/python -m tests.compose.engine prepare && \
+		$(BIN)/pytest -q -p no:cacheprovider --compose tests/compose; \
+		status=$$?; $(BIN)/python -m tests.compose.engine stop; exit $$status
+
+# pip keeps the dependencies whose markers hold for the Python it runs on: redis needs
+# async-timeout below Python 3.11.3 (Debian bookworm's is 3.11.2), so it is named here.
+wheelhouse: $(STAMP)
+	rm -f $(WHEELHOUSE)/*.whl
+	$(BIN)/pip wheel -q --wheel-dir $(WHEELHOUSE) . 'setuptools>=68' wheel 'async-timeout>=4.0.3'
+	rm -f $(WHEELHOUSE)/tokenmill-*.whl
+
 sglang-env:
 	$(PY) scripts/sglang_env/build.py --home $(TOKENMILL_SGLANG_HOME)
 
@@ -60,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/results.py
 
 clean:
-	rm -rf $(VENV) demo-output
+	rm -rf $(VENV) demo-output $(WHEELHOUSE)/*.whl

@@ -372,40 +372,67 @@ def direct_client_main(url: str, reqs_path: str, out_path: str, short_c: int, lo
 # --- per token: the worker's stream path alone ------------------------------------------------
 
 
-def stream_path(url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool) -> tuple[float, int]:
-    """CPU seconds and completion tokens for ``reqs`` through the worker's stream path on the
-    worker's event loop (the ``event_loop`` setting's default), or the direct way on asyncio's."""
+# --per-token's variants: the worker's stream path on its own transport; the same path (the
+# worker's line splitter and chunk parser) reading aiohttp's body chunks instead, what it would
+# cost with aiohttp as its transport; and aiohttp used directly (lines + orjson). All on the
+# worker's event loop (the ``event_loop`` setting's default, uvloop).
+PER_TOKEN_VARIANTS = ("worker", "aiohttp", "direct")
+
+
+def stream_path(url: str, reqs: list[dict[str, Any]], concurrency: int, variant: str) -> tuple[float, int]:
+    """CPU seconds and completion tokens for ``reqs`` through one of :data:`PER_TOKEN_VARIANTS`
+    on the worker's event loop."""
     from tokenmill.settings import EVENT_LOOPS
     from workers.loop import run
 
-    return run(_stream_path(url, reqs, concurrency, worker), EVENT_LOOPS[0] if worker else "asyncio")
+    return run(_stream_path(url, reqs, concurrency, variant), EVENT_LOOPS[0])
 
 
 async def _stream_path(
-    url: str, reqs: list[dict[str, Any]], concurrency: int, worker: bool
+    url: str, reqs: list[dict[str, Any]], concurrency: int, variant: str
 ) -> tuple[float, int]:
     """CPU seconds and completion tokens for ``reqs``, ``concurrency`` at a time, in this process:
-    through ``workers.stream.stream_chat`` on the worker's own stream client, or directly."""
+    through ``workers.stream.stream_chat`` on the worker's own stream client, through the worker's
+    parser on aiohttp's chunks, or directly."""
     import aiohttp
 
     from tokenmill.settings import Settings
-    from workers.stream import Progress, StreamClient, stream_chat
+    from workers.stream import STREAM_OPTIONS, Progress, StreamClient, _Lines, stream_chat
 
     sem = asyncio.Semaphore(concurrency)
     s = Settings.load(server_url=url)
     client = StreamClient.of(url, s.api_key, s.connect_timeout_s)  # as a worker's Runtime builds it
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    loop = asyncio.get_running_loop()
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}
 
     async def via_worker(item: dict[str, Any]) -> int:
         async with sem:
             p = await stream_chat(client, item["request"], {"rid": item["id"]}, Progress())
             return int((p.usage or {}).get("completion_tokens") or 0)
 
+    async def via_aiohttp(item: dict[str, Any]) -> int:
+        body = orjson.dumps(
+            {**item["request"], "rid": item["id"], "stream": True, "stream_options": STREAM_OPTIONS}
+        )
+        p = Progress()
+        lines = _Lines(p, loop)
+        async with sem, session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            async for chunk in resp.content.iter_any():
+                lines.feed(chunk)
+        lines.end()
+        if p.finish_reason is None:
+            raise RuntimeError(f"{item['id']}: the stream ended without a finish_reason")
+        return int((p.usage or {}).get("completion_tokens") or 0)
+
     async def direct(item: dict[str, Any]) -> int:
         return int((await _stream_one(session, url, item, sem))[1])
 
+    one = {"worker": via_worker, "aiohttp": via_aiohttp, "direct": direct}[variant]
     cpu0 = time.process_time()
-    tokens = await asyncio.gather(*((via_worker if worker else direct)(r) for r in reqs))
+    tokens = await asyncio.gather(*(one(r) for r in reqs))
     cpu = time.process_time() - cpu0
     await client.close()
     await session.close()
@@ -429,8 +456,8 @@ def _parse_costs_us() -> tuple[float, float]:
 
 
 def per_token(k: Knobs, n: int, rounds: int) -> None:
-    """The stream path alone, side by side: CPU per streamed token, worker code vs direct."""
-    rows: dict[str, list[tuple[float, int, float]]] = {"worker": [], "direct": []}
+    """The stream path alone, side by side: CPU per streamed token, worker code vs aiohttp."""
+    rows: dict[str, list[tuple[float, int, float]]] = {v: [] for v in PER_TOKEN_VARIANTS}
     with workdir() as work, Children() as ch:
         reqs = [r for r in direct_requests(write_dataset(work / "P.jsonl", k), k) if r["queue"] == "short"][
             :n
@@ -440,24 +467,43 @@ def per_token(k: Knobs, n: int, rounds: int) -> None:
             for variant in rows:
                 sampler = Sampler(url, "sim")
                 sampler.start()
-                cpu, tokens = stream_path(url, reqs, k.short_concurrency, variant == "worker")
+                cpu, tokens = stream_path(url, reqs, k.short_concurrency, variant)
                 rows[variant].append((cpu, tokens, _mean(sampler.stop())))
                 print(
-                    f"{variant:6}: {cpu:.2f} CPU s, {tokens:,} tokens, {cpu / tokens * 1e6:.1f} µs per token"
+                    f"{variant:7}: {cpu:.2f} CPU s, {tokens:,} tokens, {cpu / tokens * 1e6:.1f} µs per token"
                 )
     direct = median([c / t for c, t, _ in rows["direct"]])
     table_rows = []
     for variant, label in (
-        ("worker", "workers.stream.stream_chat on the worker's stream client and event loop"),
+        ("worker", "workers.stream.stream_chat on the worker's stream client (workers/transport.py)"),
+        ("aiohttp", "the worker's line splitter and parser on aiohttp's body chunks"),
         ("direct", "direct: aiohttp lines + orjson"),
     ):
         per = median([c / t for c, t, _ in rows[variant]])
         flight = median([f for _, _, f in rows[variant]])
-        table_rows.append(
-            [label, f"{rows[variant][0][1]:,}", f"{per * 1e6:.1f}", f"{per / direct:.2f}x", f"{flight:.0f}"]
+        by_round = ", ".join(
+            f"{(c / t) / (dc / dt):.2f}x"
+            for (c, t, _), (dc, dt, _) in zip(rows[variant], rows["direct"], strict=True)
         )
-    print(f"\n{len(reqs)} short requests, {k.short_concurrency} at a time, one process, median of {rounds}:")
-    print(table(["stream path", "tokens", "CPU µs / token", "vs direct", "mean in flight"], table_rows))
+        table_rows.append(
+            [
+                label,
+                f"{rows[variant][0][1]:,}",
+                f"{per * 1e6:.1f}",
+                f"{per / direct:.2f}x",
+                by_round,
+                f"{flight:.0f}",
+            ]
+        )
+    print(
+        f"\n{len(reqs)} short requests, {k.short_concurrency} at a time, one process, uvloop, "
+        f"median of {rounds}:"
+    )
+    print(
+        table(
+            ["stream path", "tokens", "CPU µs / token", "vs direct", "by round", "mean in flight"], table_rows
+        )
+    )
     on_line, loads = _parse_costs_us()
     print(f"_on_line on one content chunk: {on_line:.2f} µs, of which orjson.loads {loads:.2f} µs")
 
@@ -472,7 +518,7 @@ def per_request(k: Knobs, n: int, rounds: int) -> None:
         _, url = start_sim(ch, work, k.sim)
         for _ in range(rounds):
             for variant in rows:
-                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, variant == "worker")
+                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, variant)
                 rows[variant].append(cpu / len(reqs))
                 each_ms = cpu / len(reqs) * 1e3
                 print(f"{variant:6}: {cpu:.2f} CPU s for {len(reqs)} requests, {each_ms:.2f} ms each")

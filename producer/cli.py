@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     from tokenmill.settings import Settings
 
 
-def _connect(redis_url: str | None, name: str) -> tuple[Settings, redis.Redis]:
-    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST."""
+def _connect(redis_url: str | None, name: str, retries: int = 1) -> tuple[Settings, redis.Redis]:
+    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST (``retries``:
+    redis-py's own, see :func:`tokenmill.redis_conn.connect`)."""
     from tokenmill import redis_conn
     from tokenmill.settings import Settings
 
     settings = Settings.load(redis_url=redis_url)
-    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}")
+    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}", retries=retries)
 
 
 def _connect_read(redis_url: str | None, name: str) -> tuple[Settings, ReadClient]:

@@ -270,6 +270,10 @@ class Cluster:
     faults: list[Fault] = field(default_factory=list)
     generated_by_dead_sims: int = 0
     sealer: Proc | None = None
+    # where the cluster's processes reach Redis and the server (a proxy's address; default: the
+    # processes' own); ``client`` reaches Redis directly all the same
+    redis_via: str = ""
+    server_via: str = ""
     _client: redis.Redis | None = None
 
     @classmethod
@@ -293,7 +297,7 @@ class Cluster:
 
     @property
     def env(self) -> dict[str, str]:
-        return worker_env(self.redis.url, self.sim_url, **self.settings)
+        return worker_env(self.redis_via or self.redis.url, self.server_via or self.sim_url, **self.settings)
 
     @property
     def client(self) -> redis.Redis:

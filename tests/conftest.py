@@ -17,6 +17,25 @@ SGLANG_PARAM = "sglang"  # the id of the real engine in tests.engines.ENGINE_PAR
 SGLANG_MODULES = ("tests/test_sglang_server.py::",)  # every test in it runs real SGLang
 
 
+COMPOSE_TESTS = Path(__file__).resolve().parent / "compose"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--compose",
+        action="store_true",
+        help="also collect tests/compose: compose.yaml built and run in Docker (make test-compose)",
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The container tests build images and start the stack (tens of minutes on a new machine):
+    `make test-compose` runs them, with --compose; plain `make test` leaves them out."""
+    if collection_path == COMPOSE_TESTS and not config.getoption("--compose"):
+        return True
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Tests Ctrl-C child processes (`status --watch`, `server up`). A suite started in the
     background by a non-interactive shell has SIGINT ignored, and an ignored signal stays ignored

@@ -2,7 +2,8 @@
 and password-protected, the server gets a GPU, and nothing is published beyond the host's loopback.
 
 Docker is not needed: the file is parsed with PyYAML, ``${VAR:-default}`` is interpolated the way
-compose does, and each ``tokenmill ...`` command is resolved and parsed through click.
+compose does, and each ``tokenmill ...`` command is resolved and parsed through click. The stack
+itself is built and run in Docker by tests/compose (``make test-compose``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 SERVER_TOML = ROOT / "docker" / "server.toml"
+SIM_OVERRIDE = ROOT / "docker" / "compose.sim.yaml"
+SIM_TOML = ROOT / "docker" / "server.sim.toml"
+REDIS_OVERRIDE = ROOT / "docker" / "compose.redis-debian.yaml"
 ENV = {"REDIS_PASSWORD": "s3cret", "FLOWER_BASIC_AUTH": "admin:pw", "HF_TOKEN": "hf_x"}
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
@@ -54,10 +58,32 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return _VAR.sub(sub, value)
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags: ``!reset`` and ``!override`` (read as tagged values)."""
+
+
+for _tag in ("!reset", "!override"):
+    ComposeLoader.add_constructor(
+        _tag,
+        lambda loader, node, tag=_tag: (
+            tag,
+            loader.construct_sequence(node)
+            if isinstance(node, yaml.SequenceNode)
+            else loader.construct_mapping(node)
+            if isinstance(node, yaml.MappingNode)
+            else loader.construct_scalar(node),
+        ),
+    )
+
+
+def load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.load(path.read_text(), Loader=ComposeLoader)
+    return data
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
-    return data
+    return load(COMPOSE)
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +246,90 @@ def test_workers_scale_and_the_producer_is_a_one_shot_profile(services: dict[str
     assert services["worker-long"]["command"][1:4] == ["worker", "--queue", "long"]
     producer = services["producer"]
     assert producer["profiles"] == ["producer"] and producer["restart"] == "no"
+
+
+def test_the_public_defaults_build_from_public_images_and_the_package_index(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name, svc in services.items():
+        if "build" in svc:
+            args = svc["build"]["args"]
+            assert args["PYTHON_IMAGE"] == "python:3.11-slim", name
+            assert args["INSTALL_FROM"] == "index", name
+    assert services["redis"]["image"] == "redis:7.4"
+    text = DOCKERFILE.read_text()
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in text and "FROM ${PYTHON_IMAGE} AS tokenmill" in text
+    # a `# syntax=` directive would make every build fetch a frontend image from Docker Hub
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+
+
+def test_air_gapped_builds_take_every_base_image_and_package_from_the_site(
+    compose: dict[str, Any],
+) -> None:
+    site = "registry.internal"
+    env = {**ENV, "PYTHON_IMAGE": f"{site}/python:3.11-slim", "INSTALL_FROM": "wheelhouse",
+           "REDIS_IMAGE": f"{site}/redis:7.4", "SGLANG_IMAGE": f"{site}/sglang:v1"}  # fmt: skip
+    services = interpolate(compose["services"], env)
+    for name, svc in services.items():
+        if "build" in svc:
+            assert svc["build"]["args"]["PYTHON_IMAGE"] == env["PYTHON_IMAGE"], name
+            assert svc["build"]["args"]["INSTALL_FROM"] == "wheelhouse", name
+    assert services["server"]["build"]["args"]["SGLANG_IMAGE"] == env["SGLANG_IMAGE"]
+    assert services["redis"]["image"] == env["REDIS_IMAGE"]
+    text = DOCKERFILE.read_text()
+    assert "--no-index --find-links /wheelhouse" in text
+    assert "source=docker/wheelhouse" in text and (ROOT / "docker" / "wheelhouse").is_dir()
+
+
+def test_processes_run_under_an_init_and_volumes_are_mounted_where_the_image_owns_the_folder(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    text = DOCKERFILE.read_text()
+    tokenmill_stage = text.split("AS tokenmill", 1)[1].split("\nFROM ", 1)[0]
+    assert "USER tokenmill" in tokenmill_stage
+    owned = set(
+        re.findall(r"(/[\w/]+)", tokenmill_stage.split("chown tokenmill:tokenmill", 1)[1].split("\n")[0])
+    )
+    for name, svc in services.items():
+        if name != "redis":
+            assert svc.get("init") is True, f"{name}: no init, compose's SIGTERM would meet PID 1"
+        if svc.get("image") != "tokenmill:local":
+            continue
+        for volume in svc.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if not source.startswith((".", "/", "~")) and not target.endswith(":ro"):
+                assert target in owned, f"{name}: volume {source} on {target}, which the image does not own"
+    assert services["redis"]["user"] == "redis"
+
+
+def test_the_sim_override_changes_only_the_server_and_keeps_its_address(compose: dict[str, Any]) -> None:
+    override = load(SIM_OVERRIDE)
+    assert set(override["services"]) == {"server"}
+    server = override["services"]["server"]
+    assert server["image"] == compose["x-tokenmill"]["image"] and server["build"] == {"target": "tokenmill"}
+    assert server["deploy"][0] == "!reset"  # no GPU reservation
+    tag, volumes = server["volumes"]
+    assert tag == "!override"
+    mount = next(v for v in volumes if v.split(":")[1] == "/etc/tokenmill/server.toml")
+    assert (ROOT / mount.split(":")[0]).resolve() == SIM_TOML
+    (sim,) = load_config(SIM_TOML, env={})
+    (gpu,) = load_config(SERVER_TOML, env={})
+    assert sim.engine == "sim"
+    assert (sim.host, sim.port, sim.public_url, sim.model_name, sim.log_dir) == (
+        gpu.host, gpu.port, gpu.public_url, gpu.model_name, gpu.log_dir)  # fmt: skip
+
+
+def test_the_debian_redis_override_builds_debians_redis_server_with_the_official_images_contract() -> None:
+    redis = load(REDIS_OVERRIDE)["services"]["redis"]
+    assert set(load(REDIS_OVERRIDE)["services"]) == {"redis"}
+    dockerfile = ROOT / redis["build"]["dockerfile"]
+    text = dockerfile.read_text()
+    assert redis["build"]["context"] == "." and "BASE_IMAGE" in redis["build"]["args"]
+    assert "apt-get install" in text and "redis-server" in text
+    assert "chown redis:redis /data" in text and "USER redis" in text
+
+
+def test_the_build_context_leaves_out_the_virtualenv_git_and_secrets() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"**/.venv", "**/.git", ".env"} <= set(ignored)
+    assert not any(p.startswith("docker") for p in ignored), "the wheelhouse must reach the build"

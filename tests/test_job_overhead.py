@@ -152,6 +152,8 @@ def test_a_job_takes_a_bounded_number_of_redis_round_trips(
     per_job = {name: c / n for name, c in (+trips).items() if name not in PERIODIC}
     total = sum(per_job.values())
     assert total <= MAX_TRIPS_PER_JOB, sorted(per_job.items(), key=lambda kv: -kv[1])
-    assert per_job.get("publish", 0) == 0  # no task events
+    # no task events (they would be a PUBLISH per job; a broadcast of the worker's own, once a
+    # run, was seen under load)
+    assert per_job.get("publish", 0) < 0.5
     assert per_job["evalsha:start"] >= 1 and per_job["evalsha:finish"] == 1
     assert "evalsha:claim" not in per_job and "evalsha:unadmit" not in per_job

@@ -1,12 +1,15 @@
 """The event loop's Redis client (``tokenmill.loop_redis``) against a real redis-server: replies
 matched to their callers, errors as redis-py's classes, a password and a database, a restart
-mid-use, and TLS (``rediss://``) through a TLS front for the same server."""
+mid-use, TLS (``rediss://``) through a TLS front for the same server, a host that vanishes
+(through ``tests.faultproxy``), and the URL options it honours or refuses."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,11 @@ import redis
 
 from tests import certs
 from tests.certs import self_signed
+from tests.faultproxy import FaultProxy
 from tests.procs import RedisServer
+from tokenmill.errors import ConfigError
 from tokenmill.loop_redis import LoopRedis, LoopScript
+from tokenmill.settings import Settings
 from workers.loop import run as run_on_worker_loop
 
 
@@ -148,3 +154,129 @@ def test_rediss_verifies_the_servers_certificate_against_the_ca_given(
     with pytest.raises(redis.ConnectionError) as refused:
         run_on_worker_loop(go(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={other_ca}"))
     assert "certificate verify failed" in str(refused.value)
+
+
+# --- a host that vanishes, and what the URL asks for ---------------------------------------------
+
+
+def test_a_command_to_a_vanished_redis_fails_within_socket_timeout_and_the_replacement_is_used(
+    redis_url: str,
+) -> None:
+    # Given the loop's client on Redis through a proxy, with socket_timeout=1 in its URL
+    port = redis.connection.parse_url(redis_url)["port"]
+    with FaultProxy(port) as proxy:
+        url = f"redis://{proxy.address()}/0?socket_timeout=1&socket_connect_timeout=1"
+
+        async def go() -> tuple[bytes, float, BaseException | None, float, BaseException | None, bytes, int]:
+            r = LoopRedis(url, name="vanishing")  # a new connection's hello (its name) awaits a reply
+            try:
+                first = await r.call("PING")
+                # When the host vanishes (the open connection goes silent, nothing is closed)
+                proxy.vanish()
+                t0 = time.monotonic()
+                lost = await _error_of(r.call("PING"))
+                in_flight_s = time.monotonic() - t0
+                t0 = time.monotonic()
+                unanswered = await _error_of(r.call("PING"))  # a new connection, never answered
+                connect_s = time.monotonic() - t0
+                # and a replacement comes up at the same address
+                proxy.replace()
+                return first, in_flight_s, lost, connect_s, unanswered, await r.call("PING"), r.connections
+            finally:
+                r.close()
+
+        first, in_flight_s, lost, connect_s, unanswered, after, connections = run_on_worker_loop(go())
+    # Then the command in flight fails by its deadline, not the kernel's, and names it
+    assert first == b"PONG"
+    assert isinstance(lost, redis.TimeoutError) and "socket_timeout=1" in str(lost), lost
+    assert 0.9 <= in_flight_s < 2.5, in_flight_s
+    # and a connection accepted but never answered fails by the same deadline
+    assert isinstance(unanswered, redis.TimeoutError), unanswered
+    assert connect_s < 2.5, connect_s
+    # and the next command after the replacement is carried on a new connection
+    assert after == b"PONG" and connections == 2
+
+
+async def _error_of(aw: Awaitable[object]) -> BaseException | None:
+    try:
+        await aw
+    except Exception as exc:
+        return exc
+    return None
+
+
+def test_the_default_deadline_is_redis_pys_and_connections_keep_alive(redis_url: str) -> None:
+    async def go() -> tuple[float | None, float, int]:
+        r = LoopRedis(redis_url)
+        try:
+            await r.call("PING")
+            assert r._conn is not None and r._conn.transport is not None
+            sock = r._conn.transport.get_extra_info("socket")
+            return r.timeout_s, r.connect_timeout_s, sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        finally:
+            r.close()
+
+    timeout_s, connect_s, keepalive = run_on_worker_loop(go())
+    defaults = inspect.signature(redis.Redis.__init__).parameters
+    assert timeout_s == defaults["socket_timeout"].default == 5
+    assert connect_s == defaults["socket_connect_timeout"].default == 5
+    assert keepalive == 1
+
+
+def test_a_connect_whose_callers_were_all_cancelled_is_not_handed_out_after_it_is_lost(
+    redis_url: str, rclient: redis.Redis
+) -> None:
+    async def go() -> tuple[bytes, int]:
+        r = LoopRedis(f"{redis_url}?socket_timeout=2", name="cancelled-connect")
+        try:
+            # Given a connect whose hello waits (Redis paused) and whose only caller gives up
+            await asyncio.to_thread(rclient.execute_command, "CLIENT", "PAUSE", 300, "ALL")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(r.call("PING"), 0.05)
+            # When the connection it made is lost
+            await _until(lambda: r.connections == 1, 5)
+            await asyncio.to_thread(rclient.client_kill_filter, _type=None, skipme=True, laddr=None)
+            await _until(lambda: r._conn is not None and r._conn.lost, 5)
+            # Then the next command opens a new one instead of waiting on the dead one
+            return await asyncio.wait_for(r.call("PING"), 1.5), r.connections
+        finally:
+            r.close()
+
+    assert run_on_worker_loop(go()) == (b"PONG", 2)
+
+
+def test_a_reply_nothing_asked_for_drops_the_connection_and_the_next_command_reconnects(
+    redis_url: str,
+) -> None:
+    async def go() -> tuple[BaseException | None, bytes, int]:
+        r = LoopRedis(redis_url)
+        try:
+            await r.call("PING")
+            assert r._conn is not None
+            r._conn.data_received(b"+OK\r\n")  # as if Redis answered out of turn
+            lost = await _error_of(r.call("PING")) if r._conn.lost else None
+            return lost, await r.call("PING"), r.connections
+        finally:
+            r.close()
+
+    lost, after, connections = run_on_worker_loop(go())
+    assert lost is None  # the dropped connection is not used again: the PING went on a new one
+    assert after == b"PONG" and connections == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("redis://127.0.0.1:6379/0?socket_tmeout=1", "socket_tmeout"),
+        ("redis://127.0.0.1:6379/0?ssl_password=x", "ssl_password"),
+        ("redis+cluster://127.0.0.1:7000", "Redis Cluster"),
+        ("sentinel://127.0.0.1:26379/0", "master_name"),
+    ],
+)
+def test_a_url_option_the_client_cannot_honour_is_refused_naming_it(url: str, named: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        LoopRedis(url)
+    assert named in str(refused.value)
+    with pytest.raises(ConfigError) as also:
+        Settings.load(redis_url=url)
+    assert named in str(also.value)

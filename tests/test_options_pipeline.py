@@ -31,11 +31,15 @@ from tests.sglang_client import post_json
 from tokenmill import keys
 from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
 
-PARSER = ("--tool-call-parser", "qwen25")
+# SGLang's JSON grammar allows any whitespace, and the random model writes whitespace until
+# max_tokens unless the server restricts it.
+PARSER = ("--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace")
 # The sim at ~50 tokens/s a stream, and outputs long enough (even under a grammar) that the
 # server is killed mid-stream with every kind of job holding a checkpoint.
 CHAOS_SIM = ("--sim-step-ms", "20")
-LONG_TEXT = {"type": "string", "minLength": 120, "maxLength": 150}
+# (a pattern, not minLength: SGLang's grammar and jsonschema count a string's length differently
+# when it holds non-ASCII characters, measured on a tool call's argument)
+LONG_TEXT = {"type": "string", "pattern": "^([a-z]{3,8} ){15}[a-z]{3,8}$"}
 NOTES = {"type": "array", "items": LONG_TEXT, "minItems": 3, "maxItems": 3}
 SCHEMA = {
     "type": "object",
@@ -90,15 +94,18 @@ def mixed_rows() -> list[dict[str, Any]]:
     return rows
 
 
-RESTARTS = ("json", "regex", "tool", "lp", "ids")  # tokenmill.options.restart_reason says so
+# tokenmill.options.restart_reason says so (logprob jobs are answered whole: no checkpoint)
+RESTARTS = ("json", "regex", "tool", "lp", "ids")
 
 
 def kind_of(row_id: str) -> str:
     return row_id.rstrip("0123456789")
 
 
-def check_row(row: dict[str, Any]) -> None:
-    """The exported row's output is what its options asked for."""
+def check_row(row: dict[str, Any], engine: str) -> None:
+    """The exported row's output is what its options asked for. The random model of the real
+    tier never closes a tool call (SGLang's argument grammar allows any whitespace): there a
+    call must be cut (``length``) and any call kept must parse; the sim closes its calls."""
     kind, message, usage = kind_of(row["id"]), row["messages"][-1], row["usage"]
     content = message["content"]
     if kind == "json":
@@ -107,8 +114,8 @@ def check_row(row: dict[str, Any]) -> None:
     elif kind == "regex":
         assert row["finish_reason"] == "stop" and re.fullmatch(REGEX, content), row
     elif kind == "tool":
-        assert row["finish_reason"] == "tool_calls" and message["tool_calls"], row
-        for call in message["tool_calls"]:
+        assert row["finish_reason"] == ("tool_calls" if engine == "sim" else "length"), row
+        for call in message.get("tool_calls") or []:
             assert call["type"] == "function" and call["function"]["name"] == "write_note"
             jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL["function"]["parameters"])
     elif kind == "stop":
@@ -158,8 +165,8 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
             held = {j for j, v in running_jobs(rclient, "opts").items() if v.ckpt_tokens > 0}
             return {kind_of(j.split(":", 1)[1]) for j in held}
 
-        wait_for(lambda: {"json", "tool", "lp", "think"} <= cut_kinds(), 180,
-                 "constrained, logprob and plain jobs mid-stream with a checkpoint", 0.05)  # fmt: skip
+        wait_for(lambda: {"json", "tool", "ids", "think"} <= cut_kinds(), 180,
+                 "constrained, token-id and plain jobs mid-stream with a checkpoint", 0.05)  # fmt: skip
 
         # When the whole server is SIGKILLed and started again on its port
         os.killpg(engine.proc.pgid, signal.SIGKILL)
@@ -175,7 +182,7 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         exported = read_export(tmp_path / "out")["O"]
         assert sorted(r["id"] for r in exported) == sorted(r["id"] for r in rows)
         for row in exported:
-            check_row(row)
+            check_row(row, kind)
 
         # And the jobs cut mid-stream started over when their options forbid a continuation
         # (their thrown-away tokens counted), and were continued otherwise
@@ -206,14 +213,14 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_what_the_worker_assembles_from_a_stream_equals_the_request_answered_whole(
     engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
-    # Given jobs whose answers come in pieces: tool calls, log-probabilities, token ids, a schema
-    seeded = {"temperature": 1.0, "seed": 7, "max_tokens": 400}
+    # Given greedy jobs whose answers come in pieces: tool calls, log-probabilities, token ids,
+    # a schema (a sampled output is not reproducible on SGLang's CPU server, even with a seed)
     fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
     rows = [
-        {"id": "tool", "prompt": prompt(1), "tools": [TOOL], "tool_choice": "required", **seeded},
+        {"id": "tool", "prompt": prompt(1), "tools": [TOOL], "tool_choice": "required", "max_tokens": 400},
         {"id": "lp", "prompt": prompt(2), "logprobs": True, "top_logprobs": 3, "max_tokens": 24},
         {"id": "ids", "prompt": prompt(3), "return_token_ids": True, "max_tokens": 24},
-        {"id": "json", "prompt": prompt(4), "response_format": fmt, **seeded},
+        {"id": "json", "prompt": prompt(4), "response_format": fmt, "max_tokens": 400},
     ]
     env = worker_env(redis_url, engine.url)
     cli("enqueue", str(write_jsonl(tmp_path / "W.jsonl", rows)), "--run", "w", "--temperature", "0", env=env)

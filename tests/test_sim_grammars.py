@@ -3,13 +3,14 @@ matches, every EBNF output parses, and a bad grammar is refused with SGLang's wo
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
 import jsonschema
 import pytest
 
-from server_mgr.sim import ebnf, schemagen, tokens
+from server_mgr.sim import ebnf, schemagen, tokens, toolcalls
 from server_mgr.sim.options import Constraint, grammar_error
 
 SCHEMAS = [
@@ -101,7 +102,8 @@ def test_an_ebnf_output_is_a_sentence_of_its_grammar(grammar: str) -> None:
 def test_a_grammar_that_does_not_compile_is_refused_naming_its_kind(kind: str, spec: object) -> None:
     message = grammar_error(Constraint(kind, spec))
 
-    assert message is not None and message.startswith(f"Failed to compile {kind} grammar: "), message
+    name = "json" if kind == "json_schema" else kind  # SGLang's name for it
+    assert message is not None and message.startswith(f"Failed to compile {name} grammar: "), message
 
 
 def test_a_grammar_that_compiles_is_accepted() -> None:
@@ -119,3 +121,40 @@ def test_token_pieces_join_back_to_the_text_and_keep_vocabulary_words_whole() ->
     assert len(pieces) > 10
     ids = tokens.ids(pieces)
     assert all(0 <= i < tokens.VOCAB_SIZE and i != tokens.EOS_TOKEN_ID for i in ids)
+
+
+CALLS_TEXT = (
+    '<tool_call>\n{"name":"get_weather", "arguments":{"city": "Zoë \\"x\\"", "unit": "c"}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"add", "arguments":{"a": 1, "b": 22}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, len(CALLS_TEXT)])
+def test_streamed_tool_call_deltas_join_to_the_parsed_calls_however_the_text_is_cut(step: int) -> None:
+    streamer = toolcalls.CallStreamer()
+    deltas: list[dict] = []
+    normal = ""
+    for end in range(step, len(CALLS_TEXT) + step, step):
+        text, new = streamer.feed(CALLS_TEXT[:end], final=end >= len(CALLS_TEXT))
+        normal += text
+        deltas += new
+    _, calls = toolcalls.parse(CALLS_TEXT)
+
+    assert normal == ""
+    firsts = [d for d in deltas if d["id"]]
+    assert [d["function"]["name"] for d in firsts] == ["get_weather", "add"]
+    assert all(d["function"]["arguments"] == "" for d in firsts)
+    joined = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i) for i in (0, 1)]
+    assert joined == [c.arguments for c in calls]
+    assert json.loads(joined[0]) == {"city": 'Zoë "x"', "unit": "c"}
+
+
+def test_text_before_a_tool_call_is_streamed_as_content_and_a_marker_is_held_back() -> None:
+    streamer = toolcalls.CallStreamer()
+
+    first, _ = streamer.feed("Let me check. <tool_c", final=False)
+    call = '<tool_call>\n{"name":"add", "arguments":{"a": 1}}'
+    rest, deltas = streamer.feed("Let me check. " + call, final=False)
+
+    assert first == "Let me check. " and rest == "" and deltas[0]["function"]["name"] == "add"
+    assert toolcalls.parse("Let me check. " + CALLS_TEXT)[0] == "Let me check."

@@ -1,6 +1,7 @@
 """The worker's request path (``workers.stream`` on ``workers.transport``) where no server
-answers, or answers oddly; what a real server answers is checked on both engines in
-test_sglang_conformance.py."""
+answers, or answers oddly, and through what users' networks put in the way: an HTTP(S) proxy
+(``tests.httpproxy``, a real forward proxy on loopback), interim ``1xx`` answers, redirects. What
+a real server answers is checked on both engines in test_sglang_conformance.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import orjson
 import pytest
 
 from tests.certs import self_signed
+from tests.httpproxy import ForwardProxy
 from tokenmill import errors
 from workers.loop import run as run_on_worker_loop
 from workers.stream import Progress, StreamClient, stream_chat
@@ -138,33 +140,43 @@ def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_repl
     assert connections == 3
 
 
-def test_connections_no_stream_takes_again_are_closed_once_idle_too_long() -> None:
+def test_connections_idle_past_idle_s_are_closed_by_the_client_and_the_next_stream_opens_one() -> None:
+    opened = closed = 0
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal opened, closed
+        opened += 1
         try:
             while True:
                 await read_request(reader)
                 writer.write(sse(delta("x", 1), FINISH))
                 await writer.drain()
-        except asyncio.IncompleteReadError:
+        except asyncio.IncompleteReadError:  # the client closed it
+            closed += 1
             writer.close()
 
-    async def go() -> tuple[int, int]:
+    async def go() -> tuple[int, int, float, int]:
         server, url = await serve(handler)
         client = StreamClient.of(url, None, 5.0)
-        client.pool.idle_s = 0.3
+        client.http.idle_s = 0.3
         loop = asyncio.get_running_loop()
         try:
             await asyncio.gather(*(stream_chat(client, REQUEST, {}, Progress()) for _ in range(3)))
-            since = loop.time()
-            while loop.time() - since < 0.5:  # one stream at a time: it takes the same connection
-                await stream_chat(client, REQUEST, {}, Progress())
-                await asyncio.sleep(0.05)
-            return client.pool.opened, len(client.pool.idle)
+            burst, since = opened, loop.time()
+            while closed < burst and loop.time() - since < 5:  # nothing more to stream
+                await asyncio.sleep(0.02)
+            idle_for = loop.time() - since
+            await stream_chat(client, REQUEST, {}, Progress())
+            return burst, closed, idle_for, opened
         finally:
             await client.close()
             server.close()
 
-    assert run_on_worker_loop(go()) == (3, 1)
+    burst, closed_idle, idle_for, opened_after = run_on_worker_loop(go())
+    # the burst's three connections are closed by the client once idle past idle_s (before a
+    # server's own keep-alive would close one under a request), and the next stream opens one
+    assert burst >= 2 and (closed_idle, opened_after) == (burst, burst + 1)
+    assert idle_for < 1.5, idle_for
 
 
 def test_a_reused_connection_closed_before_answering_is_retried_once_on_a_new_one() -> None:
@@ -279,6 +291,29 @@ def test_a_connect_that_hangs_times_out_after_connect_timeout_s() -> None:
     assert f"connecting to 127.0.0.1:{port} took more than 0.3s" in slow.value.message
 
 
+def test_a_request_no_answer_comes_back_for_fails_after_answer_timeout_s() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(30)  # a host that vanished: the request was taken, nothing comes back
+
+    async def go() -> float:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0, answer_timeout_s=0.5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await stream_chat(client, REQUEST, {}, Progress())
+        except errors.RequestTimeoutError as exc:
+            assert "sent no answer within 0.5s" in exc.message
+            return loop.time() - started
+        finally:
+            await client.close()
+            server.close()
+        raise AssertionError("the request did not time out")
+
+    assert 0.4 < run_on_worker_loop(go()) < 2.0
+
+
 def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -307,3 +342,136 @@ def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
     with pytest.raises(errors.ServerConnectionError) as refused:
         run_on_worker_loop(go(other_ca))
     assert "certificate verify failed" in refused.value.message
+
+
+# --- what users' networks need: proxies, interim answers, redirects ------------------------------
+
+
+def test_streams_go_through_http_proxy_and_no_proxy_bypasses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(sse(delta("via", 1), FINISH))
+        await writer.drain()
+        writer.close()
+
+    async def go() -> str:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, "k", 5.0)
+        try:
+            return "".join((await stream_chat(client, REQUEST, {}, Progress())).content)
+        finally:
+            await client.close()
+            server.close()
+
+    with ForwardProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert run_on_worker_loop(go()) == "via"
+        through = list(proxy.carried)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert run_on_worker_loop(go()) == "via"
+    assert len(through) == 1 and through[0].startswith("POST http://127.0.0.1:")
+    assert through[0].endswith("/v1/chat/completions")
+    assert proxy.carried == through  # NO_PROXY: the second stream went straight to the server
+
+
+def test_an_https_stream_is_tunnelled_through_https_proxy_and_still_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key, ca = self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(sse(delta("tunnelled", 1), FINISH))
+        await writer.drain()
+        writer.close()
+
+    async def go() -> tuple[str, int]:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        client = StreamClient.of(f"https://127.0.0.1:{port}", None, 5.0)
+        try:
+            return "".join((await stream_chat(client, REQUEST, {}, Progress())).content), port
+        finally:
+            await client.close()
+            server.close()
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with ForwardProxy() as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        text, port = run_on_worker_loop(go())
+    assert text == "tunnelled"
+    assert proxy.carried == [f"CONNECT 127.0.0.1:{port}"]
+
+
+def test_interim_1xx_answers_are_skipped() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n")
+        await writer.drain()
+        writer.write(sse(delta("after the hints", 1), FINISH))
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Progress:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0)
+        try:
+            return await stream_chat(client, REQUEST, {}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    progress = run_on_worker_loop(go())
+    assert "".join(progress.content) == "after the hints" and progress.finish_reason == "length"
+
+
+def test_redirects_are_followed_as_the_openai_client_follows_them() -> None:
+    seen: list[bytes] = []
+
+    async def other(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(sse(delta("moved", 1), FINISH))
+        await writer.drain()
+        writer.close()
+
+    async def go() -> tuple[list[str], list[bytes]]:
+        target, target_url = await serve(other)
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await read_request(reader)
+            seen.append(head)
+            if b" /v1/chat/completions " in head:  # 307: the same request again, elsewhere here
+                writer.write(
+                    b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /v2/chat\r\nContent-Length: 0\r\n\r\n"
+                )
+            else:  # 308 to another origin: the key is not sent there
+                loc = f"{target_url}/v3/chat".encode()
+                writer.write(
+                    b"HTTP/1.1 308 Permanent Redirect\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % loc
+                )
+            await writer.drain()
+            writer.close()
+
+        server, url = await serve(handler)
+        client = StreamClient.of(url, "secret-key", 5.0)
+        try:
+            texts = ["".join((await stream_chat(client, REQUEST, {"rid": "r/j/1"}, Progress())).content)]
+            return texts, seen
+        finally:
+            await client.close()
+            server.close()
+            target.close()
+
+    texts, requests = run_on_worker_loop(go())
+    assert texts == ["moved"]
+    first, second, third = (r.split(b"\r\n\r\n", 1) for r in requests)
+    assert first[0].startswith(b"POST /v1/chat/completions ") and second[0].startswith(b"POST /v2/chat ")
+    assert third[0].startswith(b"POST /v3/chat ")
+    assert first[1] == second[1] == third[1] and b'"rid":"r/j/1"' in third[1]  # the body, each time
+    assert b"Bearer secret-key" in second[0] and b"secret-key" not in third[0]

@@ -11,7 +11,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
-from tokenmill import keys, kombu_patch
+from tokenmill import keys, kombu_patch, redis_url
 from tokenmill.messages import TASK_NAME as TASK_NAME  # the task's name, re-exported
 from tokenmill.serializer import NAME as SERIALIZER
 from tokenmill.serializer import register_orjson
@@ -21,6 +21,16 @@ register_orjson()
 kombu_patch.apply()
 
 app = Celery("tokenmill", include=["workers.task"])
+# kombu's Redis connections wait forever by default (socket_timeout None): a broker host that
+# vanishes would hold a publish, an ack and the warm shutdown until the kernel gives up. These
+# are redis-py's own defaults, and kombu's check of its long-lived BRPOP and pub/sub connections
+# every 10 s (its 25 s default let a consumer on a dead connection sit ~51 s).
+BROKER_DEADLINES = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "socket_keepalive": True,
+    "health_check_interval": 10,
+}
 _configured: dict[str, Settings] = {}
 
 
@@ -30,9 +40,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     # reaper's job (a lease TTL), so the broker's visibility timeout only has to exceed it.
     visibility_timeout = int(settings.total_timeout_s + 3600)
     return {
-        "broker_url": settings.redis_url,
+        "broker_url": redis_url.broker_url(settings.redis_url),
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": visibility_timeout},
+        "broker_transport_options": {
+            "visibility_timeout": visibility_timeout,
+            **BROKER_DEADLINES,
+            **redis_url.broker_transport_options(settings.redis_url),
+        },
+        "broker_connection_timeout": BROKER_DEADLINES["socket_connect_timeout"],
         "task_queues": [Queue(q, Exchange(q, type="direct"), routing_key=q) for q in keys.QUEUES],
         "task_default_queue": "short",
         "task_default_exchange": "short",

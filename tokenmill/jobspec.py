@@ -44,14 +44,30 @@ def canonical_request(
     The producer uses this one to dump each prompt once and a run's options once; ids do not
     depend on which of the two built them (a test checks byte for byte). For a request whose
     options are scalars the bytes are what ``orjson.dumps(request, OPT_SORT_KEYS)`` gave before
-    options could be objects, so ids of runs enqueued then do not change.
+    options could be objects, so ids of runs enqueued then do not change. It runs once per row:
+    a request without options is one format, and each key's ``"name":`` is made once.
     """
+    if not options_json:
+        if max_tokens is None:
+            return b'{"messages":%s,"model":%s}' % (messages_json, model_json)
+        return b'{"max_tokens":%d,"messages":%s,"model":%s}' % (max_tokens, messages_json, model_json)
     parts = dict(options_json)
     parts["messages"] = messages_json
     parts["model"] = model_json
     if max_tokens is not None:
         parts["max_tokens"] = b"%d" % max_tokens
-    return b"{" + b",".join(b'"%s":%s' % (k.encode(), parts[k]) for k in sorted(parts)) + b"}"
+    return b"{" + b",".join([_key(k) + parts[k] for k in sorted(parts)]) + b"}"
+
+
+_KEYS: dict[str, bytes] = {}
+
+
+def _key(name: str) -> bytes:
+    """``"name":`` as JSON bytes (option names are plain identifiers)."""
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = b'"%s":' % name.encode()
+    return key
 
 
 def content_hash(request: dict[str, Any] | bytes) -> str:

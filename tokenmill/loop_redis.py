@@ -8,18 +8,31 @@ command of a process shares one connection: replies come back in the order the c
 sent, so each caller's future is the next one waiting.
 
 Only what the worker's transitions need: commands, ``EVALSHA`` with a load on ``NOSCRIPT``,
-redis-py's URL forms (``redis://``, ``rediss://`` with its ``ssl_*`` options, ``unix://``),
-``AUTH``, ``SELECT``, a client name, and scripts loaded on each new connection. Errors are
-redis-py's own classes, so callers handle both clients alike: an error reply is a
-``ResponseError`` (``NoScriptError`` for ``NOSCRIPT``), a lost or refused connection a
-``ConnectionError``. A lost connection fails the commands in flight and the
-next command opens a new one.
+redis-py's URL forms (``redis://``, ``rediss://`` with its ``ssl_*`` options, ``unix://``) and
+Sentinel's (:mod:`tokenmill.redis_url`: the primary is asked of the sentinels on each new
+connection, which must then say it is a master), ``AUTH``, ``SELECT``, a client name, and
+scripts loaded on each new connection. Errors are redis-py's own classes, so callers handle both
+clients alike: an error reply is a ``ResponseError`` (``NoScriptError`` for ``NOSCRIPT``), a
+lost or refused connection a ``ConnectionError``, a command unanswered for ``socket_timeout`` a
+``TimeoutError``. A lost connection fails the commands in flight and the next command opens a
+new one.
+
+The same promises as redis-py's connections (``socket_timeout`` and ``socket_connect_timeout``
+from the URL, 5 s each by default; TCP keepalive on; ``health_check_interval``), so that a Redis
+host that vanishes without a word (a failover, a NAT that forgot the connection) costs a
+command its deadline, not the kernel's retransmission limit. The deadline is one timer per
+connection, armed while replies are awaited and pushed on by each reply that arrives: a command
+costs no timer of its own. Options of redis-py's URL that do not apply to one pipelined
+connection are accepted (``max_connections``, ``retry_on_timeout``, ...); one it does not know is
+refused, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import socket
 import ssl
 from collections import deque
 from collections.abc import Iterable
@@ -27,9 +40,15 @@ from typing import Any
 
 import hiredis
 import redis
-from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.connection import SSLConnection, parse_url
 
+from tokenmill import redis_url
+
+log = logging.getLogger("tokenmill.redis")
+SOCKET_TIMEOUT_S = 5.0  # redis-py's defaults
 CONNECT_TIMEOUT_S = 5.0
+# TCP keepalive: first probe after 30 s idle, then every 10 s, 3 unanswered drop the connection
+KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
@@ -44,40 +63,78 @@ class LoopScript:
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    """One connection: replies matched to the futures waiting, in order, under one deadline."""
+
+    def __init__(self, timeout_s: float | None) -> None:
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.timeout_s = timeout_s
+        self.last_io = 0.0  # when a command was sent to an idle connection, or a reply came
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
+        waiting = self.waiting
         while (reply := self.reader.gets()) is not False:
-            fut = self.waiting.popleft()
+            if not waiting:  # nothing asked for it: the stream is out of step, trust none of it
+                self._abort(redis.ConnectionError("Redis sent a reply nothing asked for; connection dropped"))
+                return
+            fut = waiting.popleft()
             if fut.done():  # its caller was cancelled; the reply is read all the same
                 continue
             if isinstance(reply, hiredis.ReplyError):
                 fut.set_exception(_error(reply))
             else:
                 fut.set_result(reply)
+        self.last_io = asyncio.get_running_loop().time()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
         why = f"the connection to Redis was lost{f': {exc}' if exc else ''}"
-        while self.waiting:
-            fut = self.waiting.popleft()
-            if not fut.done():
-                fut.set_exception(redis.ConnectionError(why))
+        self._fail_all(redis.ConnectionError(why))
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self.waiting:
+            self.last_io = loop.time()
+            if self._timer is None and self.timeout_s:
+                self._timer = loop.call_at(self.last_io + self.timeout_s, self._check)
         self.waiting.append(fut)
         assert self.transport is not None
         self.transport.write(packed)
         return fut
+
+    def _check(self) -> None:
+        """The deadline: a reply awaited and nothing heard for ``timeout_s``: drop the connection."""
+        self._timer = None
+        if not self.waiting or self.lost or not self.timeout_s:
+            return
+        loop = asyncio.get_running_loop()
+        due = self.last_io + self.timeout_s
+        if loop.time() < due:
+            self._timer = loop.call_at(due, self._check)
+            return
+        self._abort(redis.TimeoutError(f"Redis did not answer within socket_timeout={self.timeout_s:g}s"))
+
+    def _abort(self, exc: redis.RedisError) -> None:
+        self._fail_all(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail_all(self, exc: redis.RedisError) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
 
 
 def _error(reply: hiredis.ReplyError) -> redis.RedisError:
@@ -95,29 +152,39 @@ class LoopRedis:
     """One pipelined connection to the Redis at ``url``, used from one event loop."""
 
     def __init__(self, url: str, name: str | None = None, scripts: Iterable[LoopScript] = ()) -> None:
-        opts = parse_url(url)
         self.url = url
         self.name = name  # the connection's name in CLIENT LIST
         # loaded on every new connection (a restarted Redis has none), so that the commands in
         # flight when the first one runs do not each find it missing
         self.scripts = tuple(scripts)
+        self.sentinel: redis_url.SentinelURL | None = None
+        if redis_url.is_sentinel(url):
+            self.sentinel = s = redis_url.parse_sentinel(url)
+            opts: dict[str, Any] = {**s.options, "db": s.db, "username": s.username, "password": s.password}
+        else:
+            redis_url.check(url)  # a ConfigError naming an option this client cannot honour
+            opts = parse_url(url)
         self._path: str | None = opts.get("path")
         self._host = opts.get("host") or "localhost"
         self._port = int(opts.get("port") or 6379)
         self._db = int(opts.get("db") or 0)
         self._user: str | None = opts.get("username")
         self._password: str | None = opts.get("password")
+        self.timeout_s: float | None = opts.get("socket_timeout", SOCKET_TIMEOUT_S)
+        self.connect_timeout_s: float = opts.get("socket_connect_timeout") or CONNECT_TIMEOUT_S
+        self.keepalive = bool(opts.get("socket_keepalive", True))
+        self.health_check_s = float(opts.get("health_check_interval") or 0)
         cls = opts.get("connection_class")
         self._ssl = _ssl_context(opts) if cls is SSLConnection else None
-        if cls not in (None, SSLConnection, UnixDomainSocketConnection):
-            raise ValueError(f"unsupported Redis URL scheme for the loop's client: {url!r}")
         self._conn: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self.connections = 0  # opened so far (tests)
 
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (bytes, ints, lists of them)."""
-        conn = self._conn if self._conn is not None and not self._conn.lost else await self._connect()
+        conn = self._conn
+        if conn is None or conn.lost or (self.health_check_s and not conn.waiting and self._stale(conn)):
+            conn = await self._connect()
         return await conn.send(hiredis.pack_command(args))
 
     async def evalsha(self, script: LoopScript, keys: list[Any], args: list[Any]) -> Any:
@@ -128,51 +195,115 @@ class LoopRedis:
             await self.call("SCRIPT", "LOAD", script.source)
             return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
 
+    def _stale(self, conn: _Protocol) -> bool:
+        """redis-py's health check: a connection idle past ``health_check_interval`` is replaced
+        (a PING would cost the same round trip, and the deadline covers a dead one anyway)."""
+        if asyncio.get_running_loop().time() - conn.last_io <= self.health_check_s:
+            return False
+        if conn.transport is not None:
+            conn.transport.close()
+        conn.lost = True
+        return True
+
     async def _connect(self) -> _Protocol:
-        if self._connecting is None:  # one connect, however many callers wait for it
-            self._connecting = asyncio.ensure_future(self._open())
-        connecting = self._connecting
-        try:
-            return await asyncio.shield(connecting)
-        finally:
-            if connecting.done() and self._connecting is connecting:
-                self._connecting = None
+        # One connect, however many callers wait for it. It is forgotten once done, whoever
+        # awaited it: a connect whose every waiter was cancelled must not be handed out later.
+        if self._connecting is None or self._connecting.done():
+            self._connecting = connecting = asyncio.ensure_future(self._open())
+            connecting.add_done_callback(self._connected)
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, fut: asyncio.Future[_Protocol]) -> None:
+        if self._connecting is fut:
+            self._connecting = None
+        if not fut.cancelled() and fut.exception() is not None:
+            fut.exception()  # retrieved: a failed connect nobody awaited any longer is not logged
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        where = self._path or f"{self._host}:{self._port}"
+        host, port = await self._primary() if self.sentinel else (self._host, self._port)
+        where = self._path or f"{host}:{port}"
+        factory = lambda: _Protocol(self.timeout_s)  # noqa: E731
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            async with asyncio.timeout(self.connect_timeout_s):
                 if self._path:
-                    _, conn = await loop.create_unix_connection(_Protocol, self._path)
+                    _, conn = await loop.create_unix_connection(factory, self._path)
                 else:
-                    _, conn = await loop.create_connection(_Protocol, self._host, self._port, ssl=self._ssl)
+                    _, conn = await loop.create_connection(factory, host, port, ssl=self._ssl)
         except (OSError, TimeoutError) as exc:
             raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc or 'timed out'}") from exc
-        hello = []
-        if self._password is not None:
-            auth = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
-            hello.append(conn.send(hiredis.pack_command(auth)))
-        if self._db:
-            hello.append(conn.send(hiredis.pack_command(("SELECT", self._db))))
-        if self.name:
-            hello.append(conn.send(hiredis.pack_command(("CLIENT", "SETNAME", self.name))))
-        hello += [conn.send(hiredis.pack_command(("SCRIPT", "LOAD", sc.source))) for sc in self.scripts]
+        if self.keepalive and not self._path:
+            _keepalive(conn.transport)
         try:
-            for reply in hello:
-                await reply
+            await self._hello(conn)
         except BaseException:
             if conn.transport is not None:
-                conn.transport.close()
+                conn.transport.abort()
             raise
         self._conn = conn
         self.connections += 1
         return conn
 
+    async def _hello(self, conn: _Protocol) -> None:
+        hello = []
+        if self._password is not None:
+            auth = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
+            hello.append(conn.send(hiredis.pack_command(auth)))
+        if self.sentinel:  # a demoted primary the sentinels still named: not written to
+            hello.append(conn.send(hiredis.pack_command(("ROLE",))))
+        if self._db:
+            hello.append(conn.send(hiredis.pack_command(("SELECT", self._db))))
+        if self.name:
+            hello.append(conn.send(hiredis.pack_command(("CLIENT", "SETNAME", self.name))))
+        hello += [conn.send(hiredis.pack_command(("SCRIPT", "LOAD", sc.source))) for sc in self.scripts]
+        replies = [await reply for reply in hello]
+        if self.sentinel:
+            role = replies[1 if self._password is not None else 0]
+            if not role or role[0] != b"master":
+                raise redis.ConnectionError(
+                    f"the Redis the sentinels named as {self.sentinel.master_name!r} is not a master "
+                    "(a failover is under way)"
+                )
+
+    async def _primary(self) -> tuple[str, int]:
+        """Where the sentinels say the primary is (the first sentinel that answers)."""
+        assert self.sentinel is not None
+        s = self.sentinel
+        loop = asyncio.get_running_loop()
+        errors = []
+        for host, port in s.hosts:
+            try:
+                async with asyncio.timeout(s.connect_timeout_s + s.socket_timeout_s):
+                    _, conn = await loop.create_connection(lambda: _Protocol(None), host, port)
+                    try:
+                        got = await conn.send(
+                            hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))
+                        )
+                    finally:
+                        if conn.transport is not None:
+                            conn.transport.close()
+            except (OSError, TimeoutError, redis.RedisError) as exc:
+                errors.append(f"{host}:{port}: {exc or 'timed out'}")
+                continue
+            if got:
+                return got[0].decode(), int(got[1])
+            errors.append(f"{host}:{port}: knows no master named {s.master_name!r}")
+        raise redis.ConnectionError(f"no sentinel named a primary: {'; '.join(errors)}")
+
     def close(self) -> None:
         if self._conn is not None and self._conn.transport is not None:
             self._conn.transport.close()
         self._conn = None
+
+
+def _keepalive(transport: asyncio.BaseTransport | None) -> None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in KEEPALIVE.items():
+        if hasattr(socket, name):  # Linux; macOS has TCP_KEEPALIVE instead of TCP_KEEPIDLE
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _ssl_context(opts: dict[str, Any]) -> ssl.SSLContext:

@@ -53,6 +53,19 @@ RUN_REFUSED = {
 SGLEXT_OUTPUT_IDS = "return_output_ids_in_sglext"
 
 
+def answered_whole(request: dict[str, Any]) -> bool:
+    """Whether the job is sent whole (``stream: false``) rather than streamed.
+
+    A job that asks for log-probabilities: SGLang 0.5.23 streams a decode step's entries on the
+    chunk that carries its text, and a step with no text (a token that is part of a UTF-8
+    character, the EOS token) sends no chunk on a server without a reasoning or tool-call
+    parser, so its entries are lost (measured: 8 tokens whole gave 8 entries, streamed 6). The
+    whole answer has one entry per completion token. Such jobs are never continued anyway
+    (:func:`restart_reason`), so a stream's checkpoints would buy nothing.
+    """
+    return bool(request.get("logprobs"))
+
+
 def restart_reason(request: dict[str, Any]) -> str | None:
     """Why a checkpoint of ``request`` cannot be continued (None: it can).
 

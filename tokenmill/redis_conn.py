@@ -1,30 +1,92 @@
-"""Opening Redis: clear errors that name the (redacted) URL, and the durability check."""
+"""Opening Redis: clear errors that name the (redacted) URL, and the durability check.
+
+Every client has deadlines (redis-py's: ``socket_timeout`` and ``socket_connect_timeout`` 5 s
+unless the URL says otherwise; TCP keepalive; a health check after 30 s idle), so that a Redis
+host that vanishes costs a command seconds. A ``sentinel://`` URL (:mod:`tokenmill.redis_url`)
+gives a client of the primary the sentinels name, found again after a failover.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel
+import redis.sentinel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
+from tokenmill import redis_url
 from tokenmill.errors import RedisUnavailableError
 from tokenmill.settings import Settings, redact_url
 
 log = logging.getLogger("tokenmill.redis")
+HEALTH_CHECK_S = 30
+# every client's, unless its URL names its own (from_url lets the URL's options win)
+DEADLINES: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, "socket_keepalive": True}
 
 
-def connect(settings: Settings, *, check: bool = True, name: str | None = None) -> redis.Redis:
+def connect(
+    settings: Settings, *, check: bool = True, name: str | None = None, retries: int = 1
+) -> redis.Redis:
     """A client for ``settings.redis_url`` (named ``name`` in CLIENT LIST); with ``check``, ping it
-    and raise a clear error."""
+    and raise a clear error. ``retries``: redis-py's own retries of a command after a connection
+    error or a timeout. One replaces a kept connection Redis dropped; redis-py's default three,
+    each waiting out ``socket_timeout``, made a command to a vanished host take ~25 s (a
+    ``status`` then said nothing for that long); callers that ride Redis out retry themselves."""
     url = settings.redis_url
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, client_name=name)
+    kw: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_S, "client_name": name}
+    kw["retry"] = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries)
+    if redis_url.is_sentinel(url):
+        s = redis_url.parse_sentinel(url)
+        sentinel = redis.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
+        client: redis.Redis = sentinel.master_for(s.master_name, **_master_kw(s), **kw)
+    else:  # redis-py 8's defaults, given for older ones (whose socket_timeout waited forever)
+        client = redis.Redis.from_url(url, **DEADLINES, **kw)
     if check:
         ping(client, url)
     return client
 
 
 def connect_async(settings: Settings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    url = settings.redis_url
+    if redis_url.is_sentinel(url):
+        s = redis_url.parse_sentinel(url)
+        sentinel = redis.asyncio.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
+        return sentinel.master_for(s.master_name, **_master_kw(s))
+    return aioredis.Redis.from_url(url, **DEADLINES)
+
+
+def _sentinel_kw(s: redis_url.SentinelURL) -> dict[str, Any]:
+    """How the sentinels themselves are asked (no password, as kombu asks them)."""
+    timeouts = {"socket_timeout": s.socket_timeout_s, "socket_connect_timeout": s.connect_timeout_s}
+    return {**timeouts, "sentinel_kwargs": timeouts}
+
+
+def _master_kw(s: redis_url.SentinelURL) -> dict[str, Any]:
+    return {
+        "db": s.db,
+        "username": s.username,
+        "password": s.password,
+        "socket_timeout": s.socket_timeout_s,
+        "socket_connect_timeout": s.connect_timeout_s,
+        "socket_keepalive": True,
+    }
+
+
+def check_credentials(settings: Settings) -> None:
+    """Raise a clear :class:`RedisUnavailableError` if Redis refuses our credentials; a Redis
+    that cannot be reached (yet) is not an error here (the worker waits for it)."""
+    client = connect(settings, check=False, retries=0)
+    try:
+        ping(client, settings.redis_url)
+    except RedisUnavailableError as exc:
+        if "credentials" in str(exc) or "needs a password" in str(exc):
+            raise
+    finally:
+        client.close()
 
 
 def ping(client: redis.Redis, url: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from tokenmill import redis_url
 from tokenmill.errors import ConfigError
 
 ENV_PREFIX = "TOKENMILL_"
@@ -140,12 +141,7 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        scheme = urlsplit(self.redis_url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(
-                f"TOKENMILL_REDIS_URL {redact_url(self.redis_url)!r} must start with redis://, "
-                "rediss:// or unix://"
-            )
+        redis_url.check(self.redis_url, f"TOKENMILL_REDIS_URL {redact_url(self.redis_url)!r}")
         for url in self.server_urls:
             if urlsplit(url).scheme not in ("http", "https"):
                 raise ConfigError(f"TOKENMILL_SERVER_URL {url!r} must be an http(s) URL")

@@ -6,6 +6,7 @@ then what its commit sends.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -13,9 +14,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tokenmill import errors, outputs
 from tokenmill.admission import LengthTracker, Slot
 from tokenmill.ledger import Checkpoint, Claim, LengthReport
-from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, restart_reason, stop_strings
+from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
 from tokenmill.settings import Settings
-from workers.stream import Progress, StopGuard, StreamClient, stream_chat
+from workers.stream import Progress, StopGuard, StreamClient, stream_chat, whole_chat
 from workers.watch import AttemptState, Watch
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def committed(rt: Runtime, done: Attempted, commit: Commit, verdict: str) -> str
 
 
 # Fields of the stored request that the attempt sets itself rather than copying.
-_SET_HERE = frozenset(("model", "messages", "max_tokens", "min_tokens", "return_token_ids"))
+_SET_HERE = frozenset(("model", "messages", "max_tokens", "min_tokens"))
 
 
 def build_request(
@@ -137,8 +138,9 @@ def build_request(
         request["max_tokens"] = max_tokens
     if min_tokens:
         request["min_tokens"] = min_tokens
-    if req.get("return_token_ids"):
+    if req.get("return_token_ids") and not answered_whole(req):
         # SGLang refuses return_token_ids on a stream; the same ids come in its sglext chunk
+        del request["return_token_ids"]
         request[SGLEXT_OUTPUT_IDS] = True
     return request, extra
 
@@ -170,7 +172,9 @@ async def run_attempt(
         state.progress.guard = StopGuard.of(state.base.content, state.base.reasoning, stop_strings(request))
     loop = asyncio.get_running_loop()
     started = loop.time()
-    stream = asyncio.ensure_future(stream_chat(client, request, extra, state.progress))
+    state.progress.whole = answered_whole(request)
+    send = whole_chat if state.progress.whole else stream_chat
+    stream = asyncio.ensure_future(send(client, request, extra, state.progress))
     watched = watch.add(claim, state, stream, started)
     try:
         await stream
@@ -249,8 +253,13 @@ def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) ->
     """Tool calls, log-probabilities and token ids into ``result``; a list that does not cover
     every generated token is an error, never a short row (such jobs are never continued, so
     the attempt's tokens are all the job's)."""
-    if p.tool_calls:
-        result["tool_calls"] = p.tool_calls
+    calls = p.tool_calls
+    if calls and p.finish_reason == "length":
+        # a call cut by max_tokens is kept only when its arguments are a whole JSON value, as
+        # SGLang's whole answer keeps it (a stream sends a cut call's name and pieces)
+        calls = [c for c in calls if _is_json(c["function"]["arguments"])]
+    if calls:
+        result["tool_calls"] = calls
     tokens = p.tokens
     if req.get("logprobs"):
         got = len(p.logprobs or ())
@@ -268,3 +277,12 @@ def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) ->
                 f"the server sent {len(p.output_ids)} token ids for {tokens} tokens"
             )
         result["output_token_ids"] = p.output_ids
+
+
+def _is_json(text: str) -> bool:
+    """A whole JSON value, as SGLang's parser (Python's json) reads one: ``Infinity`` too."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

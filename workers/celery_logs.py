@@ -36,11 +36,10 @@ class ReconnectMessages(logging.Filter):
         return not (cancel_failed and isinstance(exc, NotImplementedError))
 
 
-# Per-job INFO lines: Celery's "Task ... received" and "Task ... succeeded in ...", and httpx2's
-# "HTTP Request: POST .../v1/chat/completions 200 OK" (the openai client's transport): three
-# formatted log records per job, on the consumer, a task thread and the event loop. The ledger
-# already records every job's outcome.
-PER_TASK_LOGGERS = (strategy.logger.name, trace.logger.name, "httpx2")
+# Per-job INFO lines: Celery's "Task ... received" and "Task ... succeeded in ...": two formatted
+# log records per job, on the consumer and a task thread. The ledger already records every job's
+# outcome.
+PER_TASK_LOGGERS = (strategy.logger.name, trace.logger.name)
 
 
 def quiet_per_task(loglevel: int) -> None:

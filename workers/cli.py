@@ -42,10 +42,16 @@ def worker(
     task_events: bool | None,
 ) -> None:
     """Run a Celery worker on one queue (``celery -A tokenmill.app worker`` also works)."""
+    from tokenmill import redis_conn
     from tokenmill.app import configure
+    from tokenmill.errors import RedisUnavailableError
     from tokenmill.settings import Settings
 
     settings = Settings.load(redis_url=redis_url, server_url=server_url, task_events=task_events)
+    try:  # a wrong password does not heal by waiting: say so once, now (Celery would retry forever)
+        redis_conn.check_credentials(settings)
+    except RedisUnavailableError as exc:
+        raise click.ClickException(str(exc)) from None
     app = configure(settings)
     threads = concurrency or (150 if queue == "short" else 32)
     app.worker_main(

@@ -1,19 +1,27 @@
-"""Riding out Redis: a ledger transition repeated through a restart or a blip.
+"""Riding out Redis: a ledger transition repeated through a restart, a blip or a failover.
 
 Transitions are fenced and idempotent, so repeating one after a lost reply is safe. Both forms
 try for up to ``REDIS_RETRY_S``, backing off from 0.1 to 2 s, then let the error through (the
-job's lease then expires and the pump requeues it).
+job's lease then expires and the pump requeues it). Each try is bounded by the client's own
+deadline (``socket_timeout``), so a Redis host that vanished costs a try seconds, not minutes.
+
+Two things are not ridden out: credentials Redis refused (a wrong password does not heal by
+waiting: one clear error, at once), and a worker whose shutdown grace is over (``stop``: one
+more try, then the error; the job's lease and the pump take it from there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis
+
+from tokenmill.errors import RedisUnavailableError
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
@@ -22,22 +30,31 @@ _PASSING = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 class _Backoff:
-    def __init__(self) -> None:
+    def __init__(self, stop: threading.Event | None) -> None:
         self.deadline = time.monotonic() + REDIS_RETRY_S
         self.delay = 0.1
+        self.stop = stop
+        self.tries = 0
 
     def pause(self, exc: redis.RedisError) -> float:
-        """How long to wait before the next try; ``exc`` again once time is up."""
-        if time.monotonic() > self.deadline:
+        """How long to wait before the next try; ``exc`` again once time is up (or the worker
+        stops), a :class:`RedisUnavailableError` at once for refused credentials."""
+        if isinstance(exc, redis.AuthenticationError):
+            raise RedisUnavailableError(
+                f"Redis refused the credentials ({exc}): check the password in TOKENMILL_REDIS_URL"
+            ) from exc
+        if time.monotonic() > self.deadline or (self.stop is not None and self.stop.is_set()):
             raise exc
-        log.warning("Redis unavailable (%s); retrying", exc)
+        self.tries += 1
+        # one warning per transition ridden out; the tries after it are the same news
+        (log.warning if self.tries == 1 else log.debug)("Redis unavailable (%s); retrying", exc)
         delay, self.delay = self.delay, min(self.delay * 2, 2.0)
         return delay
 
 
-def durable(fn: Callable[[], T]) -> T:
+def durable(fn: Callable[[], T], stop: threading.Event | None = None) -> T:
     """``fn()``, repeated while Redis is unavailable (on a thread)."""
-    backoff = _Backoff()
+    backoff = _Backoff(stop)
     while True:
         try:
             return fn()
@@ -45,9 +62,9 @@ def durable(fn: Callable[[], T]) -> T:
             time.sleep(backoff.pause(exc))
 
 
-async def adurable(fn: Callable[[], Awaitable[T]]) -> T:
+async def adurable(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:
     """``await fn()``, repeated while Redis is unavailable (on the loop, which goes on meanwhile)."""
-    backoff = _Backoff()
+    backoff = _Backoff(stop)
     while True:
         try:
             return await fn()

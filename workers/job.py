@@ -5,12 +5,18 @@ Errors are mapped to ledger states here and only here: terminal → ``failed``; 
 ``queued`` with a backoff (no retry burned while the server is down); shutdown → checkpointed
 and released at once; ``cancel --now`` → checkpointed and released, which ends the job
 ``cancelled``; a stale claim → nothing (another worker owns the job).
+
+The task's thread waits on the loop with a deadline too: once the shutdown's grace is over, it
+gives the loop ``ABANDON_AFTER_S`` more (a commit or release riding out a Redis that vanished),
+then leaves the job to its lease, so that a warm shutdown ends even while Redis is gone.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
+import time
 
 import redis
 
@@ -23,6 +29,8 @@ from workers.runtime import Runtime
 from workers.watch import AttemptState
 
 log = logging.getLogger("tokenmill.worker")
+ABANDON_AFTER_S = 5.0  # after the shutdown's grace: how long a thread still waits for its job
+WAIT_SLICE_S = 1.0  # how often a waiting thread looks at the shutdown
 
 
 def run_job(rt: Runtime, run: str, job_id: str) -> str:
@@ -30,10 +38,30 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     the error its attempt ended with. Returns what happened (for logs and tests)."""
     if rt.auth_error is not None or rt.stopping.is_set():
         return "skipped"
-    left = rt.loop.run(onloop.run_job(rt, run, job_id))
+    left = wait_on_loop(rt, rt.loop.submit(onloop.run_job(rt, run, job_id)), f"{run}/{job_id}")
     if isinstance(left, str):
         return left
     return conclude(rt, rt.ledger(run), left)
+
+
+def wait_on_loop(rt: Runtime, fut: concurrent.futures.Future[str | Attempted], job: str) -> str | Attempted:
+    """The job's result from the loop; ``"abandoned"`` (the job cancelled on the loop, left to
+    its lease) if it is still not there ``ABANDON_AFTER_S`` after the shutdown's grace."""
+    aborted_at = 0.0
+    while True:
+        try:
+            return fut.result(timeout=WAIT_SLICE_S)
+        except concurrent.futures.TimeoutError:
+            if not rt.abort_streams.is_set():
+                continue
+            now = time.monotonic()
+            aborted_at = aborted_at or now
+            if now - aborted_at >= ABANDON_AFTER_S:
+                fut.cancel()
+                log.warning(
+                    "job %s: still waiting on Redis after the shutdown's grace; left to its lease", job
+                )
+                return "abandoned"
 
 
 def conclude(rt: Runtime, ledger: Ledger, done: Attempted) -> str:
@@ -45,7 +73,17 @@ def conclude(rt: Runtime, ledger: Ledger, done: Attempted) -> str:
             return "stale"
         assert done.error is not None
         failure = done.error
-        return durable(lambda: _settle(rt, ledger, done.claim, done.url, failure, done.state))
+        try:
+            return durable(
+                lambda: _settle(rt, ledger, done.claim, done.url, failure, done.state), rt.abort_streams
+            )
+        except redis.RedisError as exc:
+            if not rt.abort_streams.is_set():
+                raise
+            log.warning(
+                "job %s/%s: not released (%s); left to its lease", done.claim.run, done.claim.job_id, exc
+            )
+            return "abandoned"
     finally:
         try:
             rt.admission.release(done.slot)

@@ -44,7 +44,7 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     """Run ``job_id`` on the loop. Returns what happened (as :func:`workers.job.run_job` does),
     or an attempt that ended in an error, for the task's thread to settle."""
     ll = rt.loop_ledger(run)
-    peeked = await adurable(lambda: ll.peek(job_id))
+    peeked = await adurable(lambda: ll.peek(job_id), rt.abort_streams)
     if peeked is None:
         return "missing"
     if peeked.state in FINAL_STATES:
@@ -60,7 +60,7 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     if done.error is not None:
         return done
     commit = done.commit(rt.settings)
-    verdict = await adurable(lambda: ll.commit(done.claim, *commit))
+    verdict = await adurable(lambda: ll.commit(done.claim, *commit), rt.abort_streams)
     return committed(rt, done, commit, verdict)
 
 

@@ -70,7 +70,9 @@ class Runtime:
             client = self._clients.get(url)
             if client is None:
                 s = self.settings
-                client = self._clients[url] = StreamClient.of(url, s.api_key, s.connect_timeout_s)
+                client = self._clients[url] = StreamClient.of(
+                    url, s.api_key, s.connect_timeout_s, answer_timeout_s=s.stall_timeout_s
+                )
         return client
 
 

@@ -1,16 +1,12 @@
 """Streaming one chat completion from an SGLang server: the per-token hot path.
 
-The openai client is the server's configuration (base URL, API key, headers) and makes the
-error an answer becomes (``APIStatusError``, classified in :mod:`workers.taxonomy`). The stream
-itself is read on tokenmill's own HTTP/1.1 connections (:mod:`workers.transport`): each chunk of
-the body reaches :class:`_Lines` straight from the connection's ``data_received``, is split into
-``data:`` lines and parsed with orjson. The openai client's typed chunk objects cost ~5x the CPU
-of that parse (measured on this machine class before the worker was written), and reading the
-bytes through its aiohttp transport cost a task wake-up and three async iterators a chunk: 40
-against 22 µs of CPU per token on the stream path alone (docs/benchmarks.md). Per chunk the work
-is now: one ``orjson.loads``, two dict lookups, a list append and an integer increment. No Redis
-call; checkpoints are taken by the process's watch (:mod:`workers.watch`) from the shared
-``Progress``.
+The stream is read on aiohttp's connections (:mod:`workers.transport`): each chunk of the body
+reaches :class:`_Lines`, is split into ``data:`` lines and parsed with orjson. The openai
+client's typed chunk objects cost ~5x the CPU of that parse (measured on this machine class
+before the worker was written). Per chunk the work is: one ``orjson.loads``, two dict lookups, a
+list append and an integer increment. No Redis call; checkpoints are taken by the process's
+watch (:mod:`workers.watch`) from the shared ``Progress``. An error answer is classified from
+its status and body in :mod:`workers.taxonomy`.
 """
 
 from __future__ import annotations
@@ -19,16 +15,14 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
-import httpx2
 import orjson
-from openai import APIStatusError, AsyncOpenAI
 
-from tokenmill import errors
+from tokenmill import __version__, errors
 from tokenmill.options import SGLEXT_OUTPUT_IDS
 from workers import taxonomy
-from workers.transport import ConnectionPool, Response
+from workers.transport import HttpClient
 
 _DATA = b"data: "
 # Every chunk carries the running usage, so checkpoints count tokens exactly even when a chunk
@@ -57,6 +51,7 @@ class Progress:
     guard: StopGuard | None = None
     # (part, n): a stop string across the checkpoint cut n characters from the end of its part
     trim: tuple[str, int] | None = None
+    whole: bool = False  # answered whole (whole_chat): no chunk comes before the end
 
     @property
     def tokens(self) -> int:
@@ -65,47 +60,39 @@ class Progress:
 
 
 class StreamClient:
-    """One server's chat completions endpoint for the stream path: its openai client and the
-    connections its streams are read on. Built once per server per process; the request's
-    head (path, host, key, headers) is built once too."""
+    """One server's chat completions endpoint for the stream path: its URL, the request's
+    headers (built once) and the connections its streams are read on. Built once per server per
+    process."""
 
-    def __init__(self, client: AsyncOpenAI, connect_timeout_s: float = 10.0) -> None:
-        self.openai = client
-        self.url = client.base_url.join("chat/completions")
-        parts = urlsplit(str(self.url))
-        host = parts.netloc.rpartition("@")[2]  # without any user:password@
-        self.pool = ConnectionPool(f"{parts.scheme}://{host}", connect_timeout_s)
-        headers = {
-            "Host": host,
-            **client.auth_headers,
-            "User-Agent": client.user_agent,
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        connect_timeout_s: float = 10.0,
+        answer_timeout_s: float | None = None,
+    ) -> None:
+        parts = urlsplit(f"{url.rstrip('/')}/v1/chat/completions")
+        # without any user:password@ (the key goes in its own header)
+        self.url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        self.http = HttpClient(connect_timeout_s, answer_timeout_s)
+        self.headers = {
+            "Authorization": f"Bearer {api_key or 'EMPTY'}",
+            "User-Agent": f"tokenmill/{__version__}",
             "Accept": "text/event-stream",
             "Accept-Encoding": "identity",
             "Content-Type": "application/json",
         }
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if v)
-        self.head = f"POST {path} HTTP/1.1\r\n{lines}".encode("latin-1")
 
     @classmethod
-    def of(cls, url: str, api_key: str | None, connect_timeout_s: float) -> StreamClient:
-        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``)."""
-        openai = AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "EMPTY", max_retries=0)
-        return cls(openai, connect_timeout_s)
-
-    def request_bytes(self, body: bytes) -> bytes:
-        return b"%sContent-Length: %d\r\n\r\n%s" % (self.head, len(body), body)
-
-    def status_error(self, r: Response) -> APIStatusError:
-        """The SDK's own error for a non-2xx answer (its class and body as the SDK reads them)."""
-        http = httpx2.Response(
-            r.status, headers=r.headers, content=bytes(r.body), request=httpx2.Request("POST", self.url)
-        )
-        return self.openai._make_status_error_from_response(http)
+    def of(
+        cls, url: str, api_key: str | None, connect_timeout_s: float, answer_timeout_s: float | None = None
+    ) -> StreamClient:
+        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``); a
+        request no answer (headers) comes back for in ``answer_timeout_s`` fails."""
+        return cls(url, api_key, connect_timeout_s, answer_timeout_s)
 
     async def close(self) -> None:
-        self.pool.close()
-        await self.openai.close()
+        await self.http.close()
 
 
 async def stream_chat(
@@ -115,9 +102,9 @@ async def stream_chat(
     lines = _Lines(progress, asyncio.get_running_loop(), handler_for(request, progress))
     try:
         body = orjson.dumps({**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS})
-        response = await client.pool.request(client.request_bytes(body), lines.feed)
+        response = await client.http.post(client.url, body, client.headers, lines.feed)
         if not 200 <= response.status < 300:
-            raise client.status_error(response)
+            raise taxonomy.from_answer(response.status, response.body)
         lines.end()
     except errors.StopReached:
         pass  # a stop string across a checkpoint: the text ends there, as one run would have
@@ -133,6 +120,50 @@ async def stream_chat(
 
 
 LineHandler = Callable[[bytes, Progress, asyncio.AbstractEventLoop], None]
+
+
+async def whole_chat(
+    client: StreamClient, request: dict[str, Any], extra: dict[str, Any], progress: Progress
+) -> Progress:
+    """Send ``request`` unstreamed and fill ``progress`` from the whole answer; raise a
+    classified error on failure (for jobs a stream would give less: ``options.answered_whole``)."""
+    loop = asyncio.get_running_loop()
+    body: list[bytes] = []
+    try:
+        data = orjson.dumps({**request, **extra, "stream": False})
+        response = await client.http.post(client.url, data, client.headers, body.append, unstreamed=True)
+        if not 200 <= response.status < 300:
+            raise taxonomy.from_answer(response.status, response.body)
+        _fill(progress, orjson.loads(b"".join(body)), loop.time())
+    except errors.GenerationError:
+        raise
+    except Exception as exc:  # classified in one place
+        raise taxonomy.from_exception(exc) from exc
+    if progress.finish_reason is None:
+        raise errors.StreamError("the answer has no finish_reason")
+    if progress.finish_reason == "abort":
+        raise errors.StreamError("the server aborted the request (finish_reason: abort)")
+    return progress
+
+
+def _fill(p: Progress, answer: dict[str, Any], now: float) -> None:
+    """``p`` as the stream of ``answer`` (a ``chat.completion``) would have left it."""
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    for name in ("content", "reasoning"):
+        text = message.get("reasoning_content" if name == "reasoning" else "content")
+        if text:
+            getattr(p, name).append(text)
+    p.tool_calls = [
+        {"id": c.get("id"), "type": "function", "function": {**c["function"]}}
+        for c in message.get("tool_calls") or ()
+    ] or None
+    p.logprobs = (choice.get("logprobs") or {}).get("content")
+    p.output_ids = choice.get("response_token_ids")
+    p.finish_reason, p.matched_stop = choice.get("finish_reason"), choice.get("matched_stop")
+    p.usage, p.model = answer.get("usage"), answer.get("model")
+    p.chunks = 1
+    p.first_chunk_at = p.last_chunk_at = now
 
 
 class _Lines:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from typing import Any
 
+import redis
 from celery import Task
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
@@ -13,13 +16,14 @@ from tokenmill import redis_conn
 from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
 from workers import celery_logs
-from workers.job import run_job
+from workers.job import ABANDON_AFTER_S, run_job
 from workers.loadwatch import LoadWatch
 from workers.pump import Pump
 from workers.runtime import current, get_runtime
 
 log = logging.getLogger("tokenmill.worker")
 _pump: dict[str, Pump] = {}
+STOP_SLACK_S = 15.0  # past the grace and the jobs' last wait: Celery's own stop (acks, consumer)
 
 
 @app.task(name=TASK_NAME, bind=True, ignore_result=True, acks_late=True)
@@ -29,7 +33,10 @@ def generate(self: Task, run: str, partition: str, job_id: str) -> str:
     outcome = run_job(rt, run, job_id)
     if outcome in ("skipped", "stopping"):
         # Not claimed: keep the job's message alive (acks_late acks this delivery on return).
-        rt.ledger(run).republish([job_id])
+        try:
+            rt.ledger(run).republish([job_id])
+        except redis.RedisError as exc:  # its waiting lease, else the reconciler, puts it back
+            log.warning("job %s/%s: not republished (%s); the pump will put it back", run, job_id, exc)
         if rt.auth_error is not None:
             _stop_consuming(self)
     return outcome
@@ -74,5 +81,26 @@ def _on_shutting_down(**_: Any) -> None:
     timer = threading.Timer(grace, rt.abort_streams.set)
     timer.daemon = True
     timer.start()
+    deadline = threading.Timer(
+        grace + ABANDON_AFTER_S + STOP_SLACK_S, _stop_now, (grace + ABANDON_AFTER_S + STOP_SLACK_S,)
+    )
+    deadline.daemon = True
+    deadline.start()
     if "pump" in _pump:
         _pump["pump"].stop()
+
+
+def _stop_now(after_s: float) -> None:
+    """The warm shutdown's last resort: Celery acks each finished message on its way out, and
+    against a broker host that vanished every ack waits out its connection's deadline (~10 s
+    each). An unacked message is harmless (its job is done or leased in the ledger, and a
+    redelivery is a no-op), so the worker exits instead of waiting for them all."""
+    log.error(
+        "shutdown still not done %.0fs after SIGTERM (is the broker unreachable?): exiting now; "
+        "unacknowledged messages are redelivered and their jobs' ledger states make them no-ops",
+        after_s,
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -8,8 +8,9 @@ mid-stream error chunks, aborted or unfinished streams.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-import openai
+import orjson
 
 from tokenmill import errors
 
@@ -37,6 +38,20 @@ def from_status(status: int, message: str) -> errors.GenerationError:
     return errors.ServerUnavailableError(f"HTTP {status}: {message}", status=status)
 
 
+def from_answer(status: int, body: bytes) -> errors.GenerationError:
+    """Classify an error answer: its status and the message its body carries, read as the openai
+    client reads it (a JSON body's ``error``, unwrapped: SGLang's 401 ``{"error":
+    "Unauthorized"}`` is the string itself, its OpenAI envelope the envelope's ``message``)."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        parsed: Any = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        parsed = text
+    if isinstance(parsed, dict):
+        parsed = parsed.get("error", parsed)
+    return from_status(status, _message(parsed) or f"Error code: {status}" + (f" - {text}" if text else ""))
+
+
 def from_error_chunk(payload: dict) -> errors.GenerationError:
     """Classify an SSE ``{"error": {...}}`` chunk received mid-stream."""
     err = payload.get("error")
@@ -54,8 +69,6 @@ def from_exception(exc: BaseException) -> errors.GenerationError:
     """Classify a client-side exception raised while requesting or streaming."""
     if isinstance(exc, errors.GenerationError):
         return exc
-    if isinstance(exc, openai.APIStatusError):
-        return from_status(exc.status_code, _status_message(exc))
     if isinstance(exc, asyncio.TimeoutError | TimeoutError):
         return _timed_out(exc)
     if isinstance(exc, OSError):  # refused, reset, closed mid-answer, unresolvable, TLS
@@ -71,11 +84,8 @@ def _unreachable(cause: BaseException) -> errors.GenerationError:
     return errors.ServerConnectionError(f"connection to the server failed: {cause}")
 
 
-def _status_message(exc: openai.APIStatusError) -> str:
-    # The client unwraps an ``"error"`` key: SGLang's 401 body {"error": "Unauthorized"} arrives
-    # as the string itself, its OpenAI envelope as the envelope's fields.
-    body = exc.body
-    if isinstance(body, str) and body:
+def _message(body: Any) -> str:
+    if isinstance(body, str):
         return body
     if isinstance(body, dict):
         if isinstance(body.get("error"), dict):
@@ -84,4 +94,4 @@ def _status_message(exc: openai.APIStatusError) -> str:
             return str(body["message"])
         if "error" in body:
             return str(body["error"])
-    return exc.message
+    return ""

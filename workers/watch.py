@@ -199,6 +199,8 @@ def _deadline_problem(
         return errors.ShutdownError("the worker is shutting down; checkpointed and released")
     if now - started > s.total_timeout_s:
         return errors.RequestTimeoutError(f"the request ran past total_timeout_s={s.total_timeout_s}")
+    if p.whole:
+        return None  # an unstreamed answer sends nothing before the end: only its total deadline
     if not p.first_chunk_at:
         if now - started > s.first_token_timeout_s:
             return errors.StreamStalledError(

@@ -6,8 +6,11 @@ texts, a KV-pool scheduler with retraction, the Prefill/Decode log lines and the
 Its output is deterministic (:mod:`server_mgr.sim.textgen`), so tests check every byte.
 
 Modules: ``cli`` (flags), ``lifecycle`` (startup, signals), ``app`` (routes, auth), ``chat``
-(the chat endpoint), ``endpoints`` (the rest), ``validation`` (request checks), ``textgen``
-(output), ``scheduler`` (KV model), ``sse`` (chunk bytes), ``metrics``, ``logs``, ``faults``.
+(the chat endpoint), ``endpoints`` (the rest), ``validation`` (request checks), ``options``
+(generation options: stop, grammars, tools, logprobs, token ids), ``errors``, ``textgen`` (free
+text), ``decode`` (the output once options apply), ``schemagen``/``ebnf``/``toolcalls`` (grammar
+outputs), ``tokens`` (token pieces, ids, log-probabilities), ``render`` (chunks and bodies),
+``scheduler`` (KV model), ``sse`` (chunk bytes), ``metrics``, ``logs``, ``faults``.
 
 Test hooks, never on the real server and exempt from ``--api-key``:
 

@@ -8,8 +8,9 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from server_mgr.sim import endpoints, metrics
-from server_mgr.sim.chat import chat_completions, json_response, peer
+from server_mgr.sim import endpoints, metrics, tokens
+from server_mgr.sim.chat import chat_completions, json_response, peer, read_json
+from server_mgr.sim.errors import RequestError
 from server_mgr.sim.state import STATE, SimState
 
 # SGLang never asks for the key on these (0.5.23 adds /ready); the sim's own hooks neither.
@@ -45,6 +46,25 @@ async def frontend(request: web.Request, handler: Handler) -> web.StreamResponse
     return resp
 
 
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    """``/tokenize`` and ``/v1/tokenize``: a prompt (or a list of prompts) into the sim's token
+    ids, in SGLang's shape ``{"tokens", "count", "max_model_len"}``."""
+    try:
+        body = await read_json(request)
+    except RequestError as exc:
+        return json_response(exc.body(), exc.status)
+    prompt = body.get("prompt")
+    ctx = request.app[STATE].cfg.context_len
+    if isinstance(prompt, str):
+        ids = tokens.ids(tokens.pieces(prompt))
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": ctx})
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        lists = [tokens.ids(tokens.pieces(p)) for p in prompt]
+        return json_response({"tokens": lists, "count": [len(x) for x in lists], "max_model_len": ctx})
+    err = RequestError(f"Invalid prompt type: {type(prompt)}. Expected str or List[str].")
+    return json_response(err.body(), err.status)
+
+
 def build_app(state: SimState) -> web.Application:
     """The sim's routes (SGLang 0.5.23's, plus ``/_sim/*``)."""
     app = web.Application(middlewares=[frontend], client_max_size=64 * 1024**2)
@@ -64,6 +84,8 @@ def build_app(state: SimState) -> web.Application:
         get("/v1/models/{name:.+}", e.get_model),
         post("/v1/chat/completions", chat_completions),
         post("/invocations", chat_completions),
+        post("/tokenize", tokenize),
+        post("/v1/tokenize", tokenize),
         get("/v1/loads", e.loads),
         get("/flush_cache", e.flush_cache),
         post("/flush_cache", e.flush_cache),

@@ -144,11 +144,17 @@ def _reasoning_tokens(plan: ChatPlan, generated: int) -> int:
 
 
 async def _stream_abort(request: web.Request, plan: ChatPlan, req: SimRequest) -> web.StreamResponse:
-    """A grammar that does not compile: SGLang's scheduler aborts the request with 400."""
+    """A grammar that does not compile: SGLang's scheduler aborts the request with 400, which a
+    stream gets as HTTP 200, an error event (type ``BAD_REQUEST``), the usage chunk when asked
+    (SGLang reports 1 prompt and 1 completion token for it) and ``[DONE]``; no role chunk."""
     while not req.finished:
         await req.wait()
-    err = RequestError(plan.abort or "", type_="BadRequestError")
-    return json_response(err.body(), err.status)
+    resp = await _open_stream(request)
+    buf = sse.error_chunk(plan.abort or "", "BAD_REQUEST", 400)
+    if plan.include_usage:
+        buf += sse.ChunkEncoder(plan.rid, int(time.time()), plan.model).usage(1, 1, 0)
+    await resp.write(buf + sse.DONE)
+    return resp
 
 
 async def _stream_fault(

@@ -41,6 +41,11 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
     default=None,
     help="qwen25 (or qwen, hermes): tool calls are written as <tool_call> blocks and parsed.",
 )
+@click.option(
+    "--constrained-json-disable-any-whitespace",
+    is_flag=True,
+    help="JSON outputs carry no whitespace between tokens (xgrammar's option).",
+)
 @click.option("--mem-fraction-static", type=float, default=0.88, show_default=True)
 @click.option("--tp-size", "--tensor-parallel-size", "tp_size", type=int, default=1, show_default=True)
 @click.option("--stream-interval", type=int, default=1, show_default=True)

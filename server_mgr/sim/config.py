@@ -36,6 +36,7 @@ class SimConfig:
     api_key: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    constrained_json_disable_any_whitespace: bool = False
     mem_fraction_static: float = 0.88
     tp_size: int = 1
     stream_interval: int = 1

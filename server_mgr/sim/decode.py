@@ -52,9 +52,11 @@ class Output:
     stop: tuple[str, ...] = ()
     offsets: list[int] = field(default_factory=list)  # cumulative chars after each token
 
+    full_text: str = ""  # "".join(tokens), computed once
+
     @property
     def text(self) -> str:
-        return "".join(self.tokens)[: self.text_end]
+        return self.full_text[: self.text_end]
 
     @property
     def reasoning_chars(self) -> int:
@@ -71,11 +73,9 @@ class Output:
         """Chars a stream may show after ``k`` tokens, or None while SGLang holds the output back
         because its text ends with the start of a stop string."""
         end = self.offsets[k - 1] if k else 0
-        if self.stop:
-            text = "".join(self.tokens[:k])
-            for s in self.stop:
-                if any(text.endswith(s[:i]) for i in range(1, len(s) + 1)):
-                    return None
+        for s in self.stop:
+            if any(self.full_text.endswith(s[:i], 0, end) for i in range(1, len(s) + 1)):
+                return None
         return end
 
 
@@ -93,23 +93,29 @@ def build(
         messages, continue_final_message=continued, steering=steer, salt=opts.key_extra, **params
     )
     toks, finish = list(base.tokens), base.finish_reason
+    eos = False  # the output ends with the EOS token, counted and given a log-probability
     grammar = _grammar_text(messages, params, opts, base, tool_parser)
     if grammar is not None:
-        head = toks[: base.reasoning_tokens]
-        body = tokens.pieces(grammar)
-        limit = _limit(params, base.prompt_tokens)
-        full = head + body
-        toks = full[:limit]
+        # under a grammar the model must end with EOS once the grammar is complete; SGLang
+        # counts that token (free text's natural stop does not count it in the sim: see
+        # docs/sglang-conformance.md)
+        full = [*toks[: base.reasoning_tokens], *tokens.pieces(grammar), tokens.EOS_TEXT]
+        toks = full[: _limit(params, base.prompt_tokens)]
         finish = "length" if len(toks) < len(full) else "stop"
+        eos = finish == "stop"
+        if eos:
+            toks.pop()
     offsets = list(accumulate(len(t) for t in toks))
-    matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" and not opts.ignore_eos else None
-    if finish == "stop" and opts.ignore_eos:
-        finish = "length"
+    # ignore_eos: free text runs to its limit (textgen); a complete grammar still ends the output
+    matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" else None
     n, text_end = len(toks), offsets[-1] if offsets else 0
     hit = _first_stop(toks, offsets, opts)
     if hit is not None:
         n, matched, text_end = hit
         toks, offsets, finish = toks[:n], offsets[:n], "stop"
+    elif eos:
+        toks.append(tokens.EOS_TEXT)
+        offsets.append(text_end + len(tokens.EOS_TEXT))
     return Output(
         tokens=toks,
         reasoning_tokens=min(base.reasoning_tokens, n),
@@ -121,6 +127,7 @@ def build(
         start=base.start,
         stop=opts.stop,
         offsets=offsets,
+        full_text="".join(toks),
     )
 
 

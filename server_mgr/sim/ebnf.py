@@ -106,6 +106,11 @@ class _Parser:
                 self.tokens.append((m.lastgroup, m.group(m.lastgroup)))
         self.i = 0
 
+    def _column(self) -> int:
+        """Roughly where parsing stopped (xgrammar reports line and column; the sim, a column
+        past the last token)."""
+        return sum(len(text) + 1 for _, text in self.tokens[: self.i]) + 1
+
     def peek(self, offset: int = 0) -> tuple[str, str] | None:
         j = self.i + offset
         return self.tokens[j] if j < len(self.tokens) else None
@@ -113,7 +118,7 @@ class _Parser:
     def take(self) -> tuple[str, str]:
         tok = self.peek()
         if tok is None:
-            raise GrammarError("unexpected end of grammar")
+            raise GrammarError(f"line 1, column {self._column()}: Expect )")
         self.i += 1
         return tok
 
@@ -125,7 +130,7 @@ class _Parser:
                 raise GrammarError(f"expected `name ::=` at {name!r}")
             rules[name] = self.alternatives()
         if "root" not in rules:
-            raise GrammarError("the grammar has no `root` rule")
+            raise GrammarError('line 1, column 1: The root rule with name "root" is not found')
         for node in rules.values():
             _check_refs(node, rules)
         return rules
@@ -173,14 +178,14 @@ class _Parser:
         if (kind, text) == ("op", "("):
             inner = self.alternatives()
             if self.take() != ("op", ")"):
-                raise GrammarError("expected `)`")
+                raise GrammarError(f"line 1, column {self._column()}: Expect )")
             return inner
         raise GrammarError(f"unexpected {text!r}")
 
 
 def _check_refs(node: Node, rules: dict[str, Node]) -> None:
     if node.kind == "ref" and node.value not in rules:
-        raise GrammarError(f"rule {node.value!r} is not defined")
+        raise GrammarError(f'line 1, column 1: Rule "{node.value}" is not defined')
     if node.kind in ("seq", "alt"):
         for child in node.value:
             _check_refs(child, rules)

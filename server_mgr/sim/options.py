@@ -12,9 +12,11 @@ A grammar that does not compile is not refused here: SGLang aborts it in the sch
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +28,10 @@ from server_mgr.sim.errors import RequestError
 
 MAX_STOP_COUNT = 32
 TOOL_CHOICES = ("none", "auto", "required")
-# the sampling options that change a greedy output (the penalties); top_k and min_p do not
-OUTPUT_CHANGING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+# Sampling options that change a sampled output (not a greedy one: top_k and min_p keep the most
+# probable token). The penalties act only on tokens already generated; measured on SGLang, a
+# greedy output of 8 tokens was the same with and without them, and the sim leaves its output
+# alone for them.
 SAMPLED_ONLY = ("top_k", "min_p")
 
 
@@ -101,6 +105,15 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise _type_error("stop", "a valid string or a valid list of strings")
     return tuple(stop)
+
+
+def _token_ids(body: Mapping[str, Any]) -> frozenset[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _type_error("stop_token_ids", "a valid list of integers")
+    return frozenset(ids)
 
 
 def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -212,7 +225,7 @@ def parse_options(body: Mapping[str, Any], *, stream: bool, lora: bool = False) 
     constraints = _constraint(body)
     opts = Options(
         stop=_stop(body),
-        stop_token_ids=frozenset(body.get("stop_token_ids") or ()),
+        stop_token_ids=_token_ids(body),
         min_tokens=_int(body, "min_tokens", 0) or 0,
         ignore_eos=_bool(body, "ignore_eos"),
         constraint=constraints[0] if constraints else None,
@@ -266,37 +279,79 @@ def lora_disabled(adapter: Any) -> str:
 
 
 def _key_extra(body: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Option values that change the output (a greedy one too, for the penalties)."""
-    greedy = body.get("temperature") is not None and float(body["temperature"]) < 1e-6
-    names = OUTPUT_CHANGING if greedy else OUTPUT_CHANGING + SAMPLED_ONLY
-    defaults = {"repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0}
-    return tuple((n, body[n]) for n in names if body.get(n) is not None and body[n] != defaults.get(n, 0))
+    """Option values that change a sampled output (none changes a greedy one)."""
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and temperature < 1e-6:
+        return ()
+    defaults = {"top_k": -1, "min_p": 0.0}
+    return tuple((n, body[n]) for n in SAMPLED_ONLY if body.get(n) is not None and body[n] != defaults[n])
 
 
 def grammar_error(constraint: Constraint) -> str | None:
-    """SGLang's abort message for a grammar that does not compile; None when it compiles."""
-    try:
-        if constraint.kind == "regex":
-            re.compile(constraint.spec)
-        elif constraint.kind == "ebnf":
+    """SGLang's abort message for a grammar xgrammar cannot compile (None when it compiles):
+    ``Failed to compile <kind> grammar: `` and xgrammar's own error line."""
+    detail = None
+    if constraint.kind == "regex":
+        detail = _regex_error(constraint.spec)
+    elif constraint.kind == "ebnf":
+        try:
             ebnf.parse(constraint.spec)
-        else:
-            spec = constraint.spec
-            if not isinstance(spec, dict):
-                raise ValueError("the schema is not a JSON object")
-            jsonschema.Draft202012Validator.check_schema(spec)
-    except (re.error, ebnf.GrammarError, ValueError, jsonschema.SchemaError) as exc:
-        return f"Failed to compile {constraint.kind} grammar: {_first_line(exc)}"
+        except ebnf.GrammarError as exc:
+            detail = f"grammar_parser.cc:820: EBNF parser error at {exc}"
+    else:
+        detail = _schema_error(constraint.spec)
+    if detail is None:
+        return None
+    stamp = time.strftime("%H:%M:%S")
+    kind = "json" if constraint.kind == "json_schema" else constraint.kind  # SGLang's grammar key
+    return f"Failed to compile {kind} grammar: [{stamp}] /project/cpp/{detail}\n"
+
+
+def _regex_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        where = "regex_converter.cc:94: Regex parsing error at position"
+        if exc.msg.startswith("missing ), unterminated subpattern"):
+            return f"{where} {len(pattern) + 1}: The parenthesis is not closed."
+        return f"{where} {(exc.pos or 0) + 1}: {exc.msg}"
     return None
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+def _schema_error(schema: Any) -> str | None:
+    """xgrammar's wording for a ``type`` it does not know, else jsonschema's first line."""
+    where = "json_schema_converter.cc:5082: "
+    if not isinstance(schema, dict):
+        return where + "the schema is not a JSON object"
+    for node in _schema_nodes(schema):
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if kind is not None and not all(isinstance(k, str) for k in kinds):
+            return where + "Type should be a string"
+        for k in kinds:
+            if k is not None and k not in JSON_TYPES:
+                return where + f'Unsupported type "{k}"'
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return where + str(exc).splitlines()[0]
+    return None
+
+
+JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def _schema_nodes(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _schema_nodes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schema_nodes(value)
 
 
 def rng_for(key: bytes, *parts: Any) -> random.Random:
     """A seeded RNG for ``key`` and ``parts`` (the same every run, on every machine)."""
-    import hashlib
-
     digest = hashlib.blake2b(key + orjson.dumps(parts, option=orjson.OPT_SORT_KEYS), digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "little"))

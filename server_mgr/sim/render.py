@@ -20,17 +20,18 @@ from typing import Any
 import orjson
 
 from server_mgr.sim import sse, toolcalls
+from server_mgr.sim.decode import Output
 from server_mgr.sim.validation import ChatPlan
 
 
 class StreamRenderer:
     """The chunks of one stream, fed the number of tokens the scheduler has emitted."""
 
-    def __init__(self, plan: ChatPlan, enc: sse.ChunkEncoder) -> None:
+    def __init__(self, plan: ChatPlan, enc: sse.ChunkEncoder, out: Output | None = None) -> None:
         self.plan = plan
         self.enc = enc
-        out = plan.output
-        self.full = "".join(out.tokens)
+        self.out = out = out or plan.output  # this choice's output (n > 1: one renderer each)
+        self.full = out.full_text
         self.split = out.reasoning_chars if plan.reasoning else 0
         self.sent_tokens = 0  # tokens whose log-probabilities went out
         self.sent_chars = 0
@@ -39,7 +40,7 @@ class StreamRenderer:
 
     def step(self, upto: int, final: bool) -> bytes:
         """Chunks for the output after ``upto`` tokens (``final``: the request has finished)."""
-        out = self.plan.output
+        out = self.out
         shown = out.text_end if final else out.shown_after(upto)
         if shown is None:
             return b""
@@ -65,15 +66,15 @@ class StreamRenderer:
     def _logprobs(self, upto: int) -> bytes:
         if not self.plan.opts.logprobs or upto <= self.sent_tokens:
             return b""
-        entries = self.plan.output.logprobs(self.sent_tokens, upto, self.plan.opts.top_logprobs)
+        entries = self.out.logprobs(self.sent_tokens, upto, self.plan.opts.top_logprobs)
         self.sent_tokens = upto
         return orjson.dumps({"content": entries})
 
     def _usage(self, upto: int) -> bytes:
         if not self.plan.continuous_usage:
             return b""
-        reasoning = min(upto, self.plan.output.reasoning_tokens) if self.plan.reasoning else 0
-        return orjson.dumps(sse.usage_body(self.plan.output.prompt_tokens, upto, reasoning))
+        reasoning = min(upto, self.out.reasoning_tokens) if self.plan.reasoning else 0
+        return orjson.dumps(sse.usage_body(self.out.prompt_tokens, upto, reasoning))
 
     def _tool_step(self, content: str, final: bool, upto: int) -> bytes:
         assert self.calls is not None
@@ -87,13 +88,36 @@ class StreamRenderer:
 
     def finish(self, finish_reason: str) -> bytes:
         reason = "tool_calls" if self.tool_calls and finish_reason == "stop" else finish_reason
-        matched = self.plan.output.matched_stop if finish_reason == "stop" else None
+        matched = self.out.matched_stop if finish_reason == "stop" else None
         return self.enc.finish(reason, matched)
 
 
 def whole(plan: ChatPlan, generated: int, finish_reason: str) -> bytes:
-    """The non-streamed body of a request that generated ``generated`` tokens."""
+    """The non-streamed body of a request that generated ``generated`` tokens (per choice: a
+    choice of ``n`` shorter than that finished on its own)."""
+    choices, counts, reasoning = [], [], 0
+    for index, out in enumerate(plan.outputs):
+        made = min(generated, len(out.tokens))
+        reason = finish_reason if finish_reason == "abort" or made < len(out.tokens) else out.finish_reason
+        choices.append(_choice(plan, out, index, made, reason))
+        counts.append(made)
+        reasoning += min(made, out.reasoning_tokens) if plan.reasoning else 0
     out = plan.output
+    return sse.chat_response(
+        rid=plan.rid,
+        created=int(time.time()),
+        model=plan.model,
+        choices=choices,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=sum(counts),
+        reasoning_tokens=reasoning,
+        sglext={"output_ids": [o.ids()[:c] for o, c in zip(plan.outputs, counts, strict=True)]}
+        if plan.opts.output_ids_in_sglext
+        else None,
+    )
+
+
+def _choice(plan: ChatPlan, out: Output, index: int, generated: int, finish_reason: str) -> dict[str, Any]:
     done = finish_reason != "abort" and generated == len(out.tokens)
     text = out.text if done else "".join(out.tokens[:generated])
     split = min(out.reasoning_chars, len(text)) if plan.reasoning else 0
@@ -101,9 +125,10 @@ def whole(plan: ChatPlan, generated: int, finish_reason: str) -> bytes:
     matched = out.matched_stop if finish_reason == "stop" else None
     message: dict[str, Any] = {"content": content, "reasoning_content": reasoning or None}
     if plan.tool_parsing:
+        # SGLang keeps the text before the first call marker, calls or not
         normal, calls = toolcalls.parse(content)
+        message = {"content": normal, "reasoning_content": reasoning or None}
         if calls:
-            message = {"content": normal, "reasoning_content": reasoning or None}
             message["tool_calls"] = toolcalls.response_calls(calls)
             if finish_reason == "stop":
                 finish_reason, matched = "tool_calls", None
@@ -113,20 +138,7 @@ def whole(plan: ChatPlan, generated: int, finish_reason: str) -> bytes:
     if plan.opts.return_token_ids:
         extra["prompt_token_ids"] = prompt_ids(plan)
         extra["response_token_ids"] = out.ids()[:generated]
-    reasoning_tokens = min(generated, out.reasoning_tokens) if plan.reasoning else 0
-    return sse.chat_response(
-        rid=plan.rid,
-        created=int(time.time()),
-        model=plan.model,
-        message=message,
-        choice_extra=extra,
-        finish_reason=finish_reason,
-        matched_stop=matched,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=generated,
-        reasoning_tokens=reasoning_tokens,
-        sglext={"output_ids": [out.ids()[:generated]]} if plan.opts.output_ids_in_sglext else None,
-    )
+    return sse.response_choice(index, message, extra, finish_reason, matched)
 
 
 def prompt_ids(plan: ChatPlan) -> list[int]:

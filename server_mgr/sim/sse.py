@@ -44,9 +44,9 @@ def error_chunk(message: str, type_: str, code: int) -> bytes:
 class ChunkEncoder:
     """SSE events of one chat stream; ``id``, ``created`` and ``model`` are fixed per stream."""
 
-    __slots__ = ("_content", "_head", "_reasoning", "_top")
+    __slots__ = ("_content", "_head", "_index", "_reasoning", "_top")
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
+    def __init__(self, rid: str, created: int, model: str, index: int = 0) -> None:
         self._top = (
             b'{"id":'
             + orjson.dumps(rid)
@@ -55,7 +55,8 @@ class ChunkEncoder:
             + b',"model":'
             + orjson.dumps(model)
         )
-        self._head = b"data: " + self._top + b',"choices":[{"index":0,"delta":{'
+        self._index = index
+        self._head = b"data: " + self._top + b',"choices":[{"index":' + str(index).encode() + b',"delta":{'
         self._content = self._head + b'"reasoning_content":null,"content":'
         self._reasoning = self._head + b'"reasoning_content":'
 
@@ -79,7 +80,8 @@ class ChunkEncoder:
         """A chunk SGLang builds with pydantic (tool-call deltas and the text around them):
         every delta field present, null when unset, and a top-level ``usage``."""
         full = {"role": None, "content": None, "reasoning_content": None, **delta}
-        choice = {"index": 0, "delta": full, "logprobs": None, "finish_reason": None, "matched_stop": None}
+        choice = {"index": self._index, "delta": full, "logprobs": None}
+        choice |= {"finish_reason": None, "matched_stop": None}
         body = orjson.dumps({"choices": [choice], "usage": usage})
         return b"data: " + self._top + b"," + body[1:] + b"\n\n"
 
@@ -98,36 +100,43 @@ class ChunkEncoder:
         return b"data: " + self._top + b',"choices":[],"usage":' + body + b"}\n\n"
 
 
+def response_choice(
+    index: int,
+    message: dict[str, Any],
+    extra: dict[str, Any],
+    finish_reason: str,
+    matched_stop: int | str | None,
+) -> dict[str, Any]:
+    """One choice of a ``chat.completion``: ``message`` is the assistant message, ``extra`` holds
+    ``logprobs`` and the token id fields."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", **message},
+        "logprobs": extra.get("logprobs"),
+        "finish_reason": finish_reason,
+        "matched_stop": matched_stop,
+        **{k: v for k, v in extra.items() if k != "logprobs"},
+    }
+
+
 def chat_response(
     *,
     rid: str,
     created: int,
     model: str,
-    message: dict[str, Any],
-    choice_extra: dict[str, Any],
-    finish_reason: str,
-    matched_stop: int | str | None,
+    choices: list[dict[str, Any]],
     prompt_tokens: int,
     completion_tokens: int,
     reasoning_tokens: int,
     sglext: dict[str, Any] | None = None,
 ) -> bytes:
-    """A non-streaming ``chat.completion`` body (§3.3); ``message`` is the assistant message,
-    ``choice_extra`` holds ``logprobs`` and the token id fields."""
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", **message},
-        "logprobs": choice_extra.get("logprobs"),
-        "finish_reason": finish_reason,
-        "matched_stop": matched_stop,
-        **{k: v for k, v in choice_extra.items() if k != "logprobs"},
-    }
+    """A non-streaming ``chat.completion`` body (§3.3)."""
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_body(prompt_tokens, completion_tokens, reasoning_tokens),
         "metadata": {"weight_version": "default"},
     }

@@ -20,12 +20,13 @@ import re
 import struct
 from typing import Any
 
-from server_mgr.sim.textgen import EOS_TOKEN_ID, VOCAB
+from server_mgr.sim.textgen import EOS_TOKEN_ID, VOCAB, VOCAB_ID_BASE
 
-VOCAB_IDS = {tok: i + 1000 for i, tok in enumerate(VOCAB)}
+VOCAB_IDS = {tok: i + VOCAB_ID_BASE for i, tok in enumerate(VOCAB)}
 HASHED_ID_BASE = 20000
 HASHED_ID_SPAN = 130000  # ids stay below EOS_TOKEN_ID (151645) and the vocabulary size
 VOCAB_SIZE = 151936  # Qwen2's: logit_bias keys are checked against it
+EOS_TEXT = "<|im_end|>"  # the EOS token's text in log-probabilities (absent from the content)
 _CHUNK = re.compile(r"\s?\S+|\s+")
 _PIECE = re.compile(r"\s?\w+|\s?[^\w\s]|\s+")
 
@@ -43,6 +44,8 @@ def pieces(text: str) -> list[str]:
 
 def token_id(piece: str) -> int:
     """The id of a token piece."""
+    if piece == EOS_TEXT:
+        return EOS_TOKEN_ID
     known = VOCAB_IDS.get(piece)
     if known is not None:
         return known
@@ -66,7 +69,8 @@ def logprob(key: bytes, position: int, token: str) -> float:
 
 def entry(key: bytes, position: int, token: str, top: int) -> dict[str, Any]:
     """One ``choices[].logprobs.content`` entry in SGLang's shape."""
-    lp = logprob(key, position, token)
+    # EOS after a complete grammar is the only token allowed: probability 1, as SGLang reports
+    lp = 0.0 if token == EOS_TEXT else logprob(key, position, token)
     alternatives = []
     if top:
         alternatives.append({"token": token, "bytes": list(token.encode()), "logprob": lp})
@@ -84,6 +88,3 @@ def entry(key: bytes, position: int, token: str, top: int) -> dict[str, Any]:
 def entries(key: bytes, start: int, tokens: list[str], top: int) -> list[dict[str, Any]]:
     """Entries of ``tokens``, the first at ``start`` in the whole output."""
     return [entry(key, start + i, tok, top) for i, tok in enumerate(tokens)]
-
-
-__all__ = ["EOS_TOKEN_ID", "VOCAB_SIZE", "entries", "entry", "ids", "logprob", "pieces", "token_id"]

@@ -26,7 +26,6 @@ from server_mgr.sim.options import Options, rng_for
 
 BOT = "<tool_call>\n"
 EOT = "\n</tool_call>"
-_BLOCK = re.compile(re.escape(BOT) + r"(.*?)" + re.escape(EOT), re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,21 +63,42 @@ def render(calls: list[tuple[str, Any]], parser: str | None) -> str:
 
 
 def parse(text: str) -> tuple[str, list[Call]]:
-    """(normal text, calls) of a finished output, as the Qwen 2.5 detector reads it: the text
-    before the first call, stripped; every complete ``<tool_call>`` block that parses."""
+    """(normal text, calls) of a finished output, as SGLang reads it with the Qwen 2.5 parser:
+    the text before the first call, stripped; every ``<tool_call>`` block that parses, and a
+    last block cut by ``max_tokens`` once its arguments are a whole JSON value (measured: cut
+    after ``"arguments":Infinity`` it was a call, cut inside an object it was dropped)."""
     idx = text.find(BOT)
     if idx == -1:
         return text, []
     calls = []
-    for block in _BLOCK.findall(text):
-        try:
-            obj = json.loads(block.strip())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-            args = obj.get("arguments", obj.get("parameters", {}))
-            calls.append(Call(obj["name"], json.dumps(args, ensure_ascii=False)))
+    blocks = text[idx:].split(BOT)[1:]
+    for i, block in enumerate(blocks):
+        closed = EOT in block
+        if closed:
+            try:
+                obj = json.loads(block[: block.index(EOT)].strip())
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                args = obj.get("arguments", obj.get("parameters", {}))
+                calls.append(Call(obj["name"], json.dumps(args, ensure_ascii=False)))
+        elif i == len(blocks) - 1:
+            cut = _cut_call(block)
+            if cut is not None:
+                calls.append(cut)
     return text[:idx].strip(), calls
+
+
+def _cut_call(block: str) -> Call | None:
+    """The call of a block cut before its end, when its name and arguments are whole."""
+    name_m = re.match(r'\s*\{"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:', block)
+    if not name_m:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(block[name_m.end() :].lstrip())
+    except json.JSONDecodeError:
+        return None
+    return Call(json.loads(f'"{name_m[1]}"'), json.dumps(value, ensure_ascii=False))
 
 
 def call_id() -> str:

@@ -105,11 +105,60 @@ def check_sampling(body: Mapping[str, Any], max_new_tokens: int | None) -> None:
         raise RequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
 
 
+# How SGLang 0.5.23's reasoning parsers decide whether a request thinks (``reasoning_default``
+# of each detector): "always" ignores the chat template kwargs; "enable_thinking" and "thinking"
+# think unless that kwarg is false; the "explicit_" modes only when it is true. Parsers not
+# listed behave as qwen3.
+REASONING_DEFAULTS = {
+    "deepseek-r1": "always",
+    "step3": "always",
+    "kimi": "always",
+    "gpt-oss": "always",
+    "hunyuan": "always",
+    "minimax-append-think": "always",
+    "kimi_k2": "thinking",
+    "kimi_k3": "thinking",
+    "deepseek-v3": "explicit_thinking",
+    "deepseek-v4": "explicit_thinking",
+    "mimo": "explicit_enable_thinking",
+    "gemma4": "explicit_enable_thinking",
+}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+
+
 def _reasoning_on(body: Mapping[str, Any], cfg: SimConfig) -> bool:
     if not cfg.reasoning_parser or body.get("separate_reasoning", True) is False:
         return False
-    kwargs = body.get("chat_template_kwargs") or {}
-    return not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    effort = _reasoning_effort(body)
+    if effort is not None:  # SGLang: effort "none" defaults both toggles to false, others to true
+        kwargs.setdefault("thinking", effort != "none")
+        kwargs.setdefault("enable_thinking", effort != "none")
+    mode = REASONING_DEFAULTS.get(cfg.reasoning_parser, "enable_thinking")
+    if mode == "always":
+        return True
+    if mode.startswith("explicit_"):
+        return kwargs.get(mode.removeprefix("explicit_")) is True
+    return kwargs.get(mode) is not False
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | float | None:
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if isinstance(effort, bool):
+        raise RequestError(
+            "reasoning_effort: Value error, reasoning_effort must not be a boolean", type_="Bad Request"
+        )
+    if isinstance(effort, str) and effort in REASONING_EFFORTS:
+        return effort
+    if isinstance(effort, int | float) and 0.0 <= effort <= 0.99:
+        return float(effort)
+    raise RequestError(
+        "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', "
+        "'ultra' or 'max' or reasoning_effort: Input should be a valid number",
+        type_="Bad Request",
+    )
 
 
 def _check_context(prompt: int, max_new: int | None, cfg: SimConfig, log: SimLog) -> int | None:
@@ -162,6 +211,7 @@ def _truncated_input(
 def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
     """Validate a /v1/chat/completions body and compute its deterministic output."""
     messages = check_messages(body)
+    _reasoning_effort(body)  # a field of the request model: checked with or without a parser
     stream = bool(body.get("stream", False))
     opts = parse_options(body, stream=stream)
     abort = grammar_error(opts.constraint) if opts.constraint else None

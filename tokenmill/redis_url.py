@@ -1,0 +1,145 @@
+"""Redis URLs as tokenmill accepts them: redis-py's forms (``redis://``, ``rediss://``,
+``unix://``) and Sentinel's, in the form Celery's broker takes:
+``sentinel://[:PASSWORD@]HOST:26379[/DB]?master_name=NAME;sentinel://HOST2:26379;...``.
+
+The sentinels are asked where the primary named ``master_name`` is; the password is the
+primary's (the sentinels themselves are reached without one, as kombu does). Redis Cluster is
+refused: Celery's Redis transport cannot use it (its queues are lists moved between keys in one
+``MULTI``, which a cluster splits across nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from tokenmill.errors import ConfigError
+
+SCHEMES = ("redis", "rediss", "unix", "sentinel")
+# redis-py's URL options the worker's event-loop client (tokenmill/loop_redis.py) honours; the
+# moot ones concern a pool of connections or redis-py's own retries, and mean nothing (or what
+# that client does anyway) for its one pipelined connection. Any other option is refused.
+HONOURED = (
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "health_check_interval",
+    "client_name",
+)
+SSL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
+MOOT = ("max_connections", "retry_on_timeout", "retry_on_error", "socket_read_size", "timeout", "protocol")
+_URL_PARTS = ("host", "port", "db", "username", "password", "path", "connection_class")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "cluster", "redis-cluster")
+# the options a Sentinel URL may carry, besides master_name (each client honours them)
+SENTINEL_OPTIONS = {"socket_timeout": float, "socket_connect_timeout": float}
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelURL:
+    """A parsed ``sentinel://`` URL: where the sentinels are and what to ask them for."""
+
+    hosts: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def socket_timeout_s(self) -> float:
+        return float(self.options.get("socket_timeout", 5.0))
+
+    @property
+    def connect_timeout_s(self) -> float:
+        return float(self.options.get("socket_connect_timeout", 5.0))
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith("sentinel://")
+
+
+def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
+    """Raise a :class:`ConfigError` naming ``what`` if tokenmill cannot use ``url``."""
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES or "cluster" in scheme:
+        raise ConfigError(
+            f"{what}: Redis Cluster ({scheme}://) is not supported: Celery's Redis transport cannot "
+            "use a cluster (a queue's messages move between keys in one MULTI, which a cluster "
+            "splits across nodes). Use one primary, with replicas and Sentinel for failover "
+            "(sentinel://HOST:26379?master_name=NAME)"
+        )
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{what} must start with redis://, rediss://, unix:// or sentinel://")
+    if scheme == "sentinel":
+        parse_sentinel(url, what)
+        return
+    parts = urlsplit(url)
+    if not parts.query and (scheme == "unix" or parts.path.strip("/").isdigit() or not parts.path.strip("/")):
+        return  # no option to check: spare the read-only commands redis-py's import (0.3 s)
+    from redis.connection import parse_url
+
+    try:
+        opts = parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+    unknown = sorted(set(opts) - set(_URL_PARTS) - set(HONOURED) - set(MOOT) - set(SSL_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"{what}: the option(s) {', '.join(unknown)} are not supported (tokenmill honours "
+            f"{', '.join(HONOURED)}, the ssl_* options {', '.join(SSL_OPTIONS)}, and accepts "
+            f"{', '.join(MOOT)})"
+        )
+
+
+def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:
+    """The sentinels, master name, database and password of a ``sentinel://`` URL (hosts
+    separated by ``;``, each in URL form; options may sit on any of them)."""
+    hosts: list[tuple[str, int]] = []
+    options: dict[str, Any] = {}
+    master_name = username = password = None
+    db = 0
+    for part in (p.strip() for p in url.split(";")):
+        if not part:
+            continue
+        parts = urlsplit(part)
+        if parts.scheme != "sentinel" or not parts.hostname:
+            raise ConfigError(f"{what}: {part!r} is not a sentinel://HOST:PORT address")
+        hosts.append((parts.hostname, parts.port or 26379))
+        username = username or (unquote(parts.username) if parts.username else None)
+        password = password or (unquote(parts.password) if parts.password else None)
+        if parts.path.strip("/"):
+            try:
+                db = int(parts.path.strip("/"))
+            except ValueError:
+                raise ConfigError(f"{what}: the database in {parts.path!r} is not a number") from None
+        for name, values in parse_qs(parts.query).items():
+            if name == "master_name":
+                master_name = values[-1]
+            elif name in SENTINEL_OPTIONS:
+                try:
+                    options[name] = SENTINEL_OPTIONS[name](values[-1])
+                except ValueError:
+                    raise ConfigError(f"{what}: {name}={values[-1]!r} is not a number") from None
+            else:
+                known = ", ".join(["master_name", *SENTINEL_OPTIONS])
+                raise ConfigError(f"{what}: the option {name!r} is not supported in a Sentinel URL ({known})")
+    if not master_name:
+        raise ConfigError(f"{what}: a Sentinel URL needs ?master_name=NAME (the primary's name in Sentinel)")
+    return SentinelURL(tuple(hosts), master_name, db, username, password, options)
+
+
+def broker_url(url: str) -> str:
+    """The URL Celery's broker is given: a Sentinel URL without its options (kombu reads
+    ``master_name`` from the transport options, :func:`broker_transport_options`)."""
+    if not is_sentinel(url):
+        return url
+    return ";".join(p.strip().split("?", 1)[0] for p in url.split(";") if p.strip())
+
+
+def broker_transport_options(url: str) -> dict[str, Any]:
+    """What kombu's Sentinel transport needs besides the URL (nothing for a plain Redis URL)."""
+    if not is_sentinel(url):
+        return {}
+    s = parse_sentinel(url)
+    return {"master_name": s.master_name, "sentinel_kwargs": {"socket_timeout": s.socket_timeout_s}}
