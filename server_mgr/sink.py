@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import orjson
 import redis
 
-from tokenmill import keys, servers
+from tokenmill import history, keys, servers
+from tokenmill.series import SeriesWriter
 from tokenmill.servers import ServerRecord
 
 log = logging.getLogger("tokenmill.server")
@@ -55,16 +56,20 @@ class LogSink:
 
 
 class RedisSink(LogSink):
-    """Publishes records and events in Redis (:mod:`tokenmill.servers`) and reads stop requests."""
+    """Publishes records and events in Redis (:mod:`tokenmill.servers`) and reads stop requests;
+    each publish that changes a server's state or restarts adds a point to its state series
+    (:mod:`tokenmill.history`), kept ``series_keep_s``."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, series_keep_s: float = 7 * 86400.0) -> None:
         self.client = client
+        self.states = SeriesWriter(client, step_s=1.0, keep_s=series_keep_s)  # a point per change
 
     def publish(self, record: ServerRecord, **extra: Any) -> None:
         try:
             servers.publish(self.client, record)
             if extra:
                 servers.update(self.client, record.name, updated_at=record.updated_at, **extra)
+            history.record_state(self.states, record)
         except redis.RedisError as exc:
             log.warning("[%s] cannot publish the server state in Redis: %s", record.name, exc)
 

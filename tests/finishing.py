@@ -58,11 +58,14 @@ def finish_jobs(
             reasoning=reasoning,
             mean_output_tokens=mean_output_tokens,
         )
+        usage = {"prompt_tokens": want.prompt_tokens, "completion_tokens": want.completion_tokens}
+        if reasoning:  # as a worker records what SGLang's usage reports
+            usage["reasoning_tokens"] = want.reasoning_tokens
         result = {
             "content": want.content,
             "reasoning_content": want.reasoning_content or None,
             "finish_reason": want.finish_reason,
-            "usage": {"prompt_tokens": want.prompt_tokens, "completion_tokens": want.completion_tokens},
+            "usage": usage,
             "model": request["model"],
             "attempt": claim.attempt,
             "continued_tokens": 0,

@@ -8,11 +8,20 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import orjson
 
 from tests.procs import wait_for
+
+DASHBOARD = re.compile(r"dashboard (http://127\.0\.0\.1:\d+)/\?run=demo")
+
+
+def _get_json(url: str) -> dict[str, object] | None:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        doc: dict[str, object] = orjson.loads(resp.read())
+        return doc
 
 
 def _session_members(sid: int) -> dict[int, str]:
@@ -41,7 +50,7 @@ def test_demo_exports_both_partitions_and_leaves_nothing_running(tmp_path: Path)
             cwd=tmp_path,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "COLUMNS": "120"},
+            env={**os.environ, "COLUMNS": "120", "TOKENMILL_DASHBOARD_BASIC_AUTH": ""},
             start_new_session=True,
         )
     try:
@@ -55,10 +64,21 @@ def test_demo_exports_both_partitions_and_leaves_nothing_running(tmp_path: Path)
                 any("redis-server" in c for c in commands)
                 and any(" server sim " in c for c in commands)
                 and sum(" worker --queue " in c for c in commands) == 2
+                and any(" dashboard --port " in c for c in commands)
             )
 
         wait_for(lambda: all_parts_seen() or demo.poll() is not None, 120, "the demo's processes")
         assert all_parts_seen(), f"the demo's session never held all its parts: {seen}"
+        # and it printed the dashboard's address, where the run can be seen while it lasts
+        printed = lambda: DASHBOARD.search(log.read_text()) or demo.poll() is not None  # noqa: E731
+        found = wait_for(printed, 60, "the dashboard's address")
+        assert isinstance(found, re.Match), log.read_text()
+
+        def whole_run_shown() -> bool:
+            status = _get_json(f"{found[1]}/api/status?run=demo") or {}
+            return status["totals"]["total"] == 200  # type: ignore[index]
+
+        wait_for(whole_run_shown, 60, "the dashboard to show the demo's run")
         assert demo.wait(300) == 0, log.read_text()
     finally:
         if demo.poll() is None:  # it failed or hung: stop it and what it started (its own group)

@@ -26,6 +26,9 @@ def test_run_keys_have_one_shape() -> None:
     assert k.seals_pending() == "tm:synth:seals_pending"
     assert k.sealed() == "tm:synth:sealed"
     assert k.results_store() == "tm:synth:results"
+    assert k.outputs() == "tm:synth:outputs"
+    assert k.recent("B1") == "tm:synth:recent:B1"
+    assert k.series() == "tm:synth:series"
 
 
 def test_shared_keys_live_under_the_shared_prefix() -> None:
@@ -38,9 +41,14 @@ def test_shared_keys_live_under_the_shared_prefix() -> None:
         keys.pump_lock(),
         keys.seal_lock(),
         keys.worker_control(),
+        keys.server_series("a"),
+        keys.server_states("a"),
+        keys.series_servers(),
     ):
         assert key.startswith("tm:_:")
     assert keys.broker_queue("short") == "short"
+    assert keys.server_series("a") == "tm:_:server:a:series"
+    assert keys.server_states("a") == "tm:_:server:a:states"
 
 
 def test_broker_keys_are_kombus_own() -> None:

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "worker": "workers.cli:worker",
     "server": "server_mgr.cli:server",
     "flower": "tokenmill.flower:flower",
+    "dashboard": "producer.dashboard.cli:dashboard",
     "metrics": "tokenmill.metrics:metrics",
     "demo": "tokenmill.demo:demo",
 }
@@ -46,6 +47,7 @@ HELP: dict[str, str] = {
     "worker": "Run a Celery worker on the short or long queue.",
     "server": "Launch, supervise and inspect SGLang (or sim) servers.",
     "flower": "Start Flower on the tokenmill app.",
+    "dashboard": "Serve a run's live page: progress, throughput, servers, failures, outputs.",
     "metrics": "Serve Prometheus metrics for runs and servers.",
     "demo": "Run the whole pipeline on this machine with the sim engine.",
 }

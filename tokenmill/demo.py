@@ -1,9 +1,11 @@
 """``tokenmill demo``: the whole pipeline on one machine, with nothing running beforehand.
 
 A private redis-server (AOF on), the sim engine, a short and a long worker, a sealer moving
-done results into Parquet shards in the work directory, the bundled two-partition dataset, live
-progress, an export (from the shards), and a clean shutdown of everything it started.
-Each part is started through the same CLI a user runs, so the demo exercises the real contract.
+done results into Parquet shards in the work directory, the dashboard (its address is printed;
+basic auth if ``TOKENMILL_DASHBOARD_BASIC_AUTH`` is set), the bundled two-partition dataset, live
+progress, an export (from the shards), and a clean shutdown of everything it started (with
+``--hold``, only once interrupted). Each part is started through the same CLI a user runs, so
+the demo exercises the real contract.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
@@ -27,6 +31,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tokenmill.ledger import Ledger
 from tokenmill.local_redis import LocalRedis, free_port
+
+AUTH_ENVVAR = "TOKENMILL_DASHBOARD_BASIC_AUTH"  # producer.dashboard.cli's (not imported: a component)
 
 RUN = "demo"
 
@@ -51,17 +57,30 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-def _wait_http_200(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
+def _wait_http(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    log: Path,
+    what: str,
+    ok: tuple[int, ...] = (200,),
+) -> None:
+    """Wait until ``url`` answers one of ``ok`` (a page behind basic auth answers 401)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise click.ClickException(f"the sim exited early; see {log}")
-        with contextlib.suppress(OSError):
+            raise click.ClickException(f"{what} exited early; see {log}")
+        try:
             with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
+                if resp.status in ok:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code in ok:
+                return
+        except OSError:
+            pass
         time.sleep(0.1)
-    raise click.ClickException(f"the sim was not ready within {timeout_s}s; see {log}")
+    raise click.ClickException(f"{what} was not ready within {timeout_s}s; see {log}")
 
 
 def _tm(*args: str) -> list[str]:
@@ -78,7 +97,10 @@ def _tm(*args: str) -> list[str]:
     help="Where the export is written.",
 )
 @click.option("--keep", is_flag=True, help="Keep the working directory (logs, Redis AOF) after the demo.")
-def demo(out_dir: str, keep: bool) -> None:
+@click.option(
+    "--hold", is_flag=True, help="Keep everything running after the export (look around), until Ctrl-C."
+)
+def demo(out_dir: str, keep: bool, hold: bool) -> None:
     """Run the whole pipeline on this machine with the sim engine, then export."""
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="tokenmill-demo-"))
@@ -109,14 +131,19 @@ def demo(out_dir: str, keep: bool) -> None:
             sim_log,
             {},
         )
-        _wait_http_200(f"{sim_url}/health", sim, 60, sim_log)
+        _wait_http(f"{sim_url}/health", sim, 60, sim_log, "the sim")
         console.print(f"[bold]sim[/]     {sim_url} (SGLang-compatible, reasoning on; log {sim_log})")
         env = {"TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": sim_url}
+        # a history point a second (the default is one in ten): the demo lasts a minute or so
+        worker_env = {**env, "TOKENMILL_SERIES_STEP_S": "1", "TOKENMILL_REAPER_PERIOD_S": "1"}
         for queue, threads in (("short", "32"), ("long", "8")):
             stack.spawn(
-                _tm("worker", "--queue", queue, "--concurrency", threads), work / f"worker-{queue}.log", env
+                _tm("worker", "--queue", queue, "--concurrency", threads),
+                work / f"worker-{queue}.log",
+                worker_env,
             )
         console.print(f"[bold]workers[/] short x32, long x8 (logs in {work})")
+        _dashboard(console, stack, work, env)
         results = work / "results"
         seal_env = {**env, "TOKENMILL_RESULTS_URL": str(results), "TOKENMILL_SEAL_CHECK_S": "1"}
         stack.spawn(_tm("seal"), work / "sealer.log", seal_env)
@@ -159,6 +186,8 @@ def demo(out_dir: str, keep: bool) -> None:
         console.print(
             f"\nDone. Completions are in [bold]{out}[/] (one JSON object per line, one file per partition)."
         )
+        if hold:
+            _hold(console)
         console.print("Shutting down the workers, the sim and Redis…")
     if not keep:
         import shutil
@@ -166,6 +195,30 @@ def demo(out_dir: str, keep: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
     else:
         console.print(f"Logs and the Redis AOF are kept in {work}")
+
+
+def _dashboard(console: Console, stack: Stack, work: Path, env: dict[str, str]) -> None:
+    """Start the dashboard on a free loopback port and print its address."""
+    port = free_port()
+    log = work / "dashboard.log"
+    proc = stack.spawn(_tm("dashboard", "--port", str(port)), log, env)
+    url = f"http://127.0.0.1:{port}/?run={RUN}"
+    _wait_http(url, proc, 60, log, "the dashboard", ok=(200, 401))
+    auth = " (basic auth: TOKENMILL_DASHBOARD_BASIC_AUTH)" if os.environ.get(AUTH_ENVVAR) else ""
+    console.print(f"[bold]dashboard[/] {url}{auth} (live while the demo runs)")
+
+
+def _hold(console: Console) -> None:
+    """Wait for Ctrl-C or SIGTERM, everything still running."""
+    console.print("Everything is still running (--hold): Ctrl-C to stop.")
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_sealed(console: Console, client: redis.Redis, timeout_s: float) -> None:

@@ -7,11 +7,12 @@ refused: Flower's API can revoke tasks and shut workers down.
 
 from __future__ import annotations
 
-import ipaddress
-
 import click
 
-from tokenmill.errors import ConfigError
+from tokenmill import exposure
+from tokenmill.exposure import is_loopback
+
+__all__ = ["check_exposure", "flower", "flower_argv", "is_loopback", "parse_basic_auth"]
 
 DEFAULT_PORT = 5555
 DEFAULT_MAX_TASKS = 10_000
@@ -20,41 +21,15 @@ TASK_COLUMNS = "name,args,state,received,started,runtime,worker,retries"
 AUTH_ENVVARS = ("TOKENMILL_FLOWER_BASIC_AUTH", "FLOWER_BASIC_AUTH")
 
 
-def is_loopback(address: str) -> bool:
-    """Whether ``address`` only accepts connections from this host (``""`` means every interface)."""
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a hostname other than localhost may resolve anywhere
-
-
 def parse_basic_auth(value: str | None) -> list[str]:
     """``user:password[,user2:password2]`` as Flower's list; raises naming the entry, not the secret."""
-    if not value:
-        return []
-    entries = [e.strip() for e in value.split(",") if e.strip()]
-    for i, entry in enumerate(entries, 1):
-        user, sep, password = entry.partition(":")
-        if not (user and sep and password):
-            # name the user only when there is a colon: without one the entry may be a bare password
-            who = f" (user {user!r})" if sep and user else ""
-            raise ConfigError(
-                f"basic auth entry {i}{who} must be user:password with both non-empty "
-                f"(--basic-auth or {AUTH_ENVVARS[0]})"
-            )
-    return entries
+    return exposure.parse_basic_auth(value, f"--basic-auth or {AUTH_ENVVARS[0]}")
 
 
 def check_exposure(address: str, credentials: list[str]) -> None:
     """Refuse to serve Flower beyond loopback without authentication."""
-    if not credentials and not is_loopback(address):
-        shown = address or "every interface"
-        raise ConfigError(
-            f"refusing to bind Flower to {shown} without authentication: set "
-            f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth), or bind to 127.0.0.1"
-        )
+    how = f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth)"
+    exposure.check_exposure(address, credentials, "Flower", how)
 
 
 def flower_argv(

@@ -107,6 +107,22 @@ def admission_watch(server_name: str) -> str:
     return f"{PREFIX}:_:admit:{server_name}:watch"
 
 
+def server_series(name: str) -> str:
+    """Stream: ``name``'s load over time (running, queued, KV use, retractions, window), one point
+    a step, written by the worker holding its load watch (:mod:`tokenmill.history`)."""
+    return f"{PREFIX}:_:server:{name}:series"
+
+
+def server_states(name: str) -> str:
+    """Stream: ``name``'s state and restarts, a point at each change, written by its manager."""
+    return f"{PREFIX}:_:server:{name}:states"
+
+
+def series_servers() -> str:
+    """Set: the names of every server with a series (the dashboard's list of servers)."""
+    return f"{PREFIX}:_:series:servers"
+
+
 def pump_lock() -> str:
     """Lock held by the one worker that runs the reaper/feeder at a time."""
     return f"{PREFIX}:_:lock:pump"
@@ -193,6 +209,20 @@ class RunKeys:
     def throughput(self) -> str:
         """Hash: unix second → completion tokens committed in that second (trimmed)."""
         return f"{self.prefix}:tput"
+
+    def outputs(self) -> str:
+        """Hash: what the committed outputs look like: ``finish:<reason>``, and completion and
+        reasoning tokens per length bin (``c<bin>``, ``r<bin>``; :mod:`tokenmill.outputs`)."""
+        return f"{self.prefix}:outputs"
+
+    def recent(self, partition: str) -> str:
+        """List: the ids of a partition's latest committed jobs, newest first (bounded)."""
+        return f"{self.prefix}:recent:{partition}"
+
+    def series(self) -> str:
+        """Stream: the run's counters over time, one point a step while it moves, written by the
+        pump (:mod:`tokenmill.history`)."""
+        return f"{self.prefix}:series"
 
     # -- sealing: done results move into shards of the result store (tokenmill/sealing.py) ------
 

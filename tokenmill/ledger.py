@@ -19,7 +19,7 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
-from tokenmill import keys
+from tokenmill import keys, outputs
 from tokenmill.bulk import EnqueueStream
 from tokenmill.counts import run_counts
 from tokenmill.jobspec import JobSpec
@@ -47,6 +47,7 @@ SCRIPT_NAMES = (
     "retry",
     "start",
     "finish",
+    "series",
 )
 # Scripts made of others: each part's body becomes a local function of the same name, taking its
 # own KEYS and ARGV (one round trip doing what the parts do, by the parts' own code).
@@ -518,6 +519,8 @@ def commit_call(
         k.stats(),
         k.throughput(),
         k.unsealed(claim.partition),
+        k.outputs(),
+        k.recent(claim.partition),
     ]
     args: list[Any] = [
         claim.job_id,
@@ -529,6 +532,8 @@ def commit_call(
         new_tokens,
         1 if result.get("finish_reason") == "length" else 0,
         int(result.get("discarded_tokens") or 0),
+        *outputs.commit_fields(result),
+        outputs.RECENT_KEPT,
     ]
     if lengths is not None:
         script_keys.append(k.lengths())

@@ -93,6 +93,11 @@ class Settings:
     # Off by default: a running Flower turns them on in the workers it sees by itself.
     task_events: bool = False
 
+    # history: the time series the dashboard charts, kept in Redis (tokenmill/history.py): a point
+    # every step (a run's while it moves, each server's while it is watched), for keep_s
+    series_step_s: float = 10.0
+    series_keep_s: float = 7 * 86400.0
+
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
@@ -157,6 +162,11 @@ class Settings:
         for name in ("admission_usage_ceiling", "admission_backoff", "admission_reserve"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.series_step_s <= 0 or self.series_keep_s < self.series_step_s:
+            raise ConfigError(
+                f"series_step_s must be positive and series_keep_s at least one step, got "
+                f"{self.series_step_s} and {self.series_keep_s}"
+            )
         if self.event_loop not in EVENT_LOOPS:
             choices = ", ".join(EVENT_LOOPS)
             raise ConfigError(f"TOKENMILL_EVENT_LOOP={self.event_loop!r} must be one of {choices}")

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tokenmill import errors
+from tokenmill import errors, outputs
 from tokenmill.admission import LengthTracker, Slot
 from tokenmill.ledger import Checkpoint, Claim, LengthReport
 from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
@@ -226,11 +226,16 @@ def _outcome(
     prompt_tokens = state.prompt_tokens()
     ttft = (p.first_chunk_at - started) if p.first_chunk_at and started else None
     decode_s = (p.last_chunk_at - p.first_chunk_at) if p.first_chunk_at else 0.0
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": state.base.tokens + new_completion}
+    # the server counts a continuation's own tokens only: its reasoning count is not the job's
+    reasoning = None if state.base else outputs.reasoning_tokens(p.usage)
+    if reasoning is not None:
+        usage["reasoning_tokens"] = reasoning
     result: dict[str, Any] = {
         "content": ck.content,
         "reasoning_content": ck.reasoning or None,
         "finish_reason": finish,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": state.base.tokens + new_completion},
+        "usage": usage,
         "model": p.model or request["model"],
         "attempt": claim.attempt,
         "continued_tokens": state.base.tokens,

@@ -10,6 +10,9 @@ admission falls back to its token budget.
 
 Retractions: a managed server's manager counts them from the server's log (``live.retractions``
 of its record); an unmanaged one is read from ``/metrics`` when it serves one.
+
+The holder also adds the server's point to its history once a ``series_step_s``: what it read
+and the window it set (:mod:`tokenmill.history`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import urllib.error
 
 import redis
 
-from tokenmill import keys, server_report
+from tokenmill import history, keys, server_report
 from tokenmill import servers as server_records
+from tokenmill.series import SeriesWriter
 from workers.runtime import Runtime
 
 log = logging.getLogger("tokenmill.worker")
@@ -38,6 +42,8 @@ class LoadWatch(threading.Thread):
         self.me = rt.worker_id
         self._no_metrics: dict[str, float] = {}  # url -> when /metrics was found missing
         self._failing: set[str] = set()
+        s = rt.settings
+        self.recorder = SeriesWriter(rt.redis, s.series_step_s, s.series_keep_s)
 
     def run(self) -> None:
         s = self.rt.settings
@@ -73,7 +79,9 @@ class LoadWatch(threading.Thread):
                 self._failing.add(url)
             return
         self._failing.discard(url)
-        self.rt.admission.adapt(server, load, self._retractions(server, url, managed, timeout))
+        retractions = self._retractions(server, url, managed, timeout)
+        window = self.rt.admission.adapt(server, load, retractions)
+        history.record_server(self.recorder, self.rt.redis, server, load, window, retractions)
 
     def _retractions(self, server: str, url: str, managed: bool, timeout: float) -> int | None:
         """The server's retractions so far, or None when it does not say."""

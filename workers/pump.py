@@ -2,8 +2,9 @@
 
 It requeues jobs whose lease expired (a killed worker's jobs run again within about one lease
 TTL plus one period, whatever the broker's visibility timeout), publishes delayed retries
-whose time has come, tops the broker lists up from the backlog, and republishes queued jobs
-that no message carries (see :class:`Reconciler`).
+whose time has come, tops the broker lists up from the backlog, republishes queued jobs
+that no message carries (see :class:`Reconciler`), and adds each run's point to its history
+once a ``series_step_s`` (:mod:`tokenmill.history`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import threading
 
 import redis
 
-from tokenmill import keys
+from tokenmill import history, keys
 from tokenmill.ledger import Ledger
+from tokenmill.series import SeriesWriter
 from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill.pump")
@@ -57,10 +59,14 @@ class Reconciler:
 
 
 def pump_once(
-    client: redis.Redis, settings: Settings, reconciler: Reconciler | None = None
+    client: redis.Redis,
+    settings: Settings,
+    reconciler: Reconciler | None = None,
+    recorder: SeriesWriter | None = None,
 ) -> dict[str, int]:
-    """One pass over every run with unfinished jobs; returns what it did."""
-    did = {"reaped": 0, "promoted": 0, "abandoned": 0, "fed": 0, "republished": 0}
+    """One pass over every run with unfinished jobs; returns what it did. With ``recorder``,
+    each run's history gets its point when one is due (:mod:`tokenmill.history`)."""
+    did = {"reaped": 0, "promoted": 0, "abandoned": 0, "fed": 0, "republished": 0, "recorded": 0}
     for raw in client.smembers(keys.runs()):
         run = raw.decode()
         ledger = Ledger(client, run)
@@ -74,7 +80,18 @@ def pump_once(
             did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
         if reconciler is not None:
             did["republished"] += reconciler.pass_(client, ledger)
+        if recorder is not None:
+            did["recorded"] += _record(recorder, client, run)
     return did
+
+
+def _record(recorder: SeriesWriter, client: redis.Redis, run: str) -> bool:
+    """The run's history point; a failure to record never stops the pump's work."""
+    try:
+        return history.record_run(recorder, client, run)
+    except redis.ResponseError as exc:
+        log.warning("run %s: history point not recorded: %s", run, exc)
+        return False
 
 
 class Pump(threading.Thread):
@@ -86,6 +103,7 @@ class Pump(threading.Thread):
         self.settings = settings
         self.stop_event = threading.Event()
         self.reconciler = Reconciler()
+        self.recorder = SeriesWriter(client, settings.series_step_s, settings.series_keep_s)
 
     def run(self) -> None:
         period = self.settings.reaper_period_s
@@ -94,7 +112,7 @@ class Pump(threading.Thread):
             try:
                 if lock.acquire(blocking=False):
                     try:
-                        pump_once(self.r, self.settings, self.reconciler)
+                        pump_once(self.r, self.settings, self.reconciler, self.recorder)
                     finally:
                         lock.release()
             except redis.RedisError as exc:

@@ -4,13 +4,18 @@
 --       running -> done; run totals and the throughput bucket grow, and the run's last
 --       activity time is now; the job waits in its partition's unsealed set (scored by its
 --       enqueue seq) for the sealer; an attempt that started over and threw a checkpoint's
---       tokens away counts them. With KEYS 7, the run's lengths hash counts one more request
---       ended in ARGV 10's bin and reached ARGV 11...'s.
--- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), [7 run lengths].
+--       tokens away counts them. The run's outputs hash counts one more of ARGV 10, 11 and 12
+--       (finish reason, completion-length bin, reasoning-length bin when known); the job is the
+--       newest of its partition's recent list, which keeps ARGV 13 ids. With KEYS 9, the run's
+--       lengths hash counts one more request ended in ARGV 14's bin and reached ARGV 15...'s.
+-- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), 7 outputs,
+--       8 recent(partition), [9 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
---       9 checkpoint tokens thrown away (a restart), [10 lengths field ended in (e<bin>),
---       11... lengths fields reached (r<bin>)].
+--       9 checkpoint tokens thrown away (a restart), 10 outputs field of the finish reason,
+--       11 outputs field of the completion length, 12 of the reasoning length (or ''),
+--       13 recent ids kept, [14 lengths field ended in (e<bin>), 15... lengths fields reached
+--       (r<bin>)].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
 if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
@@ -38,8 +43,13 @@ if tonumber(ARGV[9]) > 0 then
   redis.call('HINCRBY', KEYS[4], 'restarted_jobs', 1)
   redis.call('HINCRBY', KEYS[4], 'discarded_tokens', ARGV[9])
 end
-if KEYS[7] then
-  for i = 10, #ARGV do redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
+for i = 10, 12 do
+  if ARGV[i] ~= '' then redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
+end
+redis.call('LPUSH', KEYS[8], ARGV[1])
+redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[13]) - 1)
+if KEYS[9] then
+  for i = 14, #ARGV do redis.call('HINCRBY', KEYS[9], ARGV[i], 1) end
 end
 local n = tonumber(ARGV[7])
 if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end

@@ -3,7 +3,7 @@
 -- local functions commit(KEYS, ARGV) and unadmit(KEYS, ARGV).
 -- Pre:  as commit.lua.
 -- Post: commit.lua's post; and whatever the commit's verdict, the slot is released (unadmit.lua).
--- KEYS: commit.lua's (6 or 7), then 2 admission slots, 1 admission used (the last two).
+-- KEYS: commit.lua's (8 or 9), then 2 admission slots, 1 admission used (the last two).
 -- ARGV: commit.lua's, then the slot member (the last).
 -- Returns commit.lua's reply.
 local nk, na = #KEYS, #ARGV

@@ -1,0 +1,160 @@
+"""The dashboard's web server: the page, its static files, and a JSON API over ``tokenmill.Client``.
+
+Every route, the static files included, is behind basic auth when credentials are configured.
+The API's answers are the Python API's documents, unchanged: ``api/status`` is
+``Client.status(run).to_dict()``, the ``tokenmill status --json`` document; ``api/runs`` the
+``tokenmill runs --json`` one. The Client's calls
+block on Redis, so each runs in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import redis
+from aiohttp import web
+
+from tokenmill.errors import ConfigError, RedisUnavailableError, TokenmillError
+from tokenmill.exposure import authorized
+
+if TYPE_CHECKING:
+    from producer.client import Client
+
+log = logging.getLogger("tokenmill.dashboard")
+
+REALM = "tokenmill dashboard"
+MAX_SAMPLES = 20  # per partition: the recent list keeps 20 ids
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The page loads its scripts, styles and data from this server only (and draws on canvases).
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+
+
+def static_dir() -> Path:
+    """The page's files, shipped in the package (``producer/dashboard/static``)."""
+    return Path(str(resources.files("producer.dashboard").joinpath("static")))
+
+
+def make_app(client: Client, credentials: list[str]) -> web.Application:
+    """The dashboard's application: the page at ``/``, its files under ``static/``, the API under
+    ``api/``; every request authorized against ``credentials`` (none: open, loopback only)."""
+    app = web.Application(middlewares=[_guard(credentials)])
+    api = _Api(client)
+    app.router.add_get("/", _index)
+    app.router.add_get("/favicon.ico", _no_content)
+    app.router.add_get("/api/runs", api.runs)
+    app.router.add_get("/api/status", api.status)
+    app.router.add_get("/api/history", api.history)
+    app.router.add_get("/api/samples", api.samples)
+    app.router.add_static("/static/", static_dir(), follow_symlinks=False)
+    return app
+
+
+def _guard(credentials: list[str]) -> Any:
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not authorized(request.headers.get("Authorization"), credentials):
+            return web.Response(
+                status=401,
+                text="401: authentication required\n",
+                headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'},
+            )
+        response = await handler(request)
+        response.headers.setdefault("Content-Security-Policy", CSP)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
+        return response
+
+    return guard
+
+
+async def _index(request: web.Request) -> web.StreamResponse:
+    return web.FileResponse(static_dir() / "index.html", headers={"Cache-Control": "no-store"})
+
+
+async def _no_content(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=204)
+
+
+class _Api:
+    """The JSON routes; each answers a document of the Python API, or ``{"error": ...}``."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    async def runs(self, request: web.Request) -> web.StreamResponse:
+        return await _answer(lambda: {"runs": [info.to_dict() for info in self.client.runs()]})
+
+    async def status(self, request: web.Request) -> web.StreamResponse:
+        run = _run(request)
+        return await _answer(lambda: self.client.status(run).to_dict())
+
+    async def history(self, request: web.Request) -> web.StreamResponse:
+        run = _run(request)
+        since = _int(request, "since", None, 0)
+        return await _answer(lambda: self.client.history(run, since))
+
+    async def samples(self, request: web.Request) -> web.StreamResponse:
+        run = _run(request)
+        n = _int(request, "n", 3, 1, MAX_SAMPLES)
+        partition = request.query.get("partition") or None
+        return await _answer(lambda: self.client.samples(run, n, partition=partition))
+
+
+def _run(request: web.Request) -> str:
+    run = request.query.get("run", "")
+    if not run:
+        raise _bad(400, "the run parameter is required (api/status?run=NAME)")
+    return run
+
+
+def _int(request: web.Request, name: str, default: int | None, low: int, high: int | None = None) -> Any:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _bad(400, f"{name}={raw!r} is not an integer") from None
+    if value < low or (high is not None and value > high):
+        raise _bad(400, f"{name}={value} is out of range ({low}..{high if high is not None else ''})")
+    return value
+
+
+def _bad(status: int, message: str) -> web.HTTPException:
+    kind = web.HTTPBadRequest if status == 400 else web.HTTPNotFound
+    return kind(text=orjson.dumps({"error": message}).decode(), content_type="application/json")
+
+
+async def _answer(read: Callable[[], Any]) -> web.Response:
+    """``read()`` (a blocking Client call, run in a thread) as JSON; a tokenmill error as a 4xx
+    naming what was wrong, an unreachable Redis as a 503."""
+    try:
+        doc = await asyncio.to_thread(read)
+    except ConfigError as exc:  # an unknown run or partition: the message names it
+        return _json({"error": str(exc)}, 404)
+    except RedisUnavailableError as exc:
+        return _json({"error": str(exc)}, 503)
+    except TokenmillError as exc:
+        return _json({"error": str(exc)}, 400)
+    except redis.RedisError as exc:
+        log.warning("dashboard: Redis unavailable: %s", exc)
+        return _json({"error": f"Redis is unavailable: {exc}"}, 503)
+    return _json(doc, 200)
+
+
+def _json(doc: Any, status: int) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
+        status=status,
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )

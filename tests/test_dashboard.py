@@ -1,0 +1,155 @@
+"""``tokenmill dashboard`` without a browser: who may bind it, what its API answers, what the page
+loads (tests/test_dashboard_browser.py looks at the page itself in Chromium)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import sys
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from producer.dashboard.server import static_dir
+from tests.finishing import finish_jobs
+from tests.pipeline import cli
+from tests.procs import ROOT, Proc, http_status, spawn, wait_for
+from tokenmill import Client
+from tokenmill.local_redis import free_port
+
+NO_AUTH = {"TOKENMILL_DASHBOARD_BASIC_AUTH": ""}
+
+
+def start_dashboard(workdir: Path, redis_url: str, port: int | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    env = {**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url}
+    proc = spawn(
+        [sys.executable, "-m", "tokenmill.cli", "dashboard", "--port", str(port)],
+        workdir / f"dashboard-{port}.log",
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: http_status(url) == 200 or not proc.alive(), 30, "the dashboard")
+    assert proc.alive(), proc.output()
+    return proc, url
+
+
+def get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = resp.read()
+            kind = resp.headers.get("Content-Type", "")
+            return resp.status, orjson.loads(body) if kind.startswith("application/json") else body
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+@pytest.fixture
+def dashboard(tmp_path: Path, redis_url: str, procs: list[Proc]) -> Iterator[str]:
+    proc, url = start_dashboard(tmp_path, redis_url)
+    procs.append(proc)
+    yield url
+
+
+def test_binding_beyond_loopback_needs_a_password_and_a_bad_one_is_named_not_shown(redis_url: str) -> None:
+    env = {**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url}
+    res = cli("dashboard", "--address", "0.0.0.0", env=env, check=False)
+    assert res.returncode == 2
+    assert "refusing to bind the dashboard to 0.0.0.0 without authentication" in res.stderr
+    assert "TOKENMILL_DASHBOARD_BASIC_AUTH=user:password" in res.stderr
+    res = cli("dashboard", env={**env, "TOKENMILL_DASHBOARD_BASIC_AUTH": "ops:pw,hunter2"}, check=False)
+    assert res.returncode == 2 and "basic auth entry 2" in res.stderr and "hunter2" not in res.stderr
+
+
+def test_an_unreachable_redis_or_a_busy_port_is_an_error_naming_it(
+    tmp_path: Path, redis_url: str, procs: list[Proc]
+) -> None:
+    res = cli("dashboard", env={**NO_AUTH, "TOKENMILL_REDIS_URL": "redis://127.0.0.1:1/0"}, check=False)
+    assert res.returncode == 2 and "redis://127.0.0.1:1/0" in res.stderr
+    proc, url = start_dashboard(tmp_path, redis_url)
+    procs.append(proc)
+    port = url.rsplit(":", 1)[1]
+    res = cli("dashboard", "--port", port, env={**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url}, check=False)
+    assert res.returncode == 2 and f"--port {port}: cannot listen" in res.stderr
+
+
+def test_the_api_answers_the_documents_of_status_runs_history_and_samples(
+    dashboard: str, redis_url: str, rclient: redis.Redis
+) -> None:
+    # Given a run with jobs done and queued
+    tm = Client(redis_url=redis_url)
+    tm.enqueue([{"prompt": f"question {i}"} for i in range(12)], run="r", partition="A")
+    tm.enqueue([{"prompt": f"other {i}"} for i in range(3)], run="r", partition="B")
+    done = [x.decode() for x in rclient.lrange("tm:r:jobs:A", 0, 9)]
+    finish_jobs(rclient, "r", done, mean_output_tokens=20)
+    env = {"TOKENMILL_REDIS_URL": redis_url}
+    # tokens/s counts the whole seconds of the last minute: once the commits' second is over, two
+    # reads a moment apart count the same tokens
+    last = max(int(s) for s in rclient.hkeys("tm:r:tput"))
+    wait_for(lambda: rclient.time()[0] > last, 5, "the commits' second to pass")
+
+    # Then api/status is `status --json` (read a moment apart: the time it was read differs)
+    status, doc = get(f"{dashboard}/api/status?run=r")
+    printed = orjson.loads(cli("status", "--run", "r", "--json", env=env).stdout)
+    assert status == 200
+    doc.pop("at"), printed.pop("at")
+    assert doc == printed and doc["totals"]["done"] == 10
+    # api/runs is `runs --json`; api/samples and api/history the Python API's answers
+    assert get(f"{dashboard}/api/runs") == (200, orjson.loads(cli("runs", "--json", env=env).stdout))
+    status, samples = get(f"{dashboard}/api/samples?run=r&n=2")
+    assert status == 200 and samples == tm.samples("r", 2) and len(samples) == 2
+    status, hist = get(f"{dashboard}/api/history?run=r")
+    assert status == 200 and set(hist) >= {"cursor", "series", "servers", "states"}
+    status, later = get(f"{dashboard}/api/history?run=r&since={hist['cursor']}")
+    assert status == 200 and later["since"] == hist["cursor"]
+
+
+@pytest.mark.parametrize(
+    ("query", "code", "says"),
+    [
+        ("status?run=nope", 404, "'nope': no run of that name"),
+        ("status", 400, "the run parameter is required"),
+        ("status?run=bad name", 404, "not a valid run name"),
+        ("samples?run=r&n=0", 400, "n=0 is out of range"),
+        ("samples?run=r&n=many", 400, "n='many' is not an integer"),
+        ("samples?run=r&partition=Z", 404, "'Z': run 'r' has no partition of that name"),
+        ("history?run=r&since=-4", 400, "since=-4 is out of range"),
+    ],
+)
+def test_a_bad_request_is_answered_with_an_error_naming_it(
+    dashboard: str, redis_url: str, query: str, code: int, says: str
+) -> None:
+    Client(redis_url=redis_url).enqueue([{"prompt": "q"}], run="r", partition="A")
+    status, body = get(f"{dashboard}/api/{query.replace(' ', '%20')}")
+    assert status == code and says in body["error"], body
+
+
+def test_the_page_loads_only_files_it_ships_and_the_package_ships_them_all(dashboard: str) -> None:
+    # The page names only its own files, by relative URL, and each is served
+    index = (static_dir() / "index.html").read_text()
+    refs = re.findall(r'(?:src|href)="([^"]+)"', index)
+    assert refs and all(not re.match(r"^[a-z]+://|^//", ref) for ref in refs), refs
+    for ref in refs:
+        if not ref.startswith("data:"):
+            assert http_status(f"{dashboard}/{ref}") == 200, ref
+    for name in ("index.html", "dashboard.js", "dashboard.css"):
+        text = (static_dir() / name).read_text()
+        assert not re.search(r"https?://", text), f"{name} names a URL elsewhere"
+    # uPlot is vendored with its licence
+    licence = (static_dir() / "vendor/uplot/LICENSE").read_text()
+    assert "MIT License" in licence and "Leon Sorokin" in licence
+    assert "uplot` 1.6.32" in (static_dir() / "vendor/uplot/SOURCE.md").read_text()
+    # and every file of the page is package data (so an installed tokenmill serves it)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = project["tool"]["setuptools"]["package-data"]["producer.dashboard"]
+    package = static_dir().parent
+    files = {str(p.relative_to(package)) for p in static_dir().rglob("*") if p.is_file()}
+    shipped = {f for f in files if any(fnmatch.fnmatch(f, g) and f.count("/") == g.count("/") for g in globs)}
+    assert shipped == files, f"not package data: {files - shipped}"

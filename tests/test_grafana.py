@@ -1,0 +1,147 @@
+"""The Grafana dashboard in docker/grafana, read as a specification: a well-formed dashboard whose
+every query names metrics (and labels) that ``tokenmill metrics`` exports, provisioned with the
+Prometheus that compose's ``grafana`` profile runs, scraping the compose ``metrics`` service."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_mgr.logparse import FIELD_NAMES
+from tests.test_compose import ENV, interpolate
+from tokenmill import Client, keys, servers
+from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.metrics import registry_for
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAFANA = ROOT / "docker" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "tokenmill.json"
+_METRIC = re.compile(r"\btokenmill_[a-z_]+\b")
+_SELECTOR = re.compile(r"\b(tokenmill_[a-z_]+)\{([^}]*)\}")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+_BY = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return doc
+
+
+def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expression) of every query, the run variable's included."""
+    out = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    out += [(f"variable {v['name']}", v["definition"]) for v in dashboard["templating"]["list"]]
+    return out
+
+
+def exported(rclient: redis.Redis, redis_url: str) -> dict[str, set[str]]:
+    """Every metric name ``tokenmill metrics`` exports (as Prometheus sees it, ``_total`` and all)
+    and its labels, scraped from the real collector over a ledger with one of everything: a run
+    with jobs done and failed, a managed server with its live figures, admission on it."""
+    tm = Client(redis_url=redis_url)
+    tm.enqueue([{"prompt": f"q{i}"} for i in range(3)], run="g", partition="A")
+    ledger = Ledger(rclient, "g")
+    job_ids = [x.decode() for x in rclient.lrange(keys.RunKeys("g").jobs("A"), 0, -1)]
+    claims = [ledger.claim(j, "w", 30) for j in job_ids[:2]]
+    assert all(isinstance(c, Claim) for c in claims)
+    result = {"content": "x", "finish_reason": "length", "usage": {"completion_tokens": 4}}
+    ledger.commit(claims[0], result, 4)
+    ledger.fail(claims[1], JobError("context_length", "too long"))
+    live = {"running_req": 3, "queue_req": 1, "token_usage": 0.5, "retractions": 2, "gen_throughput": 9}
+    servers.publish(rclient, servers.ServerRecord("gpu0", "http://h:30000", "ready", "sglang", live=live))
+    fields = {"total": 10, "budget": 100, "n": 2, "window": 4, "admitted": 5, "refused": 1, "short": 10}
+    rclient.hset(keys.admission_used("gpu0"), mapping={**fields, "cap:short": 75})
+    text = generate_latest(registry_for(rclient)).decode()
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def test_the_dashboard_is_well_formed(dashboard: dict[str, Any]) -> None:
+    assert dashboard["uid"] == "tokenmill" and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    datasource = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())
+    (source,) = datasource["datasources"]
+    boxes = []
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["w"] > 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        boxes.append((p["title"], g["x"], g["x"] + g["w"], g["y"], g["y"] + g["h"]))
+        if p["type"] == "row":
+            continue
+        assert p["type"] in {"stat", "timeseries", "bargauge", "state-timeline"}, p["title"]
+        assert p["datasource"]["uid"] == source["uid"] and p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)) and all(t["expr"].strip() for t in p["targets"]), p["title"]
+        assert all(t["datasource"]["uid"] == source["uid"] for t in p["targets"]), p["title"]
+    for a, b in itertools.combinations(boxes, 2):  # no panel hides another
+        overlap = a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]
+        assert not overlap, f"panels {a[0]!r} and {b[0]!r} overlap"
+    for _, expr in queries(dashboard):
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+    (run,) = dashboard["templating"]["list"]
+    assert run["name"] == "run" and run["datasource"]["uid"] == source["uid"]
+
+
+def test_every_metric_and_label_it_queries_is_one_tokenmill_metrics_exports(
+    dashboard: dict[str, Any], rclient: redis.Redis, redis_url: str
+) -> None:
+    metrics = exported(rclient, redis_url)
+    figures = set(FIELD_NAMES.values()) | {"retractions"}  # the manager's live figures
+    used = set()
+    for title, expr in queries(dashboard):
+        names = _METRIC.findall(expr)
+        assert names, f"{title}: {expr} queries no tokenmill metric"
+        for name in names:
+            assert name in metrics, f"{title}: {name} is not exported by `tokenmill metrics`"
+            used.add(name)
+        for name, matchers in _SELECTOR.findall(expr):
+            for label, _, value in _MATCHER.findall(matchers):
+                assert label in metrics[name], f"{title}: {name} has no label {label!r}"
+                if label == "figure":
+                    assert value in figures, f"{title}: no live figure is called {value!r}"
+        labels = set().union(*(metrics[n] for n in names))
+        for group in _BY.findall(expr):
+            for label in filter(None, (x.strip() for x in group.split(","))):
+                assert label in labels, f"{title}: grouped by {label!r}, which {names} do not carry"
+    # the dashboard shows runs, servers, admission and failures
+    assert {"tokenmill_jobs", "tokenmill_completion_tokens_total", "tokenmill_job_failures_total"} <= used
+    assert {"tokenmill_server_state", "tokenmill_server_restarts_total", "tokenmill_admission_window"} <= used
+
+
+def test_compose_runs_prometheus_on_the_metrics_service_and_grafana_on_it_as_a_profile() -> None:
+    compose = interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text())["services"], ENV)
+    prometheus, grafana, metrics = compose["prometheus"], compose["grafana"], compose["metrics"]
+    assert prometheus["profiles"] == ["grafana"] and grafana["profiles"] == ["grafana"]
+    assert "profiles" not in metrics  # the exporter runs in the default set
+
+    def mounts(service: dict[str, Any]) -> dict[str, Path]:
+        return {v.split(":")[1]: ROOT / v.split(":")[0] for v in service["volumes"] if v.startswith("./")}
+
+    scrape_config = mounts(prometheus)["/etc/prometheus/prometheus.yml"]
+    assert scrape_config == GRAFANA / "prometheus.yml"
+    (job,) = yaml.safe_load(scrape_config.read_text())["scrape_configs"]
+    port = metrics["command"][metrics["command"].index("--port") + 1]
+    assert job["static_configs"][0]["targets"] == [f"metrics:{port}"]
+    grafana_mounts = mounts(grafana)
+    assert grafana_mounts["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    assert grafana_mounts["/var/lib/grafana/dashboards"] == DASHBOARD.parent
+    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/tokenmill.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["url"] == "http://prometheus:9090" and "9090:9090" in prometheus["ports"][0]

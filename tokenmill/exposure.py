@@ -1,0 +1,69 @@
+"""Who may reach a web UI tokenmill serves (Flower, the dashboard): loopback by default, and
+beyond it only behind HTTP basic auth.
+
+Credentials come as ``user:password[,user2:password2]`` (from an environment variable, so they
+never appear on a command line); an entry that is not well formed is refused naming its
+position, never its secret.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+
+from tokenmill.errors import ConfigError
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` only accepts connections from this host (``""`` means every interface)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
+
+
+def parse_basic_auth(value: str | None, source: str) -> list[str]:
+    """``user:password[,user2:password2]`` as a list of entries; raises naming the entry and
+    ``source`` (where the value came from), not the secret."""
+    if not value:
+        return []
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    for i, entry in enumerate(entries, 1):
+        user, sep, password = entry.partition(":")
+        if not (user and sep and password):
+            # name the user only when there is a colon: without one the entry may be a bare password
+            who = f" (user {user!r})" if sep and user else ""
+            raise ConfigError(
+                f"basic auth entry {i}{who} must be user:password with both non-empty ({source})"
+            )
+    return entries
+
+
+def check_exposure(address: str, credentials: list[str], service: str, how: str) -> None:
+    """Refuse to serve ``service`` beyond loopback without authentication; ``how`` says how to
+    give credentials."""
+    if not credentials and not is_loopback(address):
+        shown = address or "every interface"
+        raise ConfigError(
+            f"refusing to bind {service} to {shown} without authentication: set {how}, or bind to 127.0.0.1"
+        )
+
+
+def authorized(header: str | None, credentials: list[str]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``credentials`` (basic auth; compared
+    in constant time). With no credentials configured, every request is."""
+    if not credentials:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "basic" or not token:
+        return False
+    try:
+        given = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    # every entry is compared, so the time taken does not tell which one came close
+    return sum(hmac.compare_digest(given, entry.encode()) for entry in credentials) > 0
