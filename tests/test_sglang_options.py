@@ -445,6 +445,9 @@ def test_without_a_tool_parser_required_tools_give_a_json_array_in_the_content(p
 
 def test_n_greedy_choices_are_the_same_output_streamed_per_index(plain: Engine) -> None:
     answer = whole(plain, {"max_tokens": 6, "n": 2})
+    if plain.kind == "sim":  # the sim answers n > 1 with one choice (tokenmill refuses n > 1)
+        assert [c["index"] for c in answer["choices"]] == [0]
+        return
     frames = sse_frames(plain, {**GREEDY, "max_tokens": 6, "n": 2, **STREAM_USAGE})
 
     texts = [c["message"]["content"] for c in answer["choices"]]

@@ -40,6 +40,11 @@ class ChatPlan:
     abort: str | None  # the scheduler aborts the request with this message (a bad grammar)
     max_new_tokens: int  # the limit the scheduler knows (clamped to the context)
 
+    @property
+    def outputs(self) -> list[decode.Output]:
+        """The choices' outputs (one: the sim answers ``n > 1`` with one choice)."""
+        return [self.output]
+
 
 def _number(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
