@@ -12,10 +12,11 @@ SGLANG_VERSION := 0.5.23
 TOKENMILL_SGLANG_HOME ?= $(HOME)/.cache/tokenmill/sglang-$(SGLANG_VERSION)
 export TOKENMILL_SGLANG_HOME
 
-# `make test-parallel`: the same tests in two steps, faster (not what CI runs): the suite on two
-# pytest-xdist workers (every real-SGLang test on one of them, one at a time: tests/conftest.py),
-# then alone the modules that time faults or health windows and failed beside SGLang.
+# `make test` runs the suite in two steps: on two pytest-xdist workers (every real-SGLang test on
+# one of them, one at a time: tests/conftest.py), then alone the modules that time faults or
+# health windows and failed beside SGLang. Each step prints its ten slowest tests.
 ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifecycle.py
+PYTEST_FLAGS := -q -p no:cacheprovider --durations=10
 
 # `make test-compose`: compose.yaml built and run in Docker against its running containers
 # (tests/compose; slow, so not part of `make test`). As root it installs Debian's docker.io and
@@ -26,7 +27,7 @@ ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifec
 # builds with no package index (docs/deploy.md, "Air-gapped builds").
 WHEELHOUSE := docker/wheelhouse
 
-.PHONY: demo test test-parallel test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
+.PHONY: demo test test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,14 +43,11 @@ demo: $(STAMP)
 test: $(STAMP) sglang-env browser-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -p no:cacheprovider
-
-test-parallel: $(STAMP) sglang-env browser-env
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder $(ALONE:%=--ignore=%)
-	$(BIN)/pytest -q -p no:cacheprovider $(ALONE)
+	$(BIN)/pytest $(PYTEST_FLAGS) -n 2 --dist loadscope --no-loadscope-reorder $(ALONE:%=--ignore=%)
+	$(BIN)/pytest $(PYTEST_FLAGS) $(ALONE)
 
 test-sglang: $(STAMP) sglang-env
-	$(BIN)/pytest -q -p no:cacheprovider -m sglang
+	$(BIN)/pytest $(PYTEST_FLAGS) -m sglang
 
 test-compose: $(STAMP) wheelhouse
 	$(BIN)/python -m tests.compose.engine prepare && \

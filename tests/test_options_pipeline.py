@@ -110,7 +110,9 @@ def check_row(row: dict[str, Any], engine: str) -> None:
     content = message["content"]
     if kind == "json":
         assert row["finish_reason"] == "stop", row
-        jsonschema.validate(json.loads(content), SCHEMA)
+        # (strict=False: SGLang's JSON grammar was seen to let a raw control character into a
+        # string on the random model, which strict JSON forbids; the sim never writes one)
+        jsonschema.validate(json.loads(content, strict=engine == "sim"), SCHEMA)
     elif kind == "regex":
         assert row["finish_reason"] == "stop" and re.fullmatch(REGEX, content), row
     elif kind == "tool":
@@ -130,7 +132,8 @@ def check_row(row: dict[str, Any], engine: str) -> None:
     elif kind == "lp":
         entries = row["logprobs"]["content"]
         assert len(entries) == usage["completion_tokens"], (len(entries), usage)
-        assert "".join(e["token"] for e in entries) == content
+        # (a special token's entry holds its text, which the content skips: seen on real SGLang)
+        assert re.sub(r"<\|[a-z_]+\|>", "", "".join(e["token"] for e in entries)) == content
         assert all(len(e["top_logprobs"]) == 2 for e in entries)
     elif kind == "ids":
         assert len(row["output_token_ids"]) == usage["completion_tokens"], usage

@@ -115,7 +115,7 @@ def test_an_unreachable_redis_is_an_error_naming_it() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(RedisUnavailableError) as failed:
         quick_redis.connect(Settings(redis_url=url))
-    assert f"Redis at {url} cannot be reached" in str(failed.value)
+    assert f"cannot reach Redis at {url}" in str(failed.value)
 
 
 def test_a_redis_restarted_between_two_reads_is_read_again_on_a_new_connection(tmp_path: Path) -> None:

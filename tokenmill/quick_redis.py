@@ -182,16 +182,16 @@ class QuickRedis(_Reads):
         try:
             replies = self._exchange(packed, len(commands))
         except TimeoutError:
-            raise self._failure(f"did not answer within {READ_TIMEOUT_S:g} s") from None
+            raise self._unreachable(f"no answer within {READ_TIMEOUT_S:g} s") from None
         except OSError as exc:  # ConnectionError included
             if not reused:
-                raise self._failure(f"closed the connection: {exc}") from None
+                raise self._unreachable(f"it closed the connection: {exc}") from None
             # Redis closed the connection since our last command (a restart, its idle timeout):
             # every command here is a read, so send them once more on a new connection.
             try:
                 replies = self._exchange(packed, len(commands))
             except OSError as again:
-                raise self._failure(f"closed the connection: {again}") from None
+                raise self._unreachable(f"it closed the connection: {again}") from None
         out = []
         for (convert, args), reply in zip(commands, replies, strict=True):
             if isinstance(reply, hiredis.ReplyError):
@@ -226,17 +226,14 @@ class QuickRedis(_Reads):
         try:
             sock = self._connect()
         except OSError as exc:
-            why = exc or "timed out"
-            raise self._failure(
-                f"cannot be reached: {why} (is it running? set TOKENMILL_REDIS_URL)"
-            ) from None
+            raise self._unreachable(str(exc) or "timed out") from None
         if self._hello:
             try:
                 sock.sendall(b"".join(hiredis.pack_command(c) for c in self._hello))
                 replies = self._read(sock, len(self._hello))
             except OSError as exc:
                 sock.close()
-                raise self._failure(f"closed the connection while it was opened: {exc}") from None
+                raise self._unreachable(f"the connection failed while it was opened: {exc}") from None
             for command, reply in zip(self._hello, replies, strict=True):
                 if isinstance(reply, hiredis.ReplyError):
                     sock.close()
@@ -275,6 +272,12 @@ class QuickRedis(_Reads):
                 f"refused the credentials: {text} (check the password in TOKENMILL_REDIS_URL)"
             )
         return self._failure(f"answered {command} with an error: {text}")
+
+    def _unreachable(self, why: str) -> RedisUnavailableError:
+        """Worded as :func:`tokenmill.redis_conn.connect` words it, so either client reads alike."""
+        return RedisUnavailableError(
+            f"cannot reach Redis at {redact_url(self.url)}: {why} (is it running? set TOKENMILL_REDIS_URL)"
+        )
 
     def _failure(self, what: str) -> RedisUnavailableError:
         return RedisUnavailableError(f"Redis at {redact_url(self.url)} {what}")

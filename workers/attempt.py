@@ -6,7 +6,6 @@ then what its commit sends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -253,13 +252,11 @@ def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) ->
     """Tool calls, log-probabilities and token ids into ``result``; a list that does not cover
     every generated token is an error, never a short row (such jobs are never continued, so
     the attempt's tokens are all the job's)."""
-    calls = p.tool_calls
-    if calls and p.finish_reason == "length":
-        # a call cut by max_tokens is kept only when its arguments are a whole JSON value, as
-        # SGLang's whole answer keeps it (a stream sends a cut call's name and pieces)
-        calls = [c for c in calls if _is_json(c["function"]["arguments"])]
-    if calls:
-        result["tool_calls"] = calls
+    # An answer cut by max_tokens keeps no tool call: SGLang's whole answer drops a call whose
+    # closing marker did not come (even when its arguments parse), and a stream sends a call's
+    # name and argument pieces without saying whether that marker came.
+    if p.tool_calls and p.finish_reason != "length":
+        result["tool_calls"] = p.tool_calls
     tokens = p.tokens
     if req.get("logprobs"):
         got = len(p.logprobs or ())
@@ -277,12 +274,3 @@ def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) ->
                 f"the server sent {len(p.output_ids)} token ids for {tokens} tokens"
             )
         result["output_token_ids"] = p.output_ids
-
-
-def _is_json(text: str) -> bool:
-    """A whole JSON value, as SGLang's parser (Python's json) reads one: ``Infinity`` too."""
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
