@@ -5,8 +5,10 @@ read-only commands start without importing redis-py."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +118,23 @@ def test_an_unreachable_redis_is_an_error_naming_it() -> None:
     with pytest.raises(RedisUnavailableError) as failed:
         quick_redis.connect(Settings(redis_url=url))
     assert f"cannot reach Redis at {url}" in str(failed.value)
+
+
+def test_a_host_that_accepts_and_never_answers_is_reported_after_the_read_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a listener that takes connections and never answers (a vanished host behind a proxy)
+    monkeypatch.setattr(quick_redis, "READ_TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        t0 = time.monotonic()
+        # When a read-only command connects and reads
+        with pytest.raises(RedisUnavailableError) as failed:
+            quick(url, name="probe").ping()
+        took = time.monotonic() - t0
+    # Then it gives up after its deadline, worded as every other client words it
+    assert f"cannot reach Redis at {url}" in str(failed.value), failed.value
+    assert 0.4 < took < 3, took
 
 
 def test_a_redis_restarted_between_two_reads_is_read_again_on_a_new_connection(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from tokenmill.settings import Settings
 
 CONNECT_TIMEOUT_S = 5.0  # as tokenmill.redis_conn gives redis-py
-READ_TIMEOUT_S = 60.0  # a read of a few hashes; past this Redis is reported, not waited for forever
+READ_TIMEOUT_S = 5.0  # socket_timeout as tokenmill.redis_conn gives redis-py: a vanished host in seconds
 _TLS_OPTIONS = frozenset(
     {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
 )
