@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from server_mgr import process
-from tests.procs import http_status, wait_for
+from tests.procs import PortTaken, http_status, wait_for
 from tokenmill.local_redis import free_port
 
 ENGINES = ("sim", "sglang")
@@ -279,10 +279,6 @@ def start_engine(
             engine.stop()
             port = None
     raise AssertionError(f"{kind}: another program took its port before it could bind")
-
-
-class PortTaken(Exception):
-    """Another program answers on the engine's port."""
 
 
 def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
