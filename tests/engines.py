@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from server_mgr import process
-from tests.procs import http_status, wait_for
+from tests.procs import PortTaken, http_status, wait_for
 from tokenmill.local_redis import free_port
 
 ENGINES = ("sim", "sglang")
@@ -278,11 +280,10 @@ def start_engine(
         except PortTaken:
             engine.stop()
             port = None
+        except BaseException:  # it died, never became healthy, or is not what it was started as
+            engine.stop()
+            raise
     raise AssertionError(f"{kind}: another program took its port before it could bind")
-
-
-class PortTaken(Exception):
-    """Another program answers on the engine's port."""
 
 
 def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
@@ -303,6 +304,30 @@ def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
         return True
 
     wait_for(healthy, timeout_s, f"{engine.kind} on {engine.url} to answer /health 200", every=0.2)
+    if engine.kind == "sglang":
+        assert_not_the_sim(engine)
+
+
+SIM_ONLY_PATH = "/_sim/stats"  # the sim's own test hook (server_mgr/sim/app.py), open without a key
+
+
+def assert_not_the_sim(engine: Engine) -> None:
+    """Fail loudly unless the engine is real SGLang: the sim answers ``GET /_sim/stats`` 200 (with
+    or without a key); SGLang, past its key check, has no such route (404). A real-SGLang test
+    run against the sim (a launcher or environment pointing at the wrong program) would pass
+    while proving nothing about SGLang."""
+    request = urllib.request.Request(engine.url + SIM_ONLY_PATH, headers=engine.headers())
+    try:
+        with urllib.request.urlopen(request, timeout=25) as resp:
+            status, body = resp.status, resp.read()[:300]
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()[:300]
+    if status != 404:
+        raise AssertionError(
+            f"the engine started as real SGLang on {engine.url} is not SGLang: GET {SIM_ONLY_PATH} "
+            f"answered {status} {body!r}, where SGLang answers 404 (the sim serves it). Its command "
+            f"and output are in {engine.log}"
+        )
 
 
 def listeners(port: int) -> set[int]:

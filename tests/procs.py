@@ -23,10 +23,27 @@ from tokenmill.local_redis import LocalRedis, free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class PortTaken(Exception):
+    """Another program answers on the port a test's server was to bind (tests.engines)."""
+
+
+FATAL = (AssertionError, PortTaken)  # what a condition raises to end the wait at once
+
+
 def wait_for(
-    cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition", every: float = 0.05
+    cond: Callable[[], Any],
+    timeout: float = 30.0,
+    what: str = "condition",
+    every: float = 0.05,
+    propagate: tuple[type[BaseException], ...] = (),
 ) -> Any:
-    """Poll ``cond`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
+    """Poll ``cond`` until it returns a truthy value; fail naming ``what`` after ``timeout``.
+
+    Any other exception ``cond`` raises is taken as "not checkable yet" and polled past (the
+    last one is named if time runs out), except an ``AssertionError`` (a check that failed: a
+    process that died, a wrong answer), ``PortTaken`` and the classes in ``propagate``: those
+    end the wait at once, raised as they are."""
+    fatal = (*FATAL, *propagate)
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
     while time.monotonic() < deadline:
@@ -34,6 +51,8 @@ def wait_for(
             value = cond()
             if value:
                 return value
+        except fatal:
+            raise
         except Exception as exc:  # the condition may not be checkable yet
             last_exc = exc
         time.sleep(every)

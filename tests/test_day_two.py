@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.status import run_status
 from server_mgr.sim.textgen import expected_completion
-from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
+from tests.pipeline import cli, expected_for, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.jobspec import sample_seed
@@ -41,6 +41,18 @@ def _sim_and_env(
 
 def _totals(client: redis.Redis, run: str) -> dict[str, int]:
     return run_status(client, run)["totals"]
+
+
+def _assert_texts(rows: list[dict[str, Any]], max_tokens: int, mean_output_tokens: int) -> None:
+    """Each exported row's answer is the sim's uninterrupted output for its prompt, byte for byte:
+    a retried, cancelled or continued job's text is the one a single clean run would have."""
+    assert rows
+    for row in rows:
+        want = expected_for(
+            row, max_tokens=max_tokens, reasoning=False, mean_output_tokens=mean_output_tokens
+        )
+        got = row["messages"][-1]
+        assert (got["role"], got["content"]) == ("assistant", want.content), row["id"]
 
 
 def test_failed_jobs_are_retried_to_completion_once_the_cause_is_removed(
@@ -99,7 +111,9 @@ def test_failed_jobs_are_retried_to_completion_once_the_cause_is_removed(
     }
     assert failures == {"context_length": 3.0}
     cli("export", "--run", "r", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
-    assert len(read_export(tmp_path / "out")["P"]) == 13
+    exported = read_export(tmp_path / "out")["P"]
+    assert sorted(row["id"] for row in exported) == sorted(row["id"] for row in rows)
+    _assert_texts(exported, max_tokens=40, mean_output_tokens=40)
 
 
 def test_cancel_now_stops_running_streams_keeps_checkpoints_and_leaves_nothing_running(
@@ -169,6 +183,11 @@ def test_cancel_now_stops_running_streams_keeps_checkpoints_and_leaves_nothing_r
     for j in running:
         result = orjson.loads(rclient.hget(k.job(j), "result"))
         assert result["continued_tokens"] >= kept[j], (j, result)
+    # and every answer, the continued ones too, is the text one uninterrupted run gives
+    cli("export", "--run", "c", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
+    exported = read_export(tmp_path / "out")["C"]
+    assert sorted(row["id"] for row in exported) == sorted(str(i) for i in range(24))
+    _assert_texts(exported, max_tokens=300, mean_output_tokens=2000)
 
 
 def test_cancel_lets_running_jobs_finish_and_a_partition_alone_can_be_cancelled(
@@ -200,8 +219,14 @@ def test_cancel_lets_running_jobs_finish_and_a_partition_alone_can_be_cancelled(
     bad = cli("cancel", "--run", "p", "--partition", "Z", env=env, check=False)
     assert bad.returncode == 2 and "--partition 'Z': run 'p' has no partition of that name" in bad.stderr
     assert "(its partitions: A, B)" in bad.stderr
-    exported = cli("export", "--run", "p", "--out", str(tmp_path / "o"), env=env).stdout
+    exported = cli(
+        "export", "--run", "p", "--out", str(tmp_path / "o"), "--include-truncated", env=env
+    ).stdout
     assert f"{summary['cancelled']} cancelled (not exported)" in exported
+    # the jobs that ran, in A and in B, are exported each with its own text
+    rows = read_export(tmp_path / "o")
+    assert (len(rows["A"]), len(rows["B"])) == (parts["A"]["done"], 5)
+    _assert_texts(rows["A"] + rows["B"], max_tokens=100, mean_output_tokens=60)
 
 
 def test_samples_per_prompt_have_their_own_seeds_and_grow_without_repeats(

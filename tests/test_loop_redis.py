@@ -37,6 +37,39 @@ def test_replies_reach_their_own_callers_when_hundreds_are_in_flight(redis_url: 
     assert run_on_worker_loop(go()) == [f"v{i}".encode() for i in range(300)]
 
 
+def test_a_cancelled_caller_among_300_in_flight_leaves_every_other_caller_its_own_reply(
+    redis_url: str, rclient: redis.Redis
+) -> None:
+    # Given 300 keys, each holding a value of its own
+    rclient.mset({f"k{i}": f"v{i}" for i in range(300)})
+    victim = 150
+
+    async def go() -> tuple[int, list[object], bytes, int]:
+        r = LoopRedis(redis_url)
+        try:
+            await r.call("PING")  # connected: the GETs below are sent as soon as they run
+            calls = [asyncio.ensure_future(r.call("GET", f"k{i}")) for i in range(300)]
+            await asyncio.sleep(0)  # one turn of the loop: every GET is written, none answered
+            assert r._conn is not None
+            in_flight = len(r._conn.waiting)
+            # When one caller, in the middle of them, is cancelled before its reply comes back
+            calls[victim].cancel()
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+            after = await r.call("GET", "k7")
+            return in_flight, replies, after, r.connections
+        finally:
+            r.close()
+
+    in_flight, replies, after, connections = run_on_worker_loop(go())
+
+    # Then every other caller got the value of its own key, and the connection is still in step
+    assert in_flight == 300
+    assert isinstance(replies[victim], asyncio.CancelledError)
+    mismatched = [(i, got) for i, got in enumerate(replies) if i != victim and got != f"v{i}".encode()]
+    assert not mismatched, mismatched[:5]
+    assert (after, connections) == (b"v7", 1)
+
+
 def test_an_error_reply_is_a_response_error_and_a_missing_script_is_loaded(
     redis_url: str, rclient: redis.Redis
 ) -> None:

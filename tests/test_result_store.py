@@ -11,6 +11,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from producer.repair import shard_problem
+from tokenmill import shards
 from tokenmill.errors import ResultStoreError
 from tokenmill.results import ResultStore
 from tokenmill.shards import (
@@ -100,6 +102,31 @@ def test_a_damaged_shard_does_not_read_back_silently(damage: str) -> None:
         data = data[: len(data) // 2]
     with pytest.raises(Exception):  # noqa: B017 - pyarrow raises OSError or ArrowInvalid
         list(ShardFile("s", io.BytesIO(bytes(data))).iter_rows())
+
+
+def test_a_byte_flipped_in_a_pages_payload_is_caught_by_its_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a shard written uncompressed (so its rows' text lies in the file as is), in a store
+    monkeypatch.setitem(shards._WRITE, "compression", "none")
+    rows = [ShardRow(f"j{i}", i, False, b'{"text":"row %d of the shard"}' % i) for i in range(10)]
+    data = bytearray(shard_bytes(rows))
+    assert list(ShardFile("s", io.BytesIO(bytes(data))).iter_rows()) == rows  # whole, it reads back
+    store = ResultStore(str(tmp_path / "store"))
+    path = store.shard_path("r", "P", "s1")
+
+    # When one bit of one row's text, inside a data page, is flipped ("row 7" becomes "row 6")
+    at = data.index(b"row 7 of the shard") + len(b"row ")
+    data[at] ^= 0x01
+    store.write(path, bytes(data))
+
+    # Then reading it fails on the page's checksum, and the repair check names the shard and why
+    with pytest.raises(OSError, match=r"^could not verify page integrity, CRC checksum verification failed"):
+        list(ShardFile("s1", io.BytesIO(bytes(data))).iter_rows())
+    assert shard_problem(store, "r", "P", "s1", ["j7"]) == (
+        f"{store.describe(path)} is unreadable (OSError: could not verify page integrity, "
+        "CRC checksum verification failed for page_ordinal 0)"
+    )
 
 
 def test_the_s3_store_writes_reads_and_deletes_on_a_real_s3_server(s3_env: dict[str, str]) -> None:

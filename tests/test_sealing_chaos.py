@@ -109,11 +109,22 @@ def test_redis_killed_during_sealing_and_forgetting_its_last_writes_keeps_every_
     else:  # the sealer and Redis die while the marks are half done
         sealer_crash(env, "half_marked")
         cut = aof.stat().st_size
+    k = keys.RunKeys("r")
+    if lost != "nothing":  # what Redis is to forget: a seal it had completed
+        assert (sealing.job_states(client, "r"), client.scard(k.seals_pending())) == ({"sealed": ROWS}, 0)
     own_redis.kill(signal.SIGKILL)
     os.truncate(aof, cut)
     own_redis.start()
 
-    # Then right after the restart the export is the same, every prompt once
+    # Then Redis really forgot: the jobs' states and pending seals are those of the cut (the whole
+    # seal: none begun; the marks: the crashed sealer's manifest pending, no job marked)
+    forgotten = {
+        "the whole seal": ({"done": ROWS}, 0),
+        "the marks": ({"done": ROWS}, 1),
+        "nothing": ({"sealed": MARK_CHUNK, "done": ROWS - MARK_CHUNK}, 1),
+    }[lost]
+    assert (sealing.job_states(client, "r"), client.scard(k.seals_pending())) == forgotten
+    # and right after the restart the export is the same, every prompt once
     assert sealing.export(env, "r", tmp_path / "restarted") == before
     # and a sealer's pass seals every job exactly once (a file Redis forgot is never read)
     sealing.seal(env)

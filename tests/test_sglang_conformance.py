@@ -255,3 +255,26 @@ def _running(engine: Engine) -> int:
 def _metrics_text(engine: Engine) -> str:
     with urllib.request.urlopen(f"{engine.url}/metrics", timeout=30) as resp:
         return resp.read().decode()
+
+
+def test_a_continuations_prompt_holds_the_partial_answer_and_leaves_its_turn_open(engine: Engine) -> None:
+    # Given the engine's own first 8 greedy tokens of an answer, as a checkpoint holds them
+    head = chat(engine, USER, max_tokens=8, temperature=0)
+    partial = head["choices"][0]["message"]["content"]
+    with_partial = [*USER, {"role": "assistant", "content": partial}]
+
+    # When it is continued, and the same messages are sent as a closed turn instead
+    cont = chat(engine, with_partial, max_tokens=4, temperature=0, continue_final_message=True)
+    closed = chat(engine, with_partial, max_tokens=1, temperature=0)
+
+    # Then the continuation's prompt is the request's plus the partial's 8 tokens (less at most
+    # the generation prompt's "<think>", which a continued turn has not), and its turn is left
+    # open: a closed turn adds the turn's end and a new generation prompt. (Its text is not
+    # compared with an uninterrupted run's: the tiny model's output holds cut UTF-8, which
+    # tokenizes back differently.)
+    plain_prompt = head["usage"]["prompt_tokens"]
+    cont_prompt = cont["usage"]["prompt_tokens"]
+    assert head["usage"]["completion_tokens"] == 8
+    assert cont_prompt - plain_prompt >= 8 - 1, (plain_prompt, cont_prompt)
+    assert closed["usage"]["prompt_tokens"] > cont_prompt, "continue_final_message was ignored"
+    assert cont["usage"]["completion_tokens"] == 4 and cont["choices"][0]["message"]["content"]

@@ -475,3 +475,90 @@ def test_redirects_are_followed_as_the_openai_client_follows_them() -> None:
     assert third[0].startswith(b"POST /v3/chat ")
     assert first[1] == second[1] == third[1] and b'"rid":"r/j/1"' in third[1]  # the body, each time
     assert b"Bearer secret-key" in second[0] and b"secret-key" not in third[0]
+
+
+def _answer_once(events: tuple[bytes, ...]) -> Progress:
+    """Stream ``REQUEST`` from a server that answers with ``events`` (raw SSE) and closes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(sse(*events))
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Progress:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0)
+        try:
+            return await stream_chat(client, REQUEST, {}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    return run_on_worker_loop(go())
+
+
+def test_a_stream_the_server_ends_with_finish_reason_abort_is_a_retryable_stream_error() -> None:
+    # Given a server whose stream ends with finish_reason "abort" (SGLang's aborted request)
+    abort = b'data: {"model":"tm","choices":[{"delta":{},"finish_reason":"abort"}]}\n\ndata: [DONE]\n\n'
+
+    # When a worker streams from it
+    with pytest.raises(errors.StreamError) as aborted:
+        _answer_once((delta("half an ans", 1), abort))
+
+    # Then the stream is not taken as an answer: it is a stream error, to be retried
+    assert aborted.value.message == "the server aborted the request (finish_reason: abort)"
+    assert isinstance(aborted.value, errors.RetryableError)
+
+
+def test_a_stream_that_ends_without_a_finish_reason_is_a_retryable_stream_error() -> None:
+    # Given a server whose stream is well formed to [DONE] but never states a finish_reason
+    # When a worker streams from it
+    with pytest.raises(errors.StreamError) as unfinished:
+        _answer_once((delta("some", 1), delta(" text", 2), b"data: [DONE]\n\n"))
+
+    # Then the text is not taken as a whole answer
+    assert unfinished.value.message == "the stream ended without a finish_reason"
+    assert isinstance(unfinished.value, errors.RetryableError)
+
+
+def test_a_reused_connection_closed_mid_answer_is_not_sent_again_and_the_error_says_so() -> None:
+    requests = connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests, connections
+        connections += 1
+        # Given a server whose first connection answers one request whole, then, kept alive,
+        # starts the second request's answer and closes in the middle of it
+        await read_request(reader)
+        requests += 1
+        writer.write(sse(delta("x", 1), FINISH))
+        await writer.drain()
+        if connections == 1:
+            await read_request(reader)
+            requests += 1
+            writer.write(sse(delta("half", 1), FINISH)[:-40])
+            await writer.drain()
+        writer.close()
+
+    async def go() -> tuple[int, BaseException]:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0)
+        try:
+            first = (await stream_chat(client, REQUEST, {}, Progress())).tokens
+            second = await asyncio.gather(
+                stream_chat(client, REQUEST, {}, Progress()), return_exceptions=True
+            )
+            return first, second[0]
+        finally:
+            await client.close()
+            server.close()
+
+    # When a worker streams twice in a row on the one connection
+    first, second = run_on_worker_loop(go())
+
+    # Then the second request, half answered, was sent once only, and it failed saying where
+    assert first == 1
+    assert (requests, connections) == (2, 1), "the half-answered request was sent again"
+    assert isinstance(second, errors.ServerConnectionError), repr(second)
+    assert "closed the connection mid-answer" in second.message
