@@ -177,8 +177,9 @@ def test_samples_are_export_rows_from_redis_then_from_their_shard_once_sealed(
 def test_a_real_worker_records_the_run_and_the_servers_load_and_counts_reasoning(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
-    # Given the sim (reasoning on) and a worker recording a point every half second
-    sim, url = start_sim(tmp_path, "--reasoning-parser", "qwen3")
+    # Given the sim (reasoning on, ~1 s a job: the run outlasts several points) and a worker
+    # recording a point every half second
+    sim, url = start_sim(tmp_path, "--reasoning-parser", "qwen3", "--sim-step-ms", "25")
     procs.append(sim)
     env = worker_env(redis_url, url, series_step_s=0.5)
     procs.append(start_worker(tmp_path, "short", env, concurrency=8))

@@ -103,7 +103,10 @@ def test_a_sentinel_failover_mid_run_ends_the_run_exactly_once(
         primary.kill(signal.SIGKILL)
         wait_for(lambda: sentinel.primary_port() == replica.port, 60, "Sentinel to promote the replica", 0.2)
         promoted_at = time.monotonic()
-        done_then = chaos.state_counts(c.client, wl.run)["done"]
+        # (the test's own client may find no master for a moment while Sentinel settles the flags)
+        (done_then,) = wait_for(
+            lambda: (chaos.state_counts(c.client, wl.run)["done"],), 10, "the promoted replica readable", 0.2
+        )
 
         # Then the run moves again on the new primary within 30 s
         wait_for(
