@@ -155,9 +155,21 @@ def constraints(deps: list[Dependency]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(*cmd: str | Path, **kwargs) -> None:
+# this machine's pip configuration names local indexes that hold only some packages
+NOISE = re.compile(r"^WARNING: Location '.*' is ignored")
+
+
+def run(*cmd: str | Path) -> None:
+    """Run a pip command; print its output (less the noise) only if it fails: pip's -q would hide
+    the lines that name a conflict."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")  # setuptools' deprecation warnings
+    done = subprocess.run(
+        [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    if done.returncode:
+        print("".join(line for line in done.stdout.splitlines(True) if not NOISE.match(line)), flush=True)
+        raise subprocess.CalledProcessError(done.returncode, cmd)
 
 
 def install(venv: Path, deps: list[Dependency], reinstall: bool) -> None:
@@ -175,15 +187,15 @@ def install(venv: Path, deps: list[Dependency], reinstall: bool) -> None:
     run(sys.executable, "-m", "venv", venv)
     (venv / "constraints.txt").write_text(pins)
     pip = (venv / "bin" / "python", "-m", "pip")
-    run(*pip, "install", "-q", "--upgrade", "pip")
-    run(*pip, "install", "-q", "-c", venv / "constraints.txt", "-e", ROOT, *TEST_TOOLS)
+    run(*pip, "install", "--upgrade", "pip")
+    run(*pip, "install", "-c", venv / "constraints.txt", "-e", ROOT, *TEST_TOOLS)
     held = freeze(venv)
     botocore = held.get("botocore")
     held_pins = [f"{name}=={version}" for name, version in held.values()]
     if botocore:  # boto3 and botocore share version numbers
         held_pins.append(f"boto3=={botocore[1]}")
     (venv / "constraints-s3.txt").write_text("\n".join(held_pins) + "\n")
-    run(*pip, "install", "-q", "-c", venv / "constraints-s3.txt", *S3_SERVER)
+    run(*pip, "install", "-c", venv / "constraints-s3.txt", *S3_SERVER)
     run(*pip, "check")
     stamp.write_text(wanted)
 
