@@ -28,7 +28,7 @@ PYTEST_FLAGS := -q -p no:cacheprovider --durations=10
 # builds with no package index (docs/deploy.md, "Air-gapped builds").
 WHEELHOUSE := docker/wheelhouse
 
-.PHONY: demo test test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
+.PHONY: demo test test-lowest test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,12 @@ test: $(STAMP) sglang-env browser-env
 	$(BIN)/pytest $(PYTEST_FLAGS) -n 2 --dist loadscope -m "not sglang" $(ALONE:%=--ignore=%)
 	$(BIN)/pytest $(PYTEST_FLAGS) -m sglang $(ALONE:%=--ignore=%)
 	$(BIN)/pytest $(PYTEST_FLAGS) $(ALONE)
+
+# `make test-lowest`: the lowest releases pyproject.toml's runtime dependencies allow, installed
+# into a venv outside the clone (~/.cache/tokenmill/lowest-venv, reinstalled when they change),
+# and the tests that exercise each dependency directly run there (scripts/lowest_deps.py)
+test-lowest:
+	$(PY) scripts/lowest_deps.py
 
 test-sglang: $(STAMP) sglang-env
 	$(BIN)/pytest $(PYTEST_FLAGS) -m sglang

@@ -21,6 +21,7 @@ from tests.faultproxy import FaultProxy
 from tests.procs import RedisServer
 from tokenmill.errors import ConfigError
 from tokenmill.loop_redis import LoopRedis, LoopScript
+from tokenmill.redis_conn import DEADLINES
 from tokenmill.settings import Settings
 from workers.loop import run as run_on_worker_loop
 
@@ -250,9 +251,13 @@ def test_the_default_deadline_is_redis_pys_and_connections_keep_alive(redis_url:
             r.close()
 
     timeout_s, connect_s, keepalive = run_on_worker_loop(go())
+    # redis-py 8's defaults, which tokenmill gives its redis-py clients of older versions too
+    assert timeout_s == DEADLINES["socket_timeout"] == 5
+    assert connect_s == DEADLINES["socket_connect_timeout"] == 5
     defaults = inspect.signature(redis.Redis.__init__).parameters
-    assert timeout_s == defaults["socket_timeout"].default == 5
-    assert connect_s == defaults["socket_connect_timeout"].default == 5
+    if defaults["socket_timeout"].default is not None:  # redis-py >= 8
+        assert timeout_s == defaults["socket_timeout"].default
+        assert connect_s == defaults["socket_connect_timeout"].default
     assert keepalive == 1
 
 
