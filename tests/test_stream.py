@@ -418,16 +418,7 @@ def test_interim_1xx_answers_are_skipped() -> None:
         await writer.drain()
         writer.close()
 
-    async def go() -> Progress:
-        server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
-        try:
-            return await stream_chat(client, REQUEST, {}, Progress())
-        finally:
-            await client.close()
-            server.close()
-
-    progress = run_on_worker_loop(go())
+    progress = _stream_from(handler)
     assert "".join(progress.content) == "after the hints" and progress.finish_reason == "length"
 
 
@@ -485,6 +476,12 @@ def _answer_once(events: tuple[bytes, ...]) -> Progress:
         writer.write(sse(*events))
         await writer.drain()
         writer.close()
+
+    return _stream_from(handler)
+
+
+def _stream_from(handler: Handler) -> Progress:
+    """Stream ``REQUEST`` on a fresh client from a loopback server run by ``handler``."""
 
     async def go() -> Progress:
         server, url = await serve(handler)
