@@ -67,8 +67,13 @@ def pause_consumers(client: redis.Redis, control: Any, reason: str, inspect_time
 
 
 def resume_consumers(client: redis.Redis, control: Any) -> None:
-    """Clear the pause and re-add each queue's consumer on the workers that had it."""
+    """Clear the pause and re-add each queue's consumer on the workers that had it: those seen
+    consuming when the pause began, and every worker that registered its queues (a worker that
+    started just before the pause may not answer the inspect in time, and would otherwise never
+    consume again)."""
     known = _saved_consumers(client)
+    for queue, workers in registered_consumers(client).items():
+        known[queue] = sorted(set(known.get(queue, [])) | set(workers))
     pipe = client.pipeline(transaction=True)
     pipe.hdel(keys.worker_control(), PAUSED, "paused_at", "paused_by", CONSUMERS)
     pipe.hset(keys.worker_control(), "resumed_at", str(time.time()))
@@ -152,6 +157,30 @@ def _active_consumers(control: Any, timeout_s: float) -> dict[str, list[str]]:
             name = queue.get("name") if isinstance(queue, dict) else None
             if name in keys.QUEUES:
                 found.setdefault(name, []).append(worker)
+    return found
+
+
+def register_worker(client: redis.Redis, worker: str, queues: list[str]) -> None:
+    """Record that ``worker`` consumes ``queues`` (called by the worker once it is ready)."""
+    client.hset(keys.worker_queues(), worker, orjson.dumps(sorted(queues)))
+
+
+def unregister_worker(client: redis.Redis, worker: str) -> None:
+    """Forget ``worker``'s queues (it is stopping, or stopped consuming for good)."""
+    client.hdel(keys.worker_queues(), worker)
+
+
+def registered_consumers(client: redis.Redis) -> dict[str, list[str]]:
+    """Queue name -> the registered workers that consume it."""
+    found: dict[str, list[str]] = {}
+    for worker, raw in client.hgetall(keys.worker_queues()).items():
+        try:
+            queues = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        for queue in queues if isinstance(queues, list) else []:
+            if queue in keys.QUEUES:
+                found.setdefault(queue, []).append(worker.decode() if isinstance(worker, bytes) else worker)
     return found
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
+from server_mgr import consumers
 from server_mgr.consumers import (
     ConsumerGate,
     celery_control,
     pause_consumers,
     paused_reason,
+    registered_consumers,
     resume_consumers,
 )
 from tests.procs import Proc, start_worker, wait_for, worker_env
@@ -116,6 +120,42 @@ def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
         10,
         "each worker to consume its own queue again",
     )
+
+
+def test_workers_paused_unseen_are_resumed_on_their_own_queues_from_their_registration(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a real worker on each queue, registered when ready
+    control, short, long = _real_workers(tmp_path, redis_url, procs)
+    assert sorted(registered_consumers(rclient).items()) == [("long", [long]), ("short", [short])]
+
+    # When a pause asks which workers consume and none answers in time (a worker that just
+    # started: seen in compose, where no worker consumed again after the server came up)
+    monkeypatch.setattr(consumers, "_active_consumers", lambda control, timeout_s: {})
+    pause_consumers(rclient, control, "no server is ready: starting")
+    wait_for(
+        lambda: _queues(control, short) == [] and _queues(control, long) == [],
+        10,
+        "both workers to stop consuming",
+    )
+    resume_consumers(rclient, control)
+
+    # Then each consumes its own queue again, and only it
+    wait_for(
+        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
+        10,
+        "each worker to consume its own queue again",
+    )
+
+
+def test_a_worker_unregisters_when_it_stops(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    _control, short, _long = _real_workers(tmp_path, redis_url, procs)
+    worker = next(p for p in procs if "wshort" in " ".join(map(str, p.proc.args)))
+    worker.signal(signal.SIGTERM)
+    wait_for(lambda: short not in registered_consumers(rclient).get("short", []), 30, "the short worker gone")
+    assert list(registered_consumers(rclient)) == ["long"]
 
 
 def test_the_gate_stops_real_workers_while_no_server_is_ready_and_restarts_each_on_its_queue(

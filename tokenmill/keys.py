@@ -138,6 +138,12 @@ def worker_control() -> str:
     return f"{PREFIX}:_:control"
 
 
+def worker_queues() -> str:
+    """Hash of each running worker's queues (its Celery name -> a JSON list), written by the
+    worker when it is ready, so the server manager can resume a worker it paused unseen."""
+    return f"{PREFIX}:_:worker-queues"
+
+
 @dataclass(frozen=True, slots=True)
 class RunKeys:
     """The keys of one run."""

@@ -12,6 +12,7 @@ import redis
 from celery import Task
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
+from server_mgr import consumers
 from tokenmill import redis_conn
 from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
@@ -23,6 +24,7 @@ from workers.runtime import current, get_runtime
 
 log = logging.getLogger("tokenmill.worker")
 _pump: dict[str, Pump] = {}
+_hostname: list[str] = [""]  # this worker's Celery name, once ready
 STOP_SLACK_S = 15.0  # past the grace and the jobs' last wait: Celery's own stop (acks, consumer)
 
 
@@ -45,6 +47,7 @@ def generate(self: Task, run: str, partition: str, job_id: str) -> str:
 def _stop_consuming(task: Task) -> None:
     queue = (task.request.delivery_info or {}).get("routing_key")
     if queue and task.request.hostname:
+        _unregister(task.request.hostname)  # or a server manager's resume would undo the stop
         task.app.control.cancel_consumer(queue, destination=[task.request.hostname])
 
 
@@ -55,9 +58,15 @@ def _on_after_setup(instance: Any = None, **_: Any) -> None:
 
 
 @worker_ready.connect
-def _on_worker_ready(**_: Any) -> None:
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     celery_logs.install()
     rt = get_runtime(app_settings)
+    if sender is not None:  # (the consumer) its queues, for a server manager's resume
+        _hostname[0] = sender.hostname
+        try:
+            consumers.register_worker(rt.redis, sender.hostname, list(sender.app.amqp.queues.consume_from))
+        except redis.RedisError as exc:
+            log.warning("cannot register this worker's queues: %s", exc)
     loop = type(rt.loop.loop)
     log.info("streams run on one event loop: %s.%s", loop.__module__, loop.__qualname__)
     redis_conn.warn_durability(rt.redis)
@@ -88,6 +97,18 @@ def _on_shutting_down(**_: Any) -> None:
     deadline.start()
     if "pump" in _pump:
         _pump["pump"].stop()
+    if _hostname[0]:
+        _unregister(_hostname[0])
+
+
+def _unregister(worker: str) -> None:
+    rt = current()
+    if rt is None:
+        return
+    try:
+        consumers.unregister_worker(rt.redis, worker)
+    except redis.RedisError as exc:  # left behind: a resume sends it a harmless add_consumer
+        log.warning("cannot unregister this worker's queues: %s", exc)
 
 
 def _stop_now(after_s: float) -> None:
