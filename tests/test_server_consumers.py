@@ -92,6 +92,13 @@ def _queues(control: Any, worker: str) -> list[str] | None:
     return sorted(q["name"] for q in replies[worker]) if worker in replies else None
 
 
+def _wait_consuming(
+    control: Any, short: str, long: str, queues: tuple[list[str], list[str]], what: str
+) -> None:
+    """Wait until the short and the long worker consume ``queues`` (each a sorted list)."""
+    wait_for(lambda: (_queues(control, short), _queues(control, long)) == queues, 10, what)
+
+
 def _real_workers(tmp_path: Path, redis_url: str, procs: list[Proc]) -> tuple[Any, str, str]:
     """A real worker on ``short`` and one on ``long``, both answering; returns the Celery control
     and their full names."""
@@ -109,17 +116,9 @@ def test_real_workers_stop_consuming_and_resume_only_their_own_queue(
     control, short, long = _real_workers(tmp_path, redis_url, procs)
 
     pause_consumers(rclient, control, "no server is ready: test")
-    wait_for(
-        lambda: _queues(control, short) == [] and _queues(control, long) == [],
-        10,
-        "both workers to stop consuming",
-    )
+    _wait_consuming(control, short, long, ([], []), "both workers to stop consuming")
     resume_consumers(rclient, control)
-    wait_for(
-        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
-        10,
-        "each worker to consume its own queue again",
-    )
+    _wait_consuming(control, short, long, (["short"], ["long"]), "each worker to consume its own queue again")
 
 
 def test_workers_paused_unseen_are_resumed_on_their_own_queues_from_their_registration(
@@ -133,19 +132,11 @@ def test_workers_paused_unseen_are_resumed_on_their_own_queues_from_their_regist
     # started: seen in compose, where no worker consumed again after the server came up)
     monkeypatch.setattr(consumers, "_active_consumers", lambda control, timeout_s: {})
     pause_consumers(rclient, control, "no server is ready: starting")
-    wait_for(
-        lambda: _queues(control, short) == [] and _queues(control, long) == [],
-        10,
-        "both workers to stop consuming",
-    )
+    _wait_consuming(control, short, long, ([], []), "both workers to stop consuming")
     resume_consumers(rclient, control)
 
     # Then each consumes its own queue again, and only it
-    wait_for(
-        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
-        10,
-        "each worker to consume its own queue again",
-    )
+    _wait_consuming(control, short, long, (["short"], ["long"]), "each worker to consume its own queue again")
 
 
 def test_a_worker_unregisters_when_it_stops(
@@ -170,20 +161,14 @@ def test_the_gate_stops_real_workers_while_no_server_is_ready_and_restarts_each_
     servers.publish(rclient, down)
     gate.sync()
     # Then neither worker consumes any queue
-    wait_for(
-        lambda: _queues(control, short) == [] and _queues(control, long) == [],
-        10,
-        "the gate to stop both workers consuming",
-    )
+    _wait_consuming(control, short, long, ([], []), "the gate to stop both workers consuming")
     assert paused_reason(rclient) == "no server is ready: a down (killed)"
 
     # When the server is ready again
     servers.update(rclient, "a", state=servers.READY, last_error="", updated_at=time.time())
     gate.sync()
     # Then each worker consumes its own queue again, and only it
-    wait_for(
-        lambda: _queues(control, short) == ["short"] and _queues(control, long) == ["long"],
-        10,
-        "the gate to restart each worker on its own queue",
+    _wait_consuming(
+        control, short, long, (["short"], ["long"]), "the gate to restart each worker on its own queue"
     )
     assert paused_reason(rclient) is None
