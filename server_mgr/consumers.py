@@ -49,9 +49,7 @@ def paused_reason(client: ReadClient) -> str | None:
 def pause_consumers(client: redis.Redis, control: Any, reason: str, inspect_timeout_s: float = 1.0) -> None:
     """Record ``reason`` in the worker control hash and cancel every worker's queue consumers."""
     active = _active_consumers(control, inspect_timeout_s)
-    known = _saved_consumers(client)
-    for queue, workers in active.items():
-        known[queue] = sorted(set(known.get(queue, [])) | set(workers))
+    known = _merged(_saved_consumers(client), active)
     client.hset(
         keys.worker_control(),
         mapping={
@@ -71,9 +69,7 @@ def resume_consumers(client: redis.Redis, control: Any) -> None:
     consuming when the pause began, and every worker that registered its queues (a worker that
     started just before the pause may not answer the inspect in time, and would otherwise never
     consume again)."""
-    known = _saved_consumers(client)
-    for queue, workers in registered_consumers(client).items():
-        known[queue] = sorted(set(known.get(queue, [])) | set(workers))
+    known = _merged(_saved_consumers(client), registered_consumers(client))
     pipe = client.pipeline(transaction=True)
     pipe.hdel(keys.worker_control(), PAUSED, "paused_at", "paused_by", CONSUMERS)
     pipe.hset(keys.worker_control(), "resumed_at", str(time.time()))
@@ -182,6 +178,11 @@ def registered_consumers(client: redis.Redis) -> dict[str, list[str]]:
             if queue in keys.QUEUES:
                 found.setdefault(queue, []).append(worker.decode() if isinstance(worker, bytes) else worker)
     return found
+
+
+def _merged(known: dict[str, list[str]], more: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Queue name -> the workers of either map, sorted."""
+    return {q: sorted(set(known.get(q, [])) | set(more.get(q, []))) for q in known.keys() | more.keys()}
 
 
 def _saved_consumers(client: redis.Redis) -> dict[str, list[str]]:
