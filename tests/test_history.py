@@ -107,9 +107,12 @@ def test_history_reads_the_whole_run_thinned_then_only_what_is_new(tm: Client, r
     load = Load(running=1, waiting=0, used_tokens=10, capacity=100)
     history.record_server(writer, rclient, "s1", load, window=4, retractions=None)
 
-    # When the page reads it whole, then asks for what came after
+    # When the page reads it whole, then asks for what came after (each read once the Redis
+    # clock has left the millisecond of the last point: a read leaves the current one to the next)
+    settle(rclient, keys.RunKeys("r").series())
     doc = tm.history("r")
     writer.add(keys.RunKeys("r").series(), {"done": 9999, "queued": 0}, gap=False)
+    settle(rclient, keys.RunKeys("r").series())
     new = tm.history("r", since_ms=doc["cursor"])
 
     # Then the whole read is thinned to the limit, ends on the last point, and holds the server
@@ -118,6 +121,37 @@ def test_history_reads_the_whole_run_thinned_then_only_what_is_new(tm: Client, r
     assert doc["servers"]["s1"]["window"] == [4] and doc["servers"]["s1"]["kv_capacity"] == [100]
     # and the next read only the point added since
     assert new["series"]["done"] == [9999] and new["servers"] == {} and new["since"] == doc["cursor"]
+
+
+def test_a_read_after_a_cursor_returns_no_point_of_its_millisecond_again(
+    tm: Client, rclient: redis.Redis
+) -> None:
+    # Given a run's three points written in one millisecond (a stream numbers them ms-0, ms-1, ms-2)
+    tm.enqueue([{"prompt": "q"}], run="r")
+    key = keys.RunKeys("r").series()
+    ms = redis_ms(rclient) - 50
+    for i in range(3):
+        rclient.xadd(key, {"done": i, "queued": 1}, id=f"{ms}-{i}")
+
+    # When the page asks for what came after that millisecond, and after the one before it
+    after_it = tm.history("r", since_ms=ms)
+    before_it = tm.history("r", since_ms=ms - 1)
+
+    # Then none of them comes again after it, and all three after the one before
+    assert after_it["series"].get("done", []) == [], after_it["series"]
+    assert before_it["series"]["done"] == [0, 1, 2]
+
+
+def redis_ms(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def settle(client: redis.Redis, key: str) -> None:
+    """Wait until the Redis clock is past the millisecond of ``key``'s last point."""
+    last = client.xrevrange(key, count=1)[0][0]
+    last_ms = int(last.decode().partition("-")[0])
+    wait_for(lambda: redis_ms(client) > last_ms, 2, "the Redis clock to leave the last point's millisecond")
 
 
 def test_outputs_count_finish_reasons_and_lengths_and_keep_the_latest_jobs(

@@ -143,19 +143,25 @@ def _state_index(state: str) -> int:
 def run_history(client: redis.Redis, run: str, since_ms: int | None = None) -> dict[str, Any]:
     """The run's series and its servers', as columns (``t`` in unix seconds): everything since
     the run began (thinned to :data:`MAX_POINTS` a series), or only the points after
-    ``since_ms`` (a page asking for what is new: pass the previous answer's ``cursor``)."""
+    ``since_ms`` (a page asking for what is new: pass the previous answer's ``cursor``).
+
+    The answer holds the points of whole milliseconds up to ``cursor``, the millisecond before
+    the Redis clock's now: a point can still be written in the current one, and the next read
+    starts after ``cursor``, so no point comes twice and none is skipped."""
     k = keys.RunKeys(run)
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    pipe.hmget(k.stats(), ["first_enqueue_ms", "last_activity_ms"])
-    pipe.xrange(k.series(), f"({since_ms}" if since_ms is not None else "-", "+")
-    pipe.smembers(keys.series_servers())
-    (sec, usec), (first, last), run_raw, names = pipe.execute()
-    cursor = int(sec) * 1000 + int(usec) // 1000
+    (sec, usec), (first, last), names = (
+        client.pipeline(transaction=False)
+        .time()
+        .hmget(k.stats(), ["first_enqueue_ms", "last_activity_ms"])
+        .smembers(keys.series_servers())
+        .execute()
+    )
+    cursor = int(sec) * 1000 + int(usec) // 1000 - 1
+    run_raw = client.xrange(k.series(), series.after(since_ms) if since_ms is not None else "-", str(cursor))
     run_points = [series.parse_entry(e) for e in run_raw]
     moving = bool(run_points) and _moving(run_points[-1][1])
     start = since_ms if since_ms is not None else int(first or cursor) - MARGIN_MS
-    end = None if moving or not last else int(last) + MARGIN_MS
+    end = cursor if moving or not last else min(cursor, int(last) + MARGIN_MS)
     servers, states = _servers(client, sorted(_s(n) for n in names), start, end, since_ms is None)
     if since_ms is None:
         run_points = series.downsample(run_points, MAX_POINTS, RUN_COUNTERS)
@@ -171,14 +177,15 @@ def run_history(client: redis.Redis, run: str, since_ms: int | None = None) -> d
 
 
 def _servers(
-    client: redis.Redis, names: list[str], start: int, end: int | None, whole: bool
+    client: redis.Redis, names: list[str], start: int, end: int, whole: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Each server's load points and state points in [start, end]; a state series also gives
-    the point it held when the range starts (it changes rarely)."""
+    """Each server's load points and state points after ``start`` up to ``end`` (whole
+    milliseconds); a state series also gives the point it held when the range starts (it
+    changes rarely)."""
     pipe = client.pipeline(transaction=False)
     for name in names:
-        pipe.xrange(keys.server_series(name), f"({start}", str(end) if end is not None else "+")
-        pipe.xrange(keys.server_states(name), f"({start}", str(end) if end is not None else "+")
+        pipe.xrange(keys.server_series(name), series.after(start), str(end))
+        pipe.xrange(keys.server_states(name), series.after(start), str(end))
         pipe.xrevrange(keys.server_states(name), str(start), "-", count=1)
     replies = pipe.execute()
     loads: dict[str, Any] = {}

@@ -75,9 +75,16 @@ def read(
     client: redis.Redis, key: str, since_ms: int | None = None, until_ms: int | None = None
 ) -> list[Point]:
     """The points of ``key`` after ``since_ms`` (exclusive) up to ``until_ms`` (inclusive)."""
-    start = f"({since_ms}" if since_ms is not None else "-"
+    start = after(since_ms) if since_ms is not None else "-"
     end = str(until_ms) if until_ms is not None else "+"
     return [parse_entry(entry) for entry in client.xrange(key, start, end)]
+
+
+def after(ms: int) -> str:
+    """The XRANGE start of the points written after millisecond ``ms``: its first entry of the
+    next millisecond. (``(ms`` would exclude only the entry ``ms-0``: the others written in the
+    same millisecond would come again.)"""
+    return str(ms + 1)
 
 
 def parse_entry(entry: Sequence[Any]) -> Point:
