@@ -70,7 +70,8 @@ def test_ready_server_publishes_capacity_and_comes_back_after_sigkill(tmp_path: 
         again = up.wait_state(servers.READY, where=lambda r: r.restarts == 1)
         assert again.pid != first.pid and not process.is_alive(first.pid)
         assert again.last_error.startswith("killed: SIGKILLed with no crash reason in the log")
-        assert kinds(up) == ["launch", "ready", "crash", "restart", "launch", "ready"]
+        events = ["launch", "ready", "crash", "restart", "launch", "ready"]
+        wait_for(lambda: kinds(up) == events, 10, f"the events {events} (the state is set before its event)")
 
 
 def test_wedged_health_endpoint_gets_the_server_restarted(tmp_path: Path, redis_url: str) -> None:
@@ -178,7 +179,7 @@ def test_server_stop_drains_in_flight_requests_and_leaves_no_process(tmp_path: P
         assert stop.stdout.splitlines() == ["s1: stop requested (drain first)", "s1: down"]
         streaming.join(10)
         assert answer["choices"][0]["finish_reason"] == "length"  # finished, not cut off
-        assert kinds(up)[-3:] == ["ready", "drain", "stopped"]
+        wait_for(lambda: kinds(up)[-3:] == ["ready", "drain", "stopped"], 10, "the drain's events")
         assert up.wait_exit() == 0
         assert not [pid for pid in group if process.is_alive(pid)]
         assert paused_reason(redis.Redis.from_url(redis_url)) is not None
