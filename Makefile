@@ -15,8 +15,9 @@ export TOKENMILL_SGLANG_HOME
 # `make test` runs the suite in three steps, each printing its ten slowest tests: the tests that
 # do not run real SGLang on two pytest-xdist workers; then the real-SGLang tier alone, one test
 # at a time (SGLang on these two cores slowed beside the other worker's tests ~3.5x: a 79 s test
-# took 280 s); then alone the modules that time faults or health windows.
-ALONE := tests/test_chaos.py tests/test_sealing_chaos.py tests/test_sglang_lifecycle.py
+# took 280 s), its shared engines started side by side at its start (tests/engines.py,
+# EnginePool); then alone the chaos modules, which bound how soon a fault is recovered from.
+ALONE := tests/test_chaos.py tests/test_sealing_chaos.py
 PYTEST_FLAGS := -q -p no:cacheprovider --durations=10
 
 # `make test-compose`: compose.yaml built and run in Docker against its running containers

@@ -1,4 +1,5 @@
-"""Session fixtures: one private redis-server (AOF on) for the session, flushed per test."""
+"""Session fixtures: one private redis-server (AOF on) for the session, flushed per test, and the
+engines modules share (``engine_pool``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.engines import ENGINE_PARAMS, SHARED_ENGINES, Engine, EnginePool
 from tests.procs import Proc, RedisServer, start_s3
 
 SGLANG_UNIT = "real SGLang"
@@ -111,6 +113,57 @@ def procs(tmp_path: Path) -> Iterator[list[Proc]]:
     yield started
     for p in reversed(started):
         p.stop(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def engine_pool(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EnginePool]:
+    """Engines shared by the session's modules (:class:`tests.engines.EnginePool`); the shared
+    real-SGLang engines the selected tests use are launched together when the session starts."""
+    pool = EnginePool(tmp_path_factory.mktemp("engines"))
+    try:
+        for name in sorted(_shared_real_engines(request.session.items)):
+            flags, api_key = SHARED_ENGINES[name]
+            pool.launch(SGLANG_PARAM, *flags, api_key=api_key)
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_shared_engines(request: pytest.FixtureRequest) -> None:
+    """Start the pool at the session's start when a selected test uses a shared real SGLang."""
+    if _shared_real_engines(request.session.items):
+        request.getfixturevalue("engine_pool")
+
+
+def _shared_real_engines(items: list[pytest.Item]) -> set[str]:
+    """Names of the shared engines (``<name>_engine`` fixtures) selected tests use on real SGLang."""
+    names = set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for name in SHARED_ENGINES:
+            if params.get(f"{name}_engine") == SGLANG_PARAM:
+                names.add(name)
+    return names
+
+
+def _shared_engine(name: str) -> Any:
+    @pytest.fixture(scope="module", params=ENGINE_PARAMS, name=f"{name}_engine")
+    def fixture(request: pytest.FixtureRequest, engine_pool: EnginePool) -> Engine:
+        return engine_pool.shared(request.param, name)
+
+    fixture.__doc__ = (
+        f"The session's shared ``{name}`` engine (tests.engines.SHARED_ENGINES), sim and SGLang."
+    )
+    return fixture
+
+
+plain_engine = _shared_engine("plain")
+tools_engine = _shared_engine("tools")
+qwen3_engine = _shared_engine("qwen3")
+deepseek_engine = _shared_engine("deepseek")
 
 
 @pytest.fixture(scope="session")

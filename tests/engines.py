@@ -9,6 +9,7 @@ fail and say how to build it: they never skip.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import sys
@@ -354,6 +355,95 @@ def listeners(port: int) -> set[int]:
     return pids
 
 
+# The engines modules share (:class:`EnginePool`), by name: each is a fixture of
+# ``tests/conftest.py`` (``<name>_engine``), module-scoped and parametrized over both kinds.
+# ``plain`` has no parser, an API key and metrics; ``tools`` Qwen 2.5's tool-call parser (a
+# parser changes what a stream sends for every request: with one, a step with no text still
+# sends its logprobs, so the two cannot be one); ``qwen3`` and ``deepseek`` a reasoning parser
+# (the second streaming 4 tokens a chunk). Grammar-constrained JSON without whitespace is only
+# seen by requests with a grammar.
+PLAIN_FLAGS = ("--enable-metrics", "--constrained-json-disable-any-whitespace")
+TOOLS_FLAGS = ("--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace")
+DEEPSEEK_INTERVAL = 4
+SHARED_ENGINES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "plain": (PLAIN_FLAGS, API_KEY),
+    "tools": (TOOLS_FLAGS, None),
+    "qwen3": (("--reasoning-parser", "qwen3"), None),
+    "deepseek": (("--reasoning-parser", "deepseek-r1", "--stream-interval", str(DEEPSEEK_INTERVAL)), None),
+}
+
+
+class EnginePool:
+    """Engines shared across the modules of a test session, one per (kind, flags, API key).
+
+    Starting real SGLang takes 20-25 s on this machine, most of it one core importing Python, and
+    most modules only read from their engine, so a module asks the pool instead of starting its
+    own; a test that kills, restarts or reconfigures an engine starts its own with
+    :func:`start_engine`. :meth:`launch` starts engines without waiting, so that the ones a
+    session will need start side by side at its beginning; :meth:`get` waits for health. Idle
+    engines cost no CPU (SGLang runs with ``--sleep-on-idle``). An engine found dead when asked for
+    fails the test loudly: nothing may stop a shared engine. Every engine is stopped when the
+    session ends, with the checks of :func:`running_engine`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.engines: dict[tuple[str, tuple[str, ...], str | None], Engine] = {}
+        self._ready: set[tuple[str, tuple[str, ...], str | None]] = set()
+
+    def shared(self, kind: str, name: str) -> Engine:
+        """The shared engine ``name`` (:data:`SHARED_ENGINES`) of ``kind``."""
+        flags, api_key = SHARED_ENGINES[name]
+        return self.get(kind, *flags, api_key=api_key)
+
+    def launch(self, kind: str, *flags: str, api_key: str | None = None) -> None:
+        """Start an engine now, without waiting for it to be ready."""
+        key = (kind, flags, api_key)
+        if key not in self.engines:
+            self.engines[key] = start_engine(kind, self.workdir, *flags, api_key=api_key, wait_ready=False)
+
+    def get(self, kind: str, *flags: str, api_key: str | None = None) -> Engine:
+        key = (kind, flags, api_key)
+        self.launch(kind, *flags, api_key=api_key)
+        engine = self.engines[key]
+        if key not in self._ready:
+            try:
+                wait_healthy(engine)  # fails with the engine's output if it died starting
+            except PortTaken:  # another program bound its free port first: once more, elsewhere
+                engine.stop()
+                engine = self.engines[key] = start_engine(kind, self.workdir, *flags, api_key=api_key)
+            self._ready.add(key)
+        elif not engine.alive():
+            raise AssertionError(
+                f"the shared {kind} engine {flags} exited {engine.proc.returncode()} between tests "
+                f"(a test must start its own engine to stop it):\n{engine.output()[-3000:]}"
+            )
+        return engine
+
+    def close(self) -> None:
+        """Stop every engine (side by side: SGLang can take seconds to exit), then check each."""
+        engines = list(self.engines.values())
+        self.engines.clear()
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(engines))) as pool:
+            outcomes = list(pool.map(_stopped_or_error, engines))
+        errors = [e for e in outcomes if e]
+        assert not errors, "\n".join(errors)
+
+
+def _stopped_or_error(engine: Engine) -> str | None:
+    try:
+        _stop_checked(engine)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def _stop_checked(engine: Engine) -> None:
+    """Stop ``engine``, nothing of it left, and check it never called an ``sgl_kernel`` stand-in."""
+    engine.stop()
+    calls = engine.stand_in_calls()
+    assert not calls, f"SGLang called sgl_kernel stand-ins: {calls}"
+
+
 @contextmanager
 def running_engine(
     kind: str, workdir: Path, *flags: str, api_key: str | None = None, sim_flags: tuple[str, ...] = ()
@@ -363,6 +453,4 @@ def running_engine(
     try:
         yield engine
     finally:
-        engine.stop()
-        calls = engine.stand_in_calls()
-        assert not calls, f"SGLang called sgl_kernel stand-ins: {calls}"
+        _stop_checked(engine)

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import pytest
 import redis
 
 from tests.chaos import all_job_ids, results, running_jobs, state_counts, wait_finished
-from tests.engines import ENGINE_PARAMS, Engine, running_engine, start_engine
+from tests.engines import ENGINE_PARAMS, TOOLS_FLAGS, Engine, start_engine
 from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tests.sglang_client import post_json
@@ -33,7 +32,7 @@ from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
 
 # SGLang's JSON grammar allows any whitespace, and the random model writes whitespace until
 # max_tokens unless the server restricts it.
-PARSER = ("--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace")
+PARSER = TOOLS_FLAGS  # the shared engine's flags; the kill test starts its own with the same
 # The sim at ~50 tokens/s a stream, and outputs long enough (even under a grammar) that the
 # server is killed mid-stream with every kind of job holding a checkpoint.
 CHAOS_SIM = ("--sim-step-ms", "20")
@@ -210,11 +209,9 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         engine.stop()
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    workdir = tmp_path_factory.mktemp(f"options-pipeline-{request.param}")
-    with running_engine(request.param, workdir, *PARSER) as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def engine(tools_engine: Engine) -> Engine:
+    return tools_engine
 
 
 def test_what_the_worker_assembles_from_a_stream_equals_the_request_answered_whole(

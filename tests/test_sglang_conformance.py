@@ -2,8 +2,8 @@
 
 Each test runs against the sim and against real SGLang (the tiny CPU model; ``make sglang-env``).
 Where the two differ the sim is wrong; what was found and fixed is listed in
-``docs/sglang-conformance.md``. The engines here run with the flags of the first fixture: an API
-key and ``--enable-metrics``; one engine per engine kind serves the whole module.
+``docs/sglang-conformance.md``. The engines here are the session's shared plain engines
+(``tests.engines.PLAIN_FLAGS``: an API key, ``--enable-metrics``, no parser).
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ import asyncio
 import concurrent.futures
 import re
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, MAX_TOTAL_TOKENS, Engine, running_engine
+from tests.engines import (
+    API_KEY,
+    CONTEXT_LEN,
+    MAX_TOTAL_TOKENS,
+    Engine,
+)
 from tests.procs import http_status, wait_for
 from tests.sglang_client import chat, client, get_json, post_json, sse_frames, stream, stream_options
 from tokenmill import capacity, errors
@@ -29,11 +33,9 @@ MODEL = "tm-model"
 USER = [{"role": "user", "content": "Tell me about caches and queues. Ünïcödé δέλτα 日本語 🚀"}]
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    workdir = tmp_path_factory.mktemp(f"conformance-{request.param}")
-    with running_engine(request.param, workdir, "--enable-metrics", api_key=API_KEY) as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def engine(plain_engine: Engine) -> Engine:
+    return plain_engine
 
 
 def greedy(max_tokens: int, messages: list[dict] | None = None) -> dict:

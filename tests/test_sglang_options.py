@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.engines import ENGINE_PARAMS, Engine, running_engine
+from tests.engines import Engine, running_engine
 from tests.sglang_client import post_json, sse_frames
 
 USER = [{"role": "user", "content": "Tell me about caches and queues. Ünïcödé δέλτα 日本語 🚀"}]
@@ -69,12 +69,9 @@ TOOLS = [
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    workdir = tmp_path_factory.mktemp(f"options-{request.param}")
-    flags = ("--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace")
-    with running_engine(request.param, workdir, *flags) as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def engine(tools_engine: Engine) -> Engine:
+    return tools_engine
 
 
 def whole(engine: Engine, body: dict[str, Any]) -> dict[str, Any]:
@@ -379,12 +376,10 @@ def test_tokenize_gives_the_prompts_token_ids(engine: Engine) -> None:
     assert two["tokens"][1] == one["tokens"] and two["count"] == [len(two["tokens"][0]), one["count"]]
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def thinker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+@pytest.fixture(scope="module")
+def thinker(qwen3_engine: Engine) -> Engine:
     """An engine with Qwen3's reasoning parser: the tiny model's template opens a think block."""
-    workdir = tmp_path_factory.mktemp(f"options-qwen3-{request.param}")
-    with running_engine(request.param, workdir, "--reasoning-parser", "qwen3") as eng:
-        yield eng
+    return qwen3_engine
 
 
 @pytest.mark.parametrize(
@@ -410,12 +405,10 @@ def test_thinking_is_switched_by_chat_template_kwargs_and_reasoning_effort(
     assert stream["content"] == message["content"]
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def plain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    """An engine with no reasoning or tool-call parser."""
-    workdir = tmp_path_factory.mktemp(f"options-plain-{request.param}")
-    with running_engine(request.param, workdir, "--constrained-json-disable-any-whitespace") as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def plain(plain_engine: Engine) -> Engine:
+    """An engine with no reasoning or tool-call parser (the shared plain one: an API key)."""
+    return plain_engine
 
 
 def test_without_a_parser_a_stream_drops_the_logprobs_of_a_step_with_no_text(plain: Engine) -> None:

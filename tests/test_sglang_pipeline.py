@@ -12,7 +12,6 @@ import concurrent.futures
 import os
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import redis
 
 from producer.status import run_status
 from tests.chaos import all_job_ids, results, running_jobs, state_counts, wait_finished
-from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, running_engine, start_engine
+from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, start_engine
 from tests.keyspace import key_events
 from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
@@ -36,11 +35,9 @@ MAX_TOKENS = 400
 CHAOS_SIM = ("--sim-step-ms", "5")  # the sim at ~200 tokens/s a stream: cut mid-way all the same
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    workdir = tmp_path_factory.mktemp(f"pipeline-{request.param}")
-    with running_engine(request.param, workdir, api_key=API_KEY) as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def engine(plain_engine: Engine) -> Engine:
+    return plain_engine
 
 
 def mixed_rows(tag: str, n: int) -> list[dict[str, Any]]:

@@ -8,26 +8,22 @@ think block, so its output is reasoning until a ``</think>``) and ``--stream-int
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
-from tests.engines import ENGINE_PARAMS, Engine, running_engine
+from tests.engines import DEEPSEEK_INTERVAL, Engine
 from tests.sglang_client import chat, sse_frames, stream, stream_options
 from tokenmill.ledger import Checkpoint, Claim
 from tokenmill.settings import Settings
 from workers.attempt import build_request
 
-INTERVAL = 4
+INTERVAL = DEEPSEEK_INTERVAL  # the shared deepseek engine's --stream-interval
 USER = [{"role": "user", "content": "Think about caches, then answer. Ünïcödé δέλτα 日本語 🚀"}]
 
 
-@pytest.fixture(scope="module", params=ENGINE_PARAMS)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    workdir = tmp_path_factory.mktemp(f"reasoning-{request.param}")
-    flags = ("--reasoning-parser", "deepseek-r1", "--stream-interval", str(INTERVAL))
-    with running_engine(request.param, workdir, *flags) as eng:
-        yield eng
+@pytest.fixture(scope="module")
+def engine(deepseek_engine: Engine) -> Engine:
+    return deepseek_engine
 
 
 def greedy(max_tokens: int) -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from server_mgr import process
-from tests.engines import CONTEXT_LEN, Engine, running_engine, sglang_server
+from tests.engines import API_KEY, CONTEXT_LEN, EnginePool, sglang_server
 from tests.pipeline import cli, write_jsonl
 from tests.procs import wait_for
 from tests.server_fixtures import Up, write_config
@@ -149,33 +149,31 @@ def test_a_kv_pool_that_cannot_exist_is_read_from_the_log_and_not_stepped_in_vai
         assert [e for e in up.events() if e["kind"] == "oom_step"] == []
 
 
-@pytest.fixture
-def bf16(tmp_path: Path) -> Any:
-    with running_engine("sglang", tmp_path, "--dtype", "bfloat16") as engine:
-        yield engine
-
-
-def test_check_quality_finds_bf16_and_fp32_diverge_and_passes_identical_configs(
-    tmp_path: Path, redis_url: str, bf16: Engine
+def test_check_quality_finds_bf16_and_fp32_diverge_and_passes_an_equal_server(
+    tmp_path: Path, redis_url: str, engine_pool: EnginePool
 ) -> None:
+    # Given the session's shared float32 server as the reference (a running server, with its key),
+    # another float32 server (the shared one with a tool-call parser, which acts only on requests
+    # with tools), and a config that launches the same model in bfloat16
+    reference = engine_pool.shared("sglang", "plain")
+    equal = engine_pool.shared("sglang", "tools")
     prompts = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"quality {i}: explain"} for i in range(8)])
-    tables = {
-        name: sglang_server(tmp_path, name=name, extra=["--max-total-tokens", "20000", "--dtype", dtype])
-        for name, dtype in (("same", "bfloat16"), ("fp32", "float32"))
-    }
+    table = sglang_server(tmp_path, name="bf16", extra=["--max-total-tokens", "20000", "--dtype", "bfloat16"])
+    bf16_toml = write_config(tmp_path / "bf16.toml", table)
     env = {"TOKENMILL_REDIS_URL": redis_url}
-    args = ["--reference-url", bf16.url, "--prompts", str(prompts), "--max-tokens", "64", "--json"]
+    args = ["--reference-url", reference.url, "--api-key", API_KEY, "--prompts", str(prompts)]
+    args += ["--max-tokens", "64", "--json"]
 
-    same_toml = write_config(tmp_path / "a.toml", tables["same"])
-    fp32_toml = write_config(tmp_path / "b.toml", tables["fp32"])
+    # When each is compared with the reference: the running server, then the config, launched
     same = cli(
-        "server", "check-quality", *args, "--candidate", str(same_toml), env=env, check=False, timeout=600
+        "server", "check-quality", *args, "--candidate-url", equal.url, env=env, check=False, timeout=600
     )
-    fp32 = cli(
-        "server", "check-quality", *args, "--candidate", str(fp32_toml), env=env, check=False, timeout=600
+    bf16 = cli(
+        "server", "check-quality", *args, "--candidate", str(bf16_toml), env=env, check=False, timeout=600
     )
 
-    same_doc, fp32_doc = json.loads(same.stdout), json.loads(fp32.stdout)
+    # Then the equal server passes with every output equal, and bfloat16 fails, diverging
+    same_doc, bf16_doc = json.loads(same.stdout), json.loads(bf16.stdout)
     assert same.returncode == 0 and same_doc["passed"] and same_doc["exact_match_rate"] == 1.0, same.stdout
-    assert fp32.returncode != 0 and not fp32_doc["passed"], fp32.stdout
-    assert fp32_doc["diverged"] >= 1 and fp32_doc["exact_match_rate"] < 1.0
+    assert bf16.returncode != 0 and not bf16_doc["passed"], bf16.stdout
+    assert bf16_doc["diverged"] >= 1 and bf16_doc["exact_match_rate"] < 1.0
