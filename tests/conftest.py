@@ -69,9 +69,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``-n 2 --dist loadscope`` each module runs whole on one worker (its module fixtures
-    set up once), and here every real-SGLang test in one unit too, run one after another on one
-    worker while the other takes the rest (``make test`` runs that tier in a step of its own).
+    """Under ``--dist loadscope`` each module runs whole on one worker (its module fixtures set
+    up once), and here every real-SGLang test in one unit too, run one after another on one
+    worker while the others take the rest (``make test`` runs that tier in a step of its own).
     On two cores, two SGLang servers side by side slowed each other several-fold (a 90 s test ran
     past its 300 s timeout)."""
     if config.getvalue("dist") != "loadscope":

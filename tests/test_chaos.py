@@ -75,6 +75,7 @@ def assert_exactly_once(c: Cluster, wl: Workload, out: Path, timeout: float = 12
 # --- 1. worker SIGKILL ---------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_killed_worker_jobs_run_again_within_lease_ttl_and_continue(
     cluster: MakeCluster, tmp_path: Path
 ) -> None:
@@ -101,6 +102,7 @@ def test_killed_worker_jobs_run_again_within_lease_ttl_and_continue(
     )
 
 
+@pytest.mark.alone
 def test_jobs_a_killed_worker_held_while_waiting_for_admission_run_again_within_lease_ttl(
     cluster: MakeCluster, tmp_path: Path
 ) -> None:
@@ -383,6 +385,7 @@ def test_killed_producer_rerun_enqueues_every_row_exactly_once(cluster: MakeClus
 # --- 5. Redis connection blip --------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_a_redis_pause_during_streams_is_ridden_through_without_takeovers(
     cluster: MakeCluster, tmp_path: Path
 ) -> None:
@@ -430,6 +433,7 @@ def test_duplicate_deliveries_never_start_a_second_attempt_or_result(
 # --- 7. worker SIGTERM ---------------------------------------------------------------------------
 
 
+@pytest.mark.alone
 def test_sigtermed_worker_finishes_or_checkpoints_and_releases_its_streams_after_the_grace_period(
     cluster: MakeCluster, tmp_path: Path
 ) -> None:
