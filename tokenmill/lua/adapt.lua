@@ -9,7 +9,8 @@
 --          window shrinks to ARGV 7 (a fraction) of what is on the server, but not below the
 --          requests that fit below the ceiling at their projected peaks (`total` / `n`: those
 --          do not overflow the pool even all at their peaks at once) if it was above that, and
---          holds still for ARGV 8 ms; retractions during the hold come from the same overflow and are only noted;
+--          holds still for ARGV 8 ms; retractions during the hold come from the same overflow
+--          and are only noted;
 --       2. the server's own queue is deeper than the target (ARGV 5, or ARGV 6 of its running
 --          requests) in these figures and the last ones (a burst of arrivals the scheduler has
 --          not taken in yet shows once): the window shrinks to running + target, so tokenmill
@@ -21,15 +22,14 @@
 --          admission projects beyond it (the mean projected peak of the requests in flight,
 --          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
 --          mean use the server has reported since the window started while at least half the
---          window ran (`seen_each`): sharing the
---          headroom bets that requests are at different stages, and requests that started
---          together (a cold start's first batch; outputs that all run to max_tokens end together,
---          so their successors start together too) reach their peaks together, which that
---          highest mean shows once they have; it jumps while the pool has room for many more,
---          creeps as it fills, and stops where the requests in flight would fill it at that size
---          (by the queue target while nothing sizes a request yet);
---          too much growth is cheap: the server queues what it cannot start and rule 2 takes
---          it back;
+--          window ran (`seen_each`): sharing the headroom bets that requests are at different
+--          stages, and requests that started together (a cold start's first batch; outputs that
+--          all run to max_tokens end together, so their successors start together too) reach
+--          their peaks together, which that highest mean shows once they have; it jumps while
+--          the pool has room for many more, creeps as it fills, and stops where the requests in
+--          flight would fill it at that size (by the queue target while nothing sizes a request
+--          yet); too much growth is cheap: the server queues what it cannot start and rule 2
+--          takes it back;
 --       the window never goes below ARGV 10. The first figures start it at what is in flight and
 --       let rule 3 apply at once (until then the token budget decided, not a window).
 -- KEYS: 1 used hash (as admit.lua).
