@@ -144,7 +144,8 @@ def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: r
     assert a.try_admit("srv", 1000, 1, "short") is None
     assert a.adapt("srv", load(8, waiting=2, used=5000), None) == 10  # something waits: no growth
     assert a.try_admit("srv", 1000, 1, "short") is None
-    assert a.adapt("srv", load(10, used=5000), None) == 10 + 4  # 19 fit at 500 each: half of 9
+    # 19 would fit at the 500 each they use now, but they were seen holding 960 each: none more
+    assert a.adapt("srv", load(10, used=5000), None) == 10
 
 
 def test_the_window_jumps_while_the_pool_has_room_for_many_and_stops_where_it_would_be_full(
@@ -174,6 +175,34 @@ def test_the_reserve_sizes_a_request_by_its_present_use_and_a_share_of_its_proje
     # using more than projected (the projection lags): sized by the present use alone
     rclient.hset(USED, mapping={"n": 24, "total": 4800, "refused": 2})
     assert a.adapt("srv", load(24, used=7200), None) == 24 + 3  # 300 each: 31 fit, half of 7
+
+
+def test_requests_that_peaked_together_size_the_window_while_their_successors_are_young(
+    rclient: redis.Redis,
+) -> None:
+    # Given 17 requests of ~23-token prompts and outputs that all run to max_tokens 200 (a cold
+    # start's batch: they started together), projected at their peaks, 223 tokens each
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(rclient, 17, n=17, total=17 * 223, refused=1)
+    # When the server reports them at their peak together (214 each), and then their successors
+    # just started (25 each), with a request refused each time
+    assert a.adapt("srv", load(17, used=17 * 214, capacity=4000), None) == 17
+    rclient.hincrby(USED, "refused", 1)
+    # Then the window does not grow: sized by present use and 0.6 of the growth (25 + 0.6 * 198),
+    # 26 would fit and 21 would overflow the pool when they peak together again; sized by the
+    # 214 each they were seen to hold at once, none more fits
+    assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
+
+
+def test_a_retraction_does_not_take_the_window_below_what_fits_at_the_projected_peaks(
+    rclient: redis.Redis,
+) -> None:
+    a = adm(rclient, admission_backoff=0.75)
+    # 21 in flight, projected at 223 tokens each: 17 of them fit below 3,800 even all at their peaks
+    set_window(rclient, 21, n=21, total=21 * 223)
+    a.adapt("srv", load(18, waiting=3, used=3850, capacity=4000), 0)
+    # the retraction takes the window to 17, not 0.75 of the 21 on the server (15)
+    assert a.adapt("srv", load(18, waiting=3, used=3850, capacity=4000), 4) == 17
 
 
 def test_with_nothing_to_size_a_request_by_the_window_grows_by_the_target(rclient: redis.Redis) -> None:

@@ -6,8 +6,11 @@
 --       `srv_cap`, `srv_retractions`). The figures lag the server (SGLang 0.5.23 publishes them
 --       every 15 decode steps), so every rule is safe to apply twice to the same figures. In order:
 --       1. the server retracted requests since the last figures (its KV pool overflowed): the
---          window shrinks to ARGV 7 (a fraction) of what is on the server and holds still for
---          ARGV 8 ms; retractions during the hold come from the same overflow and are only noted;
+--          window shrinks to ARGV 7 (a fraction) of what is on the server, but not below the
+--          requests that fit below the ceiling at their projected peaks (`total` / `n`: those
+--          do not overflow the pool even all at their peaks at once) if it was above that, and
+--          holds still for ARGV 8 ms; retractions during the hold come from the same overflow
+--          and are only noted;
 --       2. the server's own queue is deeper than the target (ARGV 5, or ARGV 6 of its running
 --          requests) in these figures and the last ones (a burst of arrivals the scheduler has
 --          not taken in yet shows once): the window shrinks to running + target, so tokenmill
@@ -17,11 +20,16 @@
 --          by half the requests that would still fit below the ceiling if every request were
 --          the size of the running requests' present mean use plus ARGV 13 of the growth
 --          admission projects beyond it (the mean projected peak of the requests in flight,
---          `total` / `n`: the safe prior until outputs end): it jumps while the pool has room
---          for many more, creeps as it fills, and stops where the requests in flight would fill
---          it at that size (by the queue target while nothing sizes a request yet);
---          too much growth is cheap: the server queues what it cannot start and rule 2 takes
---          it back;
+--          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
+--          mean use the server has reported since the window started while at least half the
+--          window ran (`seen_each`): sharing the headroom bets that requests are at different
+--          stages, and requests that started together (a cold start's first batch; outputs that
+--          all run to max_tokens end together, so their successors start together too) reach
+--          their peaks together, which that highest mean shows once they have; it jumps while
+--          the pool has room for many more, creeps as it fills, and stops where the requests in
+--          flight would fill it at that size (by the queue target while nothing sizes a request
+--          yet); too much growth is cheap: the server queues what it cannot start and rule 2
+--          takes it back;
 --       the window never goes below ARGV 10. The first figures start it at what is in flight and
 --       let rule 3 apply at once (until then the token budget decided, not a window).
 -- KEYS: 1 used hash (as admit.lua).
@@ -38,7 +46,7 @@ local used, capacity = tonumber(ARGV[3]), tonumber(ARGV[4])
 local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])))
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
-  'refused_seen', 'srv_waiting', 'total', 'window_ms')
+  'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each')
 local n = tonumber(f[1] or '0')
 local refused = tonumber(f[5] or '0')
 local limiting = refused > tonumber(f[6] or '0')
@@ -48,26 +56,34 @@ if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
   -- is in flight, free to grow at once
   window = math.max(smallest, n)
   limiting = limiting or n > 0
+  f[10] = false  -- and what the requests were seen to hold starts again
 end
-local seen = tonumber(f[3] or '-1')
+local ceiling = tonumber(ARGV[9]) * capacity
+local present = 0  -- the running requests' mean use now, and the highest seen since the start
+if running > 0 then present = used / running end
+local seen = tonumber(f[10] or '0')
+-- only while most of the window runs: a few stragglers alone say nothing of requests together
+if running * 2 >= window then seen = math.max(seen, present) end
+local peak = 0  -- the requests in flight's mean projected peak
+if n > 0 then peak = tonumber(f[8] or '0') / n end
+local seen_retractions = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
-if retractions >= 0 and seen >= 0 and retractions > seen then
+if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions then
   if not holding then
-    window = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
+    local backed = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
+    if peak > 0 then backed = math.max(backed, math.min(window, math.floor(ceiling / peak))) end
+    window = backed
     redis.call('HSET', KEYS[1], 'hold_until', now_ms + tonumber(ARGV[8]))
     redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
   end
 elseif not holding then
   if waiting > target and tonumber(f[7] or '0') > target then
     window = math.min(window, running + target)
-  elseif waiting == 0 and limiting and capacity > 0 and used < tonumber(ARGV[9]) * capacity then
-    local each = 0
-    if running > 0 then each = used / running end
-    if n > 0 then  -- present use plus ARGV 13 of the growth projected beyond it
-      each = each + tonumber(ARGV[13]) * math.max(0, tonumber(f[8] or '0') / n - each)
-    end
+  elseif waiting == 0 and limiting and capacity > 0 and used < ceiling then
+    -- present use plus ARGV 13 of the growth projected beyond it, at least the highest seen
+    local each = math.max(seen, present + tonumber(ARGV[13]) * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
-      local room = math.floor(tonumber(ARGV[9]) * capacity / each) - n
+      local room = math.floor(ceiling / each) - n
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
     else  -- nothing to size a request by yet
       window = window + target
@@ -77,5 +93,5 @@ end
 window = math.max(smallest, window)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
-  'refused_seen', refused)
+  'refused_seen', refused, 'seen_each', seen)
 return window
