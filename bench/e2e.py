@@ -122,7 +122,7 @@ def routing(k: Knobs) -> Any:
         short_max_tokens=k.short_max_tokens,
         long_max_tokens=k.long_max_tokens,
         long_prompt_tokens=k.long_prompt_tokens,
-        temperature=k.temperature,
+        params={} if k.temperature is None else {"temperature": k.temperature},
     )
 
 
