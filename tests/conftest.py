@@ -124,8 +124,7 @@ def engine_pool(
     pool = EnginePool(tmp_path_factory.mktemp("engines"))
     try:
         for name in sorted(_shared_real_engines(request.session.items)):
-            flags, api_key = SHARED_ENGINES[name]
-            pool.launch(SGLANG_PARAM, *flags, api_key=api_key)
+            pool.launch(SGLANG_PARAM, name)
         yield pool
     finally:
         pool.close()

@@ -374,47 +374,46 @@ SHARED_ENGINES: dict[str, tuple[tuple[str, ...], str | None]] = {
 
 
 class EnginePool:
-    """Engines shared across the modules of a test session, one per (kind, flags, API key).
+    """Engines shared across the modules of a test session, one per kind and name.
 
     Starting real SGLang takes 20-25 s on this machine, most of it one core importing Python, and
     most modules only read from their engine, so a module asks the pool instead of starting its
     own; a test that kills, restarts or reconfigures an engine starts its own with
     :func:`start_engine`. :meth:`launch` starts engines without waiting, so that the ones a
-    session will need start side by side at its beginning; :meth:`get` waits for health. Idle
+    session will need start side by side at its beginning; :meth:`shared` waits for health. Idle
     engines cost no CPU (SGLang runs with ``--sleep-on-idle``). An engine found dead when asked for
     fails the test loudly: nothing may stop a shared engine. Every engine is stopped when the
     session ends, with the checks of :func:`running_engine`."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.engines: dict[tuple[str, tuple[str, ...], str | None], Engine] = {}
-        self._ready: set[tuple[str, tuple[str, ...], str | None]] = set()
+        self.engines: dict[tuple[str, str], Engine] = {}  # (kind, name) -> engine
+        self._ready: set[tuple[str, str]] = set()
+
+    def launch(self, kind: str, name: str) -> Engine:
+        """The shared engine ``name`` (:data:`SHARED_ENGINES`) of ``kind``, started now if it is
+        not yet, without waiting for it to be ready."""
+        if (kind, name) not in self.engines:
+            flags, api_key = SHARED_ENGINES[name]
+            self.engines[kind, name] = start_engine(
+                kind, self.workdir, *flags, api_key=api_key, wait_ready=False
+            )
+        return self.engines[kind, name]
 
     def shared(self, kind: str, name: str) -> Engine:
-        """The shared engine ``name`` (:data:`SHARED_ENGINES`) of ``kind``."""
-        flags, api_key = SHARED_ENGINES[name]
-        return self.get(kind, *flags, api_key=api_key)
-
-    def launch(self, kind: str, *flags: str, api_key: str | None = None) -> None:
-        """Start an engine now, without waiting for it to be ready."""
-        key = (kind, flags, api_key)
-        if key not in self.engines:
-            self.engines[key] = start_engine(kind, self.workdir, *flags, api_key=api_key, wait_ready=False)
-
-    def get(self, kind: str, *flags: str, api_key: str | None = None) -> Engine:
-        key = (kind, flags, api_key)
-        self.launch(kind, *flags, api_key=api_key)
-        engine = self.engines[key]
-        if key not in self._ready:
+        """The shared engine ``name`` of ``kind``, ready."""
+        engine = self.launch(kind, name)
+        if (kind, name) not in self._ready:
             try:
                 wait_healthy(engine)  # fails with the engine's output if it died starting
             except PortTaken:  # another program bound its free port first: once more, elsewhere
                 engine.stop()
-                engine = self.engines[key] = start_engine(kind, self.workdir, *flags, api_key=api_key)
-            self._ready.add(key)
+                flags, api_key = SHARED_ENGINES[name]
+                engine = self.engines[kind, name] = start_engine(kind, self.workdir, *flags, api_key=api_key)
+            self._ready.add((kind, name))
         elif not engine.alive():
             raise AssertionError(
-                f"the shared {kind} engine {flags} exited {engine.proc.returncode()} between tests "
+                f"the shared {kind} engine {name!r} exited {engine.proc.returncode()} between tests "
                 f"(a test must start its own engine to stop it):\n{engine.output()[-3000:]}"
             )
         return engine
