@@ -16,7 +16,7 @@ from tests.procs import Proc, RedisServer, start_s3
 
 SGLANG_UNIT = "real SGLang"
 SGLANG_PARAM = "sglang"  # the id of the real engine in tests.engines.ENGINE_PARAMS
-SGLANG_MODULES = ("tests/test_sglang_server.py::",)  # every test in it runs real SGLang
+SGLANG_MODULES = ("tests/test_sglang_server.py::", "tests/test_sglang_router.py::")  # all real SGLang
 
 
 COMPOSE_TESTS = Path(__file__).resolve().parent / "compose"
@@ -138,9 +138,11 @@ def _launch_shared_engines(request: pytest.FixtureRequest) -> None:
 
 
 def _shared_real_engines(items: list[pytest.Item]) -> set[str]:
-    """Names of the shared engines (``<name>_engine`` fixtures) selected tests use on real SGLang."""
+    """Names of the shared engines selected tests use on real SGLang: through their
+    ``<name>_engine`` fixtures, or named by their module's ``SHARED_REAL_ENGINES``."""
     names = set()
     for item in items:
+        names.update(getattr(getattr(item, "module", None), "SHARED_REAL_ENGINES", ()))
         params = getattr(getattr(item, "callspec", None), "params", {})
         for name in SHARED_ENGINES:
             if params.get(f"{name}_engine") == SGLANG_PARAM:

@@ -11,7 +11,7 @@ from server_mgr.crash import GIVE_UP, LOWER_FRACTION, RAISE_FRACTION, RESTART, C
 from server_mgr.logparse import LiveFigures, LogTail, capacity_line, launch_fraction, parse_batch_line
 from server_mgr.policy import FAIL, RELAUNCH, RestartPolicy
 from server_mgr.process import gpu_holders
-from tokenmill.server_report import parse_metrics
+from tokenmill.server_report import CAPACITY_METRIC, parse_metrics
 
 
 def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:
@@ -141,6 +141,29 @@ def test_metrics_page_gives_the_same_names_summed_over_dp_ranks() -> None:
         + "\n"
     )
     assert parse_metrics(page) == pytest.approx({"running_req": 7.0, "token_usage": 0.3, "queue_req": 1.0})
+
+
+def test_the_routers_engine_metrics_sum_its_workers_into_one_load() -> None:
+    # sglang-router 0.3.2's /engine_metrics: every worker's /metrics, labelled with its address,
+    # sglang:<name> renamed sglang_<name> (seen in front of SGLang 0.5.23)
+    def sample(name: str, worker: str, value: float) -> str:
+        return f'sglang_{name}{{engine_type="unified",tp_rank="0",worker_addr="{worker}"}} {value}'
+
+    lines = []
+    for name, values in {
+        "num_running_reqs": (3, 5),
+        "num_queue_reqs": (1, 0),
+        "num_used_tokens": (100, 200),
+        "max_total_num_tokens": (20000, 20000),
+        "token_usage": (0.1, 0.3),
+    }.items():
+        lines += [f"# TYPE sglang_{name} gauge"] + [
+            sample(name, w, v) for w, v in zip(("http://a:1", "http://b:2"), values, strict=True)
+        ]
+    figures = parse_metrics("\n".join(lines) + "\n", extra=(CAPACITY_METRIC,))
+    assert figures == pytest.approx(
+        {"running_req": 8, "queue_req": 1, "num_used_tokens": 300, CAPACITY_METRIC: 40000, "token_usage": 0.2}
+    )
 
 
 # --- crash classes (contract §5.4, §6.4) ---------------------------------------------------------

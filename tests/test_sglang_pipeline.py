@@ -8,19 +8,19 @@ checkpoint; a wrong API key stops the workers claiming, once, without failing a 
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import signal
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import redis
 
 from producer.status import run_status
-from tests.chaos import all_job_ids, results, running_jobs, state_counts, wait_finished
+from tests.chaos import all_job_ids, running_jobs, state_counts, wait_finished
+from tests.continued import assert_exact_after_cuts
+from tests.continued import checkpoints as job_checkpoints
 from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, start_engine
 from tests.keyspace import key_events
 from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
@@ -128,46 +128,27 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
         # and it is started again on the same port
         os.killpg(engine.proc.pgid, signal.SIGKILL)
         wait_for(lambda: not running_jobs(rclient, "chaos"), 60, "the cut streams to be released")
-        checkpoints = _checkpoints(rclient, "chaos")
+        checkpoints = job_checkpoints(rclient, "chaos")
         assert len(checkpoints) >= 3, checkpoints
         engine.stop()
         engine = start_engine(kind, tmp_path, sim_flags=CHAOS_SIM, port=engine.port)
         wait_finished(rclient, "chaos", 16, 300)
 
-        # Then every prompt is done once, none failed and no retry was burned by the outage
-        assert state_counts(rclient, "chaos") == {"queued": 0, "running": 0, "done": 16, "failed": 0}
+        # Then every prompt is done once, none failed, no retry was burned by the outage, and
+        # each job cut holds on from its checkpoint while every other result equals its solo
+        continued = assert_exact_after_cuts(
+            rclient,
+            "chaos",
+            16,
+            engine,
+            checkpoints,
+            MAX_TOKENS,
+            env,
+            tmp_path / "out",
+            frozenset(checkpoints),
+        )
         ids = all_job_ids(rclient, "chaos")
-        got = results(rclient, "chaos", ids)
         assert all(int(rclient.hget(keys.RunKeys("chaos").job(j), "retries") or 0) == 0 for j in ids)
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.RunKeys("chaos").stats()).items()}
-        assert stats["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in got.values())
-        cli("export", "--run", "chaos", "--out", str(tmp_path / "out"), "--include-truncated", env=env)
-        exported = read_export(tmp_path / "out")["C"]
-        assert sorted(r["id"] for r in exported) == sorted(spec_ids(rclient, "chaos", ids))
-
-        # And each continued result starts with its checkpoint and its usage adds up, while every
-        # other result equals its solo regeneration
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            # (a continued job is compared with its solo's prompt only: one token of it will do)
-            solos = dict(
-                zip(ids, pool.map(lambda j: _solo(engine, rclient, j, j in checkpoints), ids), strict=True)
-            )
-        continued = 0
-        for job_id, result in got.items():
-            solo, usage, ck = solos[job_id], result["usage"], checkpoints.get(job_id)
-            assert usage["prompt_tokens"] == solo["usage"]["prompt_tokens"], job_id
-            if ck is None:
-                assert result["content"] == solo["choices"][0]["message"]["content"], job_id
-                assert usage["completion_tokens"] == solo["usage"]["completion_tokens"]
-                continue
-            continued += 1
-            assert result["continued_tokens"] == ck["tokens"], (job_id, result, ck)
-            assert result["content"].startswith(ck["content"]), job_id
-            assert (result["reasoning_content"] or "").startswith(ck["reasoning"])
-            if result["finish_reason"] == "length":
-                assert usage["completion_tokens"] == MAX_TOKENS, (job_id, usage)
-            else:
-                assert ck["tokens"] < usage["completion_tokens"] < MAX_TOKENS, (job_id, usage)
         assert continued >= 3
     finally:
         engine.stop()
@@ -242,31 +223,3 @@ def _jobs_in(client: redis.Redis, run: str, state: str) -> list[dict[str, str]]:
         if job.get("state") == state:
             out.append(job)
     return out
-
-
-def _checkpoints(client: redis.Redis, run: str) -> dict[str, dict[str, Any]]:
-    k = keys.RunKeys(run)
-    out = {}
-    for job_id in all_job_ids(client, run):
-        content, reasoning, tokens = client.hmget(
-            k.job(job_id), ["ckpt_content", "ckpt_reasoning", "ckpt_tokens"]
-        )
-        if int(tokens or 0) > 0:
-            out[job_id] = {
-                "content": content.decode(),
-                "reasoning": (reasoning or b"").decode(),
-                "tokens": int(tokens),
-            }
-    return out
-
-
-def _solo(engine: Engine, client: redis.Redis, job_id: str, prompt_only: bool = False) -> dict[str, Any]:
-    """A chaos job's request regenerated alone (its first token only with ``prompt_only``)."""
-    request = orjson.loads(client.hget(keys.RunKeys("chaos").job(job_id), "spec"))["request"]
-    max_tokens = 1 if prompt_only else request["max_tokens"]
-    return chat(engine, request["messages"], max_tokens=max_tokens, temperature=0)
-
-
-def spec_ids(client: redis.Redis, run: str, ids: list[str]) -> list[str]:
-    k = keys.RunKeys(run)
-    return [orjson.loads(client.hget(k.job(j), "spec")).get("record_id") or j for j in ids]

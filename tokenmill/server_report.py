@@ -5,6 +5,14 @@ loop of admission). ``/v1/loads`` (0.5.10+) is refreshed by the scheduler about 
 (seen on 0.5.23) and needs the API key when the server has one; ``/metrics`` needs
 ``--enable-metrics`` and no key. Counters of events (retractions) appear on ``/metrics`` only
 after the first event, so a missing counter on a page that answered means zero.
+
+Behind sglang-router (0.3.2) neither exists (404): the router serves ``/engine_metrics``
+instead, every worker's ``/metrics`` gathered on each call, each sample labelled with its
+``worker_addr`` and named ``sglang_<name>`` where the server says ``sglang:<name>`` (seen on
+0.3.2 in front of SGLang 0.5.23). It needs the router's API key when it has one, and figures only
+from workers started with ``--enable-metrics``. Summed over the workers, they make the router one
+server for admission: its window is the requests in flight through it, its pool the workers'
+pools together; where each request goes stays the router's choice.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ METRIC_NAMES = {
     "sglang:num_retracted_requests_total": "retractions",
     "sglang:num_retractions": "retractions",
 }
+CAPACITY_METRIC = "sglang:max_total_num_tokens"  # emitted once at startup (0.5.23)
+ROUTER_PREFIX = "sglang_"  # sglang-router's /engine_metrics renames sglang:<name> to this
 # Figures that add up across data-parallel ranks (the others are averaged).
 _SUMMED = {
     "running_req",
@@ -52,8 +62,14 @@ class Load(NamedTuple):
 
 
 def loads(base_url: str, api_key: str | None, timeout_s: float) -> Load:
-    """``/v1/loads``; raises OSError or ValueError when it does not answer one."""
-    items = get_json(base_url + "/v1/loads", api_key, timeout_s).get("loads")
+    """``/v1/loads``, or behind sglang-router its workers' figures summed from
+    ``/engine_metrics``; raises OSError or ValueError when neither answers one."""
+    try:
+        items = get_json(base_url + "/v1/loads", api_key, timeout_s).get("loads")
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+        return router_load(base_url, api_key, timeout_s)
     if not isinstance(items, list) or not items:
         raise ValueError(f"{base_url}/v1/loads has no loads")
     return Load(
@@ -64,23 +80,56 @@ def loads(base_url: str, api_key: str | None, timeout_s: float) -> Load:
     )
 
 
-def metrics(base_url: str, timeout_s: float) -> dict[str, float]:
-    """Live figures from ``/metrics`` (only served with ``--enable-metrics``)."""
-    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as resp:
-        text = resp.read().decode("utf-8", "replace")
+def metrics(base_url: str, timeout_s: float, api_key: str | None = None) -> dict[str, float]:
+    """Live figures from ``/metrics`` (only served with ``--enable-metrics``), or behind
+    sglang-router from ``/engine_metrics`` (summed over its workers)."""
+    try:
+        text = _text(base_url + "/metrics", None, timeout_s)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+        text = _text(base_url + "/engine_metrics", api_key, timeout_s)
     return parse_metrics(text)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The scheduler gauges of a Prometheus page, by live name; TP rank 0 only, summed over DP."""
+def router_load(base_url: str, api_key: str | None, timeout_s: float) -> Load:
+    """The load of every worker behind sglang-router, summed: its ``/engine_metrics``."""
+    url = base_url + "/engine_metrics"
+    text = _text(url, api_key, timeout_s)
+    figures = parse_metrics(text, extra=(CAPACITY_METRIC,))
+    if CAPACITY_METRIC not in figures or "running_req" not in figures:
+        raise ValueError(f"{url} has no SGLang scheduler figures (workers without --enable-metrics?)")
+    return Load(
+        int(figures["running_req"]),
+        int(figures.get("queue_req", 0)),
+        int(figures.get("num_used_tokens", 0)),
+        int(figures[CAPACITY_METRIC]),
+    )
+
+
+def parse_metrics(text: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """The scheduler gauges of a Prometheus page, by live name (``extra`` Prometheus names kept
+    as they are, summed); TP rank 0 only, summed over DP ranks and over a router's workers."""
     values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = METRIC_NAMES.get(sample.name)
+            prom = sample.name
+            if prom.startswith(ROUTER_PREFIX):
+                prom = "sglang:" + prom[len(ROUTER_PREFIX) :]
+            name = prom if prom in extra else METRIC_NAMES.get(prom)
             if name is None or sample.labels.get("tp_rank", "0") != "0":
                 continue
             values.setdefault(name, []).append(float(sample.value))
-    return {name: sum(v) if name in _SUMMED else sum(v) / len(v) for name, v in values.items()}
+    summed = _SUMMED.union(extra)
+    return {name: sum(v) if name in summed else sum(v) / len(v) for name, v in values.items()}
+
+
+def _text(url: str, api_key: str | None, timeout_s: float) -> str:
+    request = urllib.request.Request(url)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return resp.read().decode("utf-8", "replace")
 
 
 def in_flight(

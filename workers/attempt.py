@@ -60,12 +60,29 @@ class Attempted:
         result = self.outcome.result
         result["server"] = self.url
         if self.claim.checkpoint.tokens and not self.state.base:
-            # a checkpoint existed and was not continued (continue_partial off, or the request's
-            # options forbid it: tokenmill.options.restart_reason): its tokens are thrown away
+            # a checkpoint existed and was not continued (continue_partial off, the request's
+            # options forbid it: tokenmill.options.restart_reason, or its tokens were not the
+            # server's count: uncounted): its tokens are thrown away
             result["restarted"] = True
             result["discarded_tokens"] = self.claim.checkpoint.tokens
         lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
         return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
+
+
+def uncounted(base: Checkpoint) -> str | None:
+    """Why a checkpoint whose size the server never stated cannot be continued (None: it can).
+
+    A stream's chunks carry the server's running usage (``continuous_usage_stats``), and a
+    checkpoint counts its tokens by it; a hop that forwards usage only on the last chunk
+    (sglang-router 0.3.2 in front of SGLang 0.5.23: seen) leaves the attempt counting chunks, and
+    a chunk may hold several tokens (``--stream-interval``, a character split across tokens). A
+    continuation asks for ``max_tokens`` less the checkpoint's tokens, so a miscounted checkpoint
+    would make the row longer or shorter than an uninterrupted one; and the original prompt's
+    size, which a continued row reports, was never seen. Such a checkpoint's first attempt saw
+    no prompt size: the job starts over instead."""
+    if base.prompt_tokens:
+        return None
+    return "the server never stated its token count (no usage on the stream's chunks)"
 
 
 async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attempted:
@@ -73,7 +90,7 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
     task's thread to settle (it may have to wait for Redis)."""
     s = rt.settings
     base = claim.checkpoint if s.continue_partial else Checkpoint()
-    why = restart_reason(claim.spec["request"]) if base.tokens else None
+    why = (restart_reason(claim.spec["request"]) or uncounted(base)) if base.tokens else None
     if why is not None:
         log.info("job %s: starting over (%d tokens thrown away): %s", claim.job_id, base.tokens, why)
     if why is not None or not base:  # a checkpoint without text (tool calls) is no base either

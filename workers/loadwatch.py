@@ -9,7 +9,9 @@ lapses after three polls and another worker takes over; until then the window go
 admission falls back to its token budget.
 
 Retractions: a managed server's manager counts them from the server's log (``live.retractions``
-of its record); an unmanaged one is read from ``/metrics`` when it serves one.
+of its record); an unmanaged one is read from ``/metrics`` when it serves one. Behind
+sglang-router both reads go to the router's ``/engine_metrics``, its workers' figures summed
+(:mod:`tokenmill.server_report`).
 
 The holder also adds the server's point to its history once a ``series_step_s``: what it read
 and the window it set (:mod:`tokenmill.history`).
@@ -92,7 +94,7 @@ class LoadWatch(threading.Thread):
         if missing_since is not None and time.monotonic() - missing_since < METRICS_RETRY_S:
             return None
         try:
-            figures = server_report.metrics(url, timeout)
+            figures = server_report.metrics(url, timeout, self.rt.settings.api_key)
         except (urllib.error.HTTPError, OSError, ValueError):
             self._no_metrics[url] = time.monotonic()
             return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from tokenmill import capacity
+from tokenmill import capacity, server_report
 from tokenmill import servers as server_records
 from tokenmill.settings import Settings
 
@@ -102,8 +102,12 @@ class ServerPool:
         return cached is None or (cached[1] is None and now - cached[0] > CAPACITY_RETRY_S)
 
     def _fetch_capacity(self, url: str) -> int | None:
+        """``/server_info``'s KV pool; sglang-router's (which states none) is its workers' pools
+        summed from its ``/engine_metrics`` (:func:`tokenmill.server_report.loads`)."""
+        key = self.settings.api_key
         try:
-            return capacity.fetch(url, self.settings.api_key, CAPACITY_TIMEOUT_S).max_total_num_tokens
+            total = capacity.fetch(url, key, CAPACITY_TIMEOUT_S).max_total_num_tokens
+            return total if total is not None else server_report.loads(url, key, CAPACITY_TIMEOUT_S).capacity
         except (OSError, ValueError) as exc:
             log.warning("server %s: /server_info failed (%s); its capacity is unknown for now", url, exc)
             return None
