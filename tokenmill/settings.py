@@ -78,6 +78,9 @@ class Settings:
     # lower lets requests at different stages share the headroom, as SGLang's scheduler does
     # (it reserves 0.7 of what remains, decaying), and a rare retraction backs the window off
     admission_reserve: float = 0.6
+    # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
+    # tokenmill/affinity.py), the rest least full first; off: least full first
+    server_affinity: bool = True
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
     server_wait_s: float = 1.0
 
