@@ -129,9 +129,39 @@ def test_the_preferred_server_comes_first_then_the_least_full() -> None:
     assert affinity.dispatch_order(None, SERVERS, [0.4, 0.1, 0.4]) == [1, 0, 2]
 
 
-def test_the_setting_is_on_by_default_and_off_by_env() -> None:
+def test_a_siblings_home_comes_first_and_is_waited_for_within_the_wait() -> None:
+    key, other = affinity.prefix_key(user("x")), affinity.prefix_key(user("y"))
+    rank = affinity.ranked(key, SERVERS)
+    home = SERVERS[rank[2]]  # a sibling spilled to the last server in the key's order
+    assert affinity.dispatch_order(key, SERVERS, [0.0, 0.0, 0.0], home)[0] == rank[2]
+    homes = affinity.Homes(ttl_s=60)
+    job = affinity.JobAffinity(key, homes, wait_s=2.0)
+    assert job.home(now=100.0) == (None, False)  # no sibling seen: the rendezvous order
+    affinity.JobAffinity(key, homes, wait_s=2.0).admitted(home, now=100.5)
+    assert job.home(now=101.0) == (home, True)  # the wait starts now...
+    assert job.home(now=102.9) == (home, True)
+    assert job.home(now=103.0) == (home, False)  # ...and ends 2 s later: spill
+    assert affinity.JobAffinity(other, homes, 2.0).home(now=101.0) == (None, False)
+    assert affinity.JobAffinity(key, homes, 2.0).home(now=160.5) == (None, False)  # forgotten after ttl_s
+    off = affinity.JobAffinity(key, homes, wait_s=0.0)  # the default: no home, no wait
+    assert off.home(now=101.0) == (None, False)
+
+
+def test_homes_keep_the_most_recent_keys() -> None:
+    homes = affinity.Homes(ttl_s=60, max_keys=2)
+    a, b, c = (affinity.prefix_key(user(x)) for x in "abc")
+    homes.put(a, "s1", 1.0)
+    homes.put(b, "s2", 2.0)
+    homes.put(a, "s1", 3.0)  # a used again: b is now the oldest
+    homes.put(c, "s3", 4.0)
+    assert (homes.get(a, 5.0), homes.get(b, 5.0), homes.get(c, 5.0)) == ("s1", None, "s3")
+
+
+def test_the_settings_default_to_affinity_on_and_no_wait() -> None:
     assert Settings.load(env={}).server_affinity is True
     assert Settings.load(env={"TOKENMILL_SERVER_AFFINITY": "0"}).server_affinity is False
+    assert Settings.load(env={}).server_affinity_wait_s == 0.0
+    assert Settings.load(env={"TOKENMILL_SERVER_AFFINITY_WAIT_S": "1.5"}).server_affinity_wait_s == 1.5
 
 
 # --- dispatch on real workers and two sims --------------------------------------------------------
@@ -218,6 +248,24 @@ def test_samples_spill_to_the_other_server_when_the_preferred_one_is_full(
     counts = Counter(s for r in ran.values() for s in r)
     assert counts[url_small] >= 3 and counts[url_big] >= 1, counts
     assert sum(counts.values()) == len(prompts) * SAMPLES
+
+
+def test_with_a_wait_the_samples_of_a_prompt_wait_for_the_server_the_first_went_to(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given the spill test's servers, and server_affinity_wait_s longer than a few requests last
+    small, url_small = start_sim(tmp_path, *SIM, "--max-total-tokens", "400")
+    big, url_big = start_sim(tmp_path, *SIM)
+    procs += [small, big]
+    urls = [url_small, url_big]
+    prompts = prompts_preferring(urls, {url_small: 2})
+    env = affinity_env(redis_url, urls, server_affinity_wait_s=5)
+    # When their 12 samples run on 8 threads
+    ran = run_samples(tmp_path, rclient, env, prompts, procs)
+    # Then each prompt's samples ran on one server: the first sample's (the preferred one, or
+    # the other if it spilled), the rest waiting for a slot there instead of spilling
+    for p in prompts:
+        assert len(set(ran[p])) == 1, (p, Counter(ran[p]))
 
 
 def test_with_affinity_off_samples_go_least_full_first_as_before(
