@@ -55,7 +55,7 @@ import orjson
 
 KEYED_OPTIONS = ("lora_path", "tools")  # options in the key, in this order
 HOME_TTL_S = 60.0  # how long a sibling's server is remembered (its prefix likely still cached)
-HOMES_MAX = 16384  # keys remembered per process
+HOMES_MAX = 4096  # keys remembered per process (siblings are delivered close together)
 
 
 def prefix_key(request: Mapping[str, Any]) -> bytes:
