@@ -78,6 +78,12 @@ class Settings:
     # lower lets requests at different stages share the headroom, as SGLang's scheduler does
     # (it reserves 0.7 of what remains, decaying), and a rare retraction backs the window off
     admission_reserve: float = 0.6
+    # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
+    # tokenmill/affinity.py), the rest least full first; off: least full first
+    server_affinity: bool = True
+    # with affinity, how long a job whose sibling (same prefix key) this process admitted on a
+    # server in the last minute waits for that server before it spills; 0: it spills at once
+    server_affinity_wait_s: float = 0.0
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
     server_wait_s: float = 1.0
 
@@ -154,7 +160,7 @@ class Settings:
             raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
         if self.seal_batch_jobs < 1:
             raise ConfigError(f"seal_batch_jobs must be at least 1, got {self.seal_batch_jobs}")
-        for name in ("seal_after_s", "seal_check_s"):
+        for name in ("seal_after_s", "seal_check_s", "server_affinity_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.admission_fraction <= 1:

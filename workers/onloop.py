@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from tokenmill import affinity
 from tokenmill.admission import Slot
 from tokenmill.ledger import Claim, Peek
 from tokenmill.ledger_loop import LoopLedger
@@ -79,6 +80,10 @@ async def _admit(
     s = rt.settings
     said = False
     held_at = 0.0
+    # the job's prefix key, once per delivery (None: affinity off, or no second server to choose)
+    several = s.server_affinity and len(s.server_urls) > 1
+    key = affinity.prefix_key(peeked.spec["request"]) if several else None
+    aff = affinity.JobAffinity(key, rt.homes, s.server_affinity_wait_s)
     claimed = False
     loop = asyncio.get_running_loop()
 
@@ -97,7 +102,9 @@ async def _admit(
                         await turn.wait(LINE_CHECK_S)
                         continue
                     turn.arm()
-                    got = await _try_servers(rt, ll, job_id, peeked)
+                    got = await _try_servers(rt, ll, job_id, peeked, aff)
+                    if isinstance(got, tuple):
+                        aff.admitted(got[0].name, loop.time())
                     if isinstance(got, tuple | str):
                         # start.lua dropped the waiting lease with the claim; a plain claim did not
                         claimed = isinstance(got, tuple) and got[2].slot is not None
@@ -119,10 +126,12 @@ async def _admit(
 
 
 async def _try_servers(
-    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek
+    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
 ) -> tuple[ServerView, Slot, Claim] | str | bool:
-    """Admitted and claimed on the least full ready server; why the job cannot be claimed; or
-    whether any server is ready (True: ready but full)."""
+    """Admitted and claimed on a ready server: the one a sibling went to, or the one the job's
+    prefix key prefers, else the least full (:func:`tokenmill.affinity.dispatch_order`; no key:
+    least full first); why the job cannot be claimed; or whether any server is ready (True:
+    ready but full)."""
     adm, s = rt.admission, rt.settings
     views = rt.pool.ready_views_now()
     if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
@@ -132,11 +141,13 @@ async def _try_servers(
         curve = await asyncio.to_thread(adm.survival, ll.run)
     tokens = adm.held_on(curve, peeked.spec["request"])
     if len(views) > 1:
-        loads = await adm.loads(ll.r, [v.name for v in views])
-        by_fullness = sorted(
-            zip(loads, views, strict=True), key=lambda lv: adm.fullness(lv[0], lv[1].capacity)
-        )
-        views = [v for _, v in by_fullness]
+        names = [v.name for v in views]
+        loads = await adm.loads(ll.r, names)
+        fullness = [adm.fullness(load, v.capacity) for load, v in zip(loads, views, strict=True)]
+        home, only_home = aff.home(asyncio.get_running_loop().time())
+        views = [views[i] for i in affinity.dispatch_order(aff.key, names, fullness, home)]
+        if only_home and views[0].name == home:  # waiting for the server its siblings are on
+            views = views[:1]
     for view in views:
         admit = adm.request(view.name, view.capacity, tokens, peeked.queue)
         if admit is None:  # not limited: a plain claim, no slot

@@ -8,7 +8,7 @@ import socket
 import threading
 from typing import Any
 
-from tokenmill import ledger_loop, redis_conn
+from tokenmill import affinity, ledger_loop, redis_conn
 from tokenmill.admission import Admission
 from tokenmill.ledger import AsyncHeartbeat, Ledger
 from tokenmill.ledger_loop import LoopLedger
@@ -32,6 +32,7 @@ class Runtime:
         self.loop = LoopThread(settings.event_loop)
         self.pool = ServerPool(settings, self.redis)
         self.admission = Admission(self.redis, settings)
+        self.homes = affinity.Homes()  # where this process admitted each prefix key lately
         self.stopping = threading.Event()  # stop taking work
         self.abort_streams = threading.Event()  # grace period over: checkpoint and release
         self.auth_error: str | None = None
