@@ -31,10 +31,12 @@ WHEELHOUSE := docker/wheelhouse
 
 .PHONY: demo test test-lowest test-sglang test-compose sglang-env browser-env wheelhouse lint bench install clean
 
+# uv installs what pip would, faster: a fresh .venv took 77 s through pip and 17 s through uv
+# on this 2-core machine (2026-12-02: pip's cache warm, uv's empty); pip stays in the venv
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q 'uv>=0.9,<1'
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

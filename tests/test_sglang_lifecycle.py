@@ -1,5 +1,5 @@
 """A server's life as a supervisor sees it, one test body for the sim and SGLang 0.5.23: startup,
-the death of its scheduler process, and a SIGTERM drain. Each test starts an engine of its own."""
+a SIGTERM drain, and the death of its scheduler process. Each test starts an engine of its own."""
 
 from __future__ import annotations
 
@@ -20,10 +20,16 @@ from workers.stream import Progress, stream_chat
 FIRED_UP = "The server is fired up and ready to roll!"
 
 
+# One engine's life from launch to SIGTERM (one start where two tests took two: ~30 s of SGLang)
+LIFE_SIM = ("--sim-warmup-s", "1.5", "--sim-drain-poll-s", "0.5", "--sim-step-ms", "10")
+
+
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)
-def test_health_is_refused_then_503_until_warmup_then_200(kind: str, tmp_path: Path) -> None:
+def test_health_is_refused_then_503_until_warmup_then_200_and_sigterm_drains_a_stream_then_exits_0(
+    kind: str, tmp_path: Path
+) -> None:
     # Given an engine just launched (the sim's warmup as long as SGLang's first /generate)
-    engine = start_engine(kind, tmp_path, wait_ready=False, sim_flags=("--sim-warmup-s", "1.5"))
+    engine = start_engine(kind, tmp_path, wait_ready=False, sim_flags=LIFE_SIM)
     try:
         # When /health and /v1/models are polled until /health answers 200
         seen: list[tuple[int, int]] = []
@@ -42,8 +48,36 @@ def test_health_is_refused_then_503_until_warmup_then_200(kind: str, tmp_path: P
         assert (503, 200) in seen, sorted(set(seen))
         assert FIRED_UP in log
         assert engine.children().keys() == {"sglang::scheduler", "sglang::detokenizer"}
+
+        # And when the main process gets SIGTERM while it streams a request
+        async def stream_through_a_sigterm() -> Progress:
+            c = client(engine)
+            progress = Progress()
+            request = {"model": "tm", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300}
+            task = asyncio.ensure_future(stream_chat(c, request, {}, progress))
+            while progress.tokens < 3:
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.01)
+            os.kill(engine.pid, signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            health = await asyncio.to_thread(http_status, f"{engine.url}/health", 10)
+            assert health in (503, 0), health
+            await task
+            await c.close()
+            return progress
+
+        progress = run_on_worker_loop(stream_through_a_sigterm())
+
+        # Then the stream ran to its end, /health said 503 meanwhile, and the engine exited 0
+        # leaving nothing
+        assert progress.finish_reason == "length" and progress.tokens == 300
+        wait_for(lambda: not engine.alive(), 60, "the drained engine to exit")
+        assert engine.proc.returncode() == 0, engine.output()[-3000:]
+        assert "SIGTERM received" in engine.output()
+        wait_for(lambda: engine.leftovers() == [], 10, "every process of the engine to be gone")
     finally:
-        engine.stop()
+        if engine.alive():
+            engine.stop()
 
 
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)
@@ -65,39 +99,3 @@ def test_a_dead_scheduler_fails_health_and_takes_the_whole_server_down(kind: str
     assert f"Subprocess scheduler_0 (pid={pid}) crashed with exit code -9" in engine.output()
     assert time.monotonic() - killed_at < 60
     wait_for(lambda: engine.leftovers() == [], 10, "every process of the engine to be gone")
-
-
-@pytest.mark.parametrize("kind", ENGINE_PARAMS)
-def test_sigterm_lets_a_stream_finish_then_exits_0_leaving_nothing(kind: str, tmp_path: Path) -> None:
-    # Given an engine streaming a request
-    engine = start_engine(kind, tmp_path, sim_flags=("--sim-drain-poll-s", "0.5", "--sim-step-ms", "10"))
-    try:
-
-        async def stream_through_a_sigterm() -> Progress:
-            c = client(engine)
-            progress = Progress()
-            request = {"model": "tm", "messages": [{"role": "user", "content": "go"}], "max_tokens": 300}
-            task = asyncio.ensure_future(stream_chat(c, request, {}, progress))
-            while progress.tokens < 3:
-                assert not task.done(), task.exception()
-                await asyncio.sleep(0.01)
-            # When the main process gets SIGTERM mid-stream
-            os.kill(engine.pid, signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            health = await asyncio.to_thread(http_status, f"{engine.url}/health", 10)
-            assert health in (503, 0), health
-            await task
-            await c.close()
-            return progress
-
-        progress = run_on_worker_loop(stream_through_a_sigterm())
-
-        # Then the stream ran to its end, /health said 503 meanwhile, and the engine exited 0
-        assert progress.finish_reason == "length" and progress.tokens == 300
-        wait_for(lambda: not engine.alive(), 60, "the drained engine to exit")
-        assert engine.proc.returncode() == 0, engine.output()[-3000:]
-        assert "SIGTERM received" in engine.output()
-        wait_for(lambda: engine.leftovers() == [], 10, "every process of the engine to be gone")
-    finally:
-        if engine.alive():
-            engine.stop()

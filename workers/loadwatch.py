@@ -77,7 +77,7 @@ class LoadWatch(threading.Thread):
             load = server_report.loads(url, s.api_key, timeout)
         except (OSError, ValueError) as exc:
             if url not in self._failing:
-                log.warning("load watch: %s/v1/loads failed (%s); admission uses its token budget", url, exc)
+                log.warning("load watch: %s gave no load figures (%s); admission uses its budget", url, exc)
                 self._failing.add(url)
             return
         self._failing.discard(url)
