@@ -12,9 +12,10 @@ time (:data:`MODEL`); the same jobs go through each variant:
   (``sglang_router.launch_router``, from the SGLang venv) with that policy.
 
 Workloads (:func:`workload`): ``shared``, prefixes shared as datasets share them: prompts enqueued
-with ``--samples``, rows that open with one of two long few-shot blocks and end with their own
-question, and multi-turn conversations (turn k's messages are turn k-1's, its answer and a new
-question); ``none``, the same jobs each made unique at its first word, so that nothing is shared.
+with ``--samples``, rows that open with one of two long few-shot blocks (one a system message,
+the other example turns) and end with their own question, and multi-turn conversations (turn k's
+messages are turn k-1's, its answer and a new question); ``none``, the same jobs each made unique
+at its first word, so that nothing is shared.
 
 A round of a workload holds ``--lock`` (a flock), starts the two servers, warms each up, then
 runs every variant on them in turn, the order rotated by round, flushing both servers' prefix
@@ -53,12 +54,15 @@ from _common import (
     Children,
     MachineLoad,
     SglangLog,
+    busy_cpu_s,
     exit_on_sigterm,
     heavy,
     http_status,
     machine,
+    own_cpu_s,
     start_worker,
     table,
+    tree_cpu_s,
     verdict,
     wait_for,
     wait_quiet,
@@ -127,11 +131,10 @@ def shared_rows(sz: Sizes, rng: random.Random) -> tuple[list[dict[str, Any]], li
     ]
     rest: list[dict[str, Any]] = []
     for b in range(sz.fewshot_blocks):
-        block = f"Examples {b}. {words(rng, sz.fewshot_words)}"
+        block = fewshot_block(b, sz, rng)
         for q in range(sz.fewshot_rows):
             question = f"Question {b}-{q}: {words(rng, sz.question_words)}?"
-            rest.append({"id": f"f{b}-{q}", "messages": [
-                {"role": "system", "content": block}, {"role": "user", "content": question}]})  # fmt: skip
+            rest.append({"id": f"f{b}-{q}", "messages": [*block, {"role": "user", "content": question}]})
     for c in range(sz.conversations):
         messages = [{"role": "user", "content": f"Conversation {c}. {words(rng, sz.turn_words)}"}]
         for t in range(sz.turns):
@@ -142,6 +145,19 @@ def shared_rows(sz: Sizes, rng: random.Random) -> tuple[list[dict[str, Any]], li
             ]
     rng.shuffle(rest)
     return sampled, rest
+
+
+def fewshot_block(b: int, sz: Sizes, rng: random.Random) -> list[dict[str, str]]:
+    """Few-shot block ``b`` as the messages before a row's question: even blocks a system message,
+    odd ones example turns (a user message and the assistant's answer), the two ways datasets
+    write them."""
+    n = sz.fewshot_words
+    if b % 2 == 0:
+        return [{"role": "system", "content": f"Examples {b}. {words(rng, n)}"}]
+    return [
+        {"role": "user", "content": f"Examples {b}. {words(rng, n // 2)}"},
+        {"role": "assistant", "content": words(rng, n - n // 2)},
+    ]
 
 
 def unshared(rows: list[dict[str, Any]], samples: int) -> list[dict[str, Any]]:
@@ -352,11 +368,18 @@ def run_router(
 
 def run_variant(work: Path, wl: Workload, reqs_path: Path, engines: list[Any], args: argparse.Namespace,
                 variant: str) -> dict[str, Any]:  # fmt: skip
-    """``variant`` on the running servers, their prefix caches flushed first; what it took."""
+    """``variant`` on the running servers, their prefix caches flushed first; what it took, and
+    the cores other processes of the machine used meanwhile (``others_cores``: noise)."""
+
+    def ours() -> float:
+        return own_cpu_s() + sum(tree_cpu_s(e.pid) for e in engines)
+
+    t0, busy0, ours0 = time.monotonic(), busy_cpu_s(), ours()
     if variant in ("least-loaded", "affinity"):
         wall, offsets = run_tokenmill(work, wl, engines, args, affinity=variant == "affinity")
     else:
         wall, offsets = run_router(work, reqs_path, engines, args, variant)
+    others = max(0.0, busy_cpu_s() - busy0 - (ours() - ours0)) / (time.monotonic() - t0)
     logs = [SglangLog.since(e.log, off) for e, off in zip(engines, offsets, strict=True)]
     return {
         "jobs": wl.jobs(),
@@ -365,6 +388,7 @@ def run_variant(work: Path, wl: Workload, reqs_path: Path, engines: list[Any], a
         "cached_tokens": sum(x.cached_tokens for x in logs),
         "new_by_server": [x.new_tokens for x in logs],
         "retractions": sum(x.retractions for x in logs),
+        "others_cores": round(others, 2),
     }
 
 
@@ -418,9 +442,10 @@ def report(name: str, results: dict[str, list[dict[str, Any]]], args: argparse.N
             f"{med(rs, 'cached_tokens'):,.0f}",
             f"{med(rs, 'retractions'):g} ({each(rs, 'retractions')})",
             f"{med(rs, 'wall_s') / ref:.3f}" if ref else "",
+            f"{med(rs, 'others_cores'):.2f}",
         ])  # fmt: skip
     head = ["variant", "wall s (rounds)", "prompt tokens computed (rounds)", "computed A / B", "cached",
-            "retractions (rounds)", "wall / cache_aware"]  # fmt: skip
+            "retractions (rounds)", "wall / cache_aware", "others' cores"]  # fmt: skip
     first = next(iter(results.values()))
     out = [f"\nworkload {name}: {first[0]['jobs']} jobs, median of {len(first)}", table(head, rows)]
     out += verdicts(name, results, med)
