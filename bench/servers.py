@@ -60,6 +60,8 @@ from _common import (
     http_status,
     machine,
     own_cpu_s,
+    setting,
+    settings_text,
     start_worker,
     table,
     tree_cpu_s,
@@ -306,6 +308,7 @@ def run_tokenmill(
             "TOKENMILL_REDIS_URL": rds.url,
             "TOKENMILL_SERVER_URL": ",".join(e.url for e in engines),
             "TOKENMILL_SERVER_AFFINITY": "1" if affinity else "0",
+            **dict(args.worker_env),
         }
         start_worker(children, work, "short", args.concurrency, env)
         client = redis.Redis.from_url(rds.url)
@@ -491,6 +494,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--lock", default=None, help="a file to flock around each round of a workload")
     ap.add_argument("--json-out", default=None, help="append each run's figures as a JSON line here")
+    ap.add_argument(
+        "--worker-env", type=setting, action="append", default=[], metavar="NAME=VALUE",
+        help="a setting for the tokenmill variants' worker (e.g. TOKENMILL_ADMISSION=false)",
+    )  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs)")
     args = ap.parse_args()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -500,6 +507,8 @@ def main() -> None:
     exit_on_sigterm()
     print(f"machine: {machine()}")
     print(f"model: Qwen2 {MODEL}, dummy weights; servers on cores {', '.join(SERVER_CORES)}, 1 thread each")
+    if args.worker_env:
+        print(f"the tokenmill variants' worker: {settings_text(args.worker_env)}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     load = MachineLoad()
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
