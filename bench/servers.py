@@ -25,7 +25,7 @@ completion, and from SGLang's own log lines the prompt tokens it computed (``#ne
 found cached (``#cached-token``) in its prefill batches, split by server, and its retractions.
 The table gives the medians of the rounds and each round's figure.
 
-    python bench/servers.py --engine sglang --lock /tmp/tokenmill-heavy.lock   # 3 rounds: ~20 min
+    python bench/servers.py --engine sglang --lock /tmp/tokenmill-heavy.lock   # ~25 min under the lock
     python bench/servers.py --engine sglang --workloads shared --only affinity,cache_aware --rounds 1
 
 Only the real engine has a prefix cache (the sim has none), so ``--engine`` has one choice.
