@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -411,3 +413,58 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def verdict(ok: bool) -> str:
     return "meets target" if ok else "MISSES target"
+
+
+@contextlib.contextmanager
+def heavy(lock: str | None) -> Iterator[None]:
+    """Hold ``lock`` (flock) while a run goes, so that runs on a shared machine never overlap
+    with test suites or other benchmarks; wait for a quiet machine once it is held."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            wait_quiet(20.0, window_s=1.0)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# SGLang's scheduler log lines (reference/sglang-contract.md, 5.3 and 5.4)
+_RETRACT_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
+_USED_RE = re.compile(r"#token: (\d+)")
+_PREFILL_RE = re.compile(r"Prefill batch[^#]*#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+_DECODE_RE = re.compile(r"Decode batch[^#]*#running-req: (\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class SglangLog:
+    """What SGLang's own log lines say of a stretch of its work."""
+
+    retractions: int  # requests retracted (``KV cache pool is full. Retract requests.``)
+    peak_kv: int | None  # the highest ``#token:`` (KV in use) of a decode line
+    prefill_seqs: list[int]  # ``#new-seq`` of each prefill batch
+    new_tokens: int  # prompt tokens computed (``#new-token``, summed over the prefill batches)
+    cached_tokens: int  # prompt tokens found in the prefix cache (``#cached-token``)
+    decode_running: list[int]  # ``#running-req`` of each logged decode step (every 40th)
+
+    @classmethod
+    def parse(cls, text: str) -> SglangLog:
+        prefills = [(int(s), int(n), int(c)) for s, n, c in _PREFILL_RE.findall(text)]
+        used = [int(m) for m in _USED_RE.findall(text)]
+        return cls(
+            retractions=sum(int(n) for n in _RETRACT_RE.findall(text)),
+            peak_kv=max(used, default=None),
+            prefill_seqs=[s for s, _, _ in prefills],
+            new_tokens=sum(n for _, n, _ in prefills),
+            cached_tokens=sum(c for _, _, c in prefills),
+            decode_running=[int(n) for n in _DECODE_RE.findall(text)],
+        )
+
+    @classmethod
+    def since(cls, log: Path, offset: int) -> SglangLog:
+        """The lines written to ``log`` from byte ``offset`` on."""
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            return cls.parse(fh.read().decode(errors="replace"))

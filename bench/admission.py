@@ -35,8 +35,6 @@ flock around each run, for a machine that others share.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import re
 import statistics
@@ -44,7 +42,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +50,9 @@ import redis
 from _common import (
     Children,
     MachineLoad,
+    SglangLog,
     exit_on_sigterm,
+    heavy,
     machine,
     pin_clients,
     proc_cpu_s,
@@ -73,10 +72,6 @@ from tokenmill import keys
 RUN = "b"
 WARM_RUN = "w"  # the warm-up run of a warm start, in the same Redis and on the same server
 PARTITION = "P"
-_RETRACT_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
-_USED_RE = re.compile(r"#token: (\d+)")
-_PREFILL_RE = re.compile(r"Prefill batch[^#]*#new-seq: (\d+)")
-_DECODE_RE = re.compile(r"Decode batch[^#]*#running-req: (\d+)")
 
 
 def get_json(url: str) -> Any:
@@ -137,13 +132,11 @@ class Server:
         if self.engine == "sim":
             st = get_json(f"{self.url}/_sim/stats")
             return {"retractions": int(st.get("retracted_total", 0)), "peak_kv": st.get("peak_used_tokens")}
-        text = self.log.read_text(errors="replace")
-        used = [int(m) for m in _USED_RE.findall(text)]
-        seqs = [int(n) for n in _PREFILL_RE.findall(text)]
-        running = [int(n) for n in _DECODE_RE.findall(text)]
+        log = SglangLog.parse(self.log.read_text(errors="replace"))
+        seqs, running = log.prefill_seqs, log.decode_running
         return {
-            "retractions": sum(int(n) for n in _RETRACT_RE.findall(text)),
-            "peak_kv": max(used, default=None),
+            "retractions": log.retractions,
+            "peak_kv": log.peak_kv,
             "prefills": len(seqs),
             "per_prefill": round(sum(seqs) / len(seqs), 1) if seqs else 0.0,
             "decode_running": round(statistics.fmean(running), 1) if running else 0.0,
@@ -440,22 +433,6 @@ def measure(
                 with open(json_out, "a") as fh:
                     fh.write(json.dumps({"cell": cell, "round": round_no, "variant": label, **r}) + "\n")
     return results
-
-
-@contextlib.contextmanager
-def heavy(lock: str | None) -> Iterator[None]:
-    """Hold ``lock`` (flock) while a variant runs, so that runs on a shared machine never overlap
-    with test suites or other benchmarks; wait for a quiet machine once it is held."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            wait_quiet(20.0, window_s=1.0)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
