@@ -431,7 +431,7 @@ def heavy(lock: str | None) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-# SGLang's scheduler log lines (reference/sglang-contract.md, 5.3 and 5.4)
+# SGLang's scheduler log lines (0.5.23: docs/sglang-conformance.md, and server_mgr/logparse.py reads them too)
 _RETRACT_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 _USED_RE = re.compile(r"#token: (\d+)")
 _PREFILL_RE = re.compile(r"Prefill batch[^#]*#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
