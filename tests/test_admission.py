@@ -195,6 +195,23 @@ def test_requests_that_peaked_together_size_the_window_while_their_successors_ar
     assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
 
 
+def test_requests_that_peak_between_two_figures_are_sized_by_the_rise_they_were_seen_on(
+    rclient: redis.Redis,
+) -> None:
+    # Given 17 requests that started together and run to max_tokens 200 (223 tokens each at their
+    # peak), as many ended before them, on a 4,000-token pool read every half second
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(rclient, 17, n=17, admitted=34, total=17 * 223)
+    # When the figures show them at 98 tokens each, then at 190 (they end before the next figures)
+    a.adapt("srv", load(17, used=17 * 98, capacity=4000), None)
+    a.adapt("srv", load(17, used=17 * 190, capacity=4000), None)
+    # and then their successors, young, with a request refused
+    rclient.hset(USED, mapping={"refused": 1, "admitted": 51})
+    # Then the window does not grow: sized by the 190 seen, 20 would fit, but rising 92 tokens a
+    # reading they reached their projected peak (223) before they ended, where 17 fit
+    assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
+
+
 def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many_ended(
     rclient: redis.Redis,
 ) -> None:

@@ -22,8 +22,9 @@
 --          admission projects beyond it (the mean projected peak of the requests in flight,
 --          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
 --          mean use the server has reported since the window started while at least half the
---          window ran (`seen_each`): sharing the headroom bets that requests are at different
---          stages, and requests that started together (a cold start's first batch; outputs that
+--          window ran, plus its rise since the figures before (what the requests will hold by the
+--          next figures if they have not ended; at most `total` / `n`) (`seen_each`): sharing
+--          the headroom bets that requests are at different stages, and requests that started together (a cold start's first batch; outputs that
 --          all run to max_tokens end together, so their successors start together too) reach
 --          their peaks together, which that highest mean shows once they have; until as many
 --          requests ended since the window started as half of those in flight (the admitted
@@ -51,7 +52,7 @@ local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
-  'start_n')
+  'start_n', 'srv_running', 'srv_used')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
@@ -71,11 +72,19 @@ local ended = tonumber(f[13] or '0') + admitted - tonumber(f[12] or '0') - n
 local ceiling = tonumber(ARGV[9]) * capacity
 local present = 0  -- the running requests' mean use now, and the highest seen since the start
 if running > 0 then present = used / running end
-local seen = tonumber(f[10] or '0')
--- only while most of the window runs: a few stragglers alone say nothing of requests together
-if running * 2 >= window then seen = math.max(seen, present) end
 local peak = 0  -- the requests in flight's mean projected peak
 if n > 0 then peak = tonumber(f[8] or '0') / n end
+local seen = tonumber(f[10] or '0')
+-- only while most of the window runs: a few stragglers alone say nothing of requests together
+if running * 2 >= window then
+  -- figures come every poll, and requests that peak together may end before the next: what they
+  -- hold by then is taken as what they hold now plus the rise since the last figures (at most
+  -- their projected peak)
+  local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
+  local rise = 0
+  if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
+  seen = math.max(seen, math.min(present + rise, math.max(peak, present)))
+end
 local seen_retractions = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
 if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions then
