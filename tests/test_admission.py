@@ -212,19 +212,6 @@ def test_requests_that_peak_between_two_figures_are_sized_by_the_rise_they_were_
     assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
 
 
-def test_what_was_seen_held_at_once_scales_down_with_the_projected_peaks_of_those_in_flight(
-    rclient: redis.Redis,
-) -> None:
-    # Given a first batch seen at 219 tokens a request when projected to peak at 223 (17 fit below
-    # 3,800), long ended
-    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
-    set_window(rclient, 17, n=17, admitted=60, total=17 * 138, refused=1, seen_each=219, seen_peak=223)
-    # When the run's curve has since learned that half the outputs end early: those in flight
-    # are projected to peak at 138 each, and use 80 each now
-    # Then they are sized at 219 * 138 / 223 (135), not 219: 28 fit, half the 11 more
-    assert a.adapt("srv", load(17, used=17 * 80, capacity=4000), None) == 17 + 5
-
-
 def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many_ended(
     rclient: redis.Redis,
 ) -> None:

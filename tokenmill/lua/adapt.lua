@@ -23,8 +23,7 @@
 --          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
 --          mean use the server has reported since the window started while at least half the
 --          window ran, plus its rise since the figures before (what the requests will hold by the
---          next figures if they have not ended; at most `total` / `n`) (`seen_each`), scaled
---          down as far as `total` / `n` fell since it was taken (`seen_peak`): sharing
+--          next figures if they have not ended; at most `total` / `n`) (`seen_each`): sharing
 --          the headroom bets that requests are at different stages, and requests that started together (a cold start's first batch; outputs that
 --          all run to max_tokens end together, so their successors start together too) reach
 --          their peaks together, which that highest mean shows once they have; until as many
@@ -53,7 +52,7 @@ local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
-  'start_n', 'srv_running', 'srv_used', 'seen_peak')
+  'start_n', 'srv_running', 'srv_used')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
@@ -64,7 +63,7 @@ if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
   -- is in flight, free to grow at once
   window = math.max(smallest, n)
   limiting = limiting or n > 0
-  f[10], f[16] = false, false  -- and what the requests were seen to hold starts again
+  f[10] = false  -- and what the requests were seen to hold starts again
   f[12], f[13] = admitted, n  -- as does the count of requests ended under this window
 end
 -- requests ended since the window started: those in flight then plus those admitted since, less
@@ -76,7 +75,6 @@ if running > 0 then present = used / running end
 local peak = 0  -- the requests in flight's mean projected peak
 if n > 0 then peak = tonumber(f[8] or '0') / n end
 local seen = tonumber(f[10] or '0')
-local seen_peak = tonumber(f[16] or '0')  -- the mean projected peak when `seen` was taken
 -- only while most of the window runs: a few stragglers alone say nothing of requests together
 if running * 2 >= window then
   -- figures come every poll, and requests that peak together may end before the next: what they
@@ -85,8 +83,7 @@ if running * 2 >= window then
   local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
   local rise = 0
   if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
-  local now_seen = math.min(present + rise, math.max(peak, present))
-  if now_seen > seen then seen, seen_peak = now_seen, peak end
+  seen = math.max(seen, math.min(present + rise, math.max(peak, present)))
 end
 local seen_retractions = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
@@ -108,11 +105,7 @@ elseif not holding then
     -- whole projected peak
     local share = tonumber(ARGV[13])
     if ended * 2 < n then share = 1 end
-    -- what was seen held at once, scaled down as far as the requests in flight are projected to
-    -- peak lower than those were (the curve learned since that outputs end earlier)
-    local seen_now = seen
-    if seen_peak > 0 and peak < seen_peak then seen_now = seen * peak / seen_peak end
-    local each = math.max(seen_now, present + share * math.max(0, peak - present))
+    local each = math.max(seen, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(ceiling / each) - n
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
@@ -124,6 +117,6 @@ end
 window = math.max(smallest, window)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
-  'refused_seen', refused, 'seen_each', seen, 'seen_peak', seen_peak, 'start_admitted', f[12] or admitted,
+  'refused_seen', refused, 'seen_each', seen, 'start_admitted', f[12] or admitted,
   'start_n', f[13] or n)
 return window
