@@ -168,12 +168,13 @@ def test_the_reserve_sizes_a_request_by_its_present_use_and_a_share_of_its_proje
     rclient: redis.Redis,
 ) -> None:
     a = adm(rclient, admission_queue_target=3, admission_reserve=0.5)
-    # 10 in flight, projected to peak at 400 each, using 100 each now: sized 100 + 0.5 * 300 = 250,
+    # 10 in flight (15 admitted since the window started, 5 ended: they did not all start
+    # together), projected to peak at 400 each, using 100 each now: sized 100 + 0.5 * 300 = 250,
     # 38 fit below 9,500: half the 28 more (at the whole peak: half of 13)
-    set_window(rclient, 10, n=10, total=4000, refused=1)
+    set_window(rclient, 10, n=10, admitted=15, total=4000, refused=1)
     assert a.adapt("srv", load(10, used=1000), None) == 10 + 14
     # using more than projected (the projection lags): sized by the present use alone
-    rclient.hset(USED, mapping={"n": 24, "total": 4800, "refused": 2})
+    rclient.hset(USED, mapping={"n": 24, "admitted": 36, "total": 4800, "refused": 2})
     assert a.adapt("srv", load(24, used=7200), None) == 24 + 3  # 300 each: 31 fit, half of 7
 
 
@@ -187,11 +188,56 @@ def test_requests_that_peaked_together_size_the_window_while_their_successors_ar
     # When the server reports them at their peak together (214 each), and then their successors
     # just started (25 each), with a request refused each time
     assert a.adapt("srv", load(17, used=17 * 214, capacity=4000), None) == 17
-    rclient.hincrby(USED, "refused", 1)
+    rclient.hset(USED, mapping={"refused": 2, "admitted": 17})  # the 17 ended, 17 successors in
     # Then the window does not grow: sized by present use and 0.6 of the growth (25 + 0.6 * 198),
     # 26 would fit and 21 would overflow the pool when they peak together again; sized by the
     # 214 each they were seen to hold at once, none more fits
     assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
+
+
+def test_requests_that_peak_between_two_figures_are_sized_by_the_rise_they_were_seen_on(
+    rclient: redis.Redis,
+) -> None:
+    # Given 17 requests that started together and run to max_tokens 200 (223 tokens each at their
+    # peak), as many ended before them, on a 4,000-token pool read every half second
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(rclient, 17, n=17, admitted=34, total=17 * 223)
+    # When the figures show them at 98 tokens each, then at 190 (they end before the next figures)
+    a.adapt("srv", load(17, used=17 * 98, capacity=4000), None)
+    a.adapt("srv", load(17, used=17 * 190, capacity=4000), None)
+    # and then their successors, young, with a request refused
+    rclient.hset(USED, mapping={"refused": 1, "admitted": 51})
+    # Then the window does not grow: sized by the 190 seen, 20 would fit, but rising 92 tokens a
+    # reading they reached their projected peak (223) before they ended, where 17 fit
+    assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
+
+
+def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many_ended(
+    rclient: redis.Redis,
+) -> None:
+    # Given a cold start: before the first figures the token guard let 16 in, each held at its
+    # projected peak (prompt + max_tokens: 223 tokens) against 0.9 of a 4,000-token pool
+    a = adm(rclient, admission_fraction=0.9, admission_queue_target=3, admission_reserve=0.6)
+    slots = [a.try_admit("srv", 4000, 223, "short") for _ in range(17)]
+    assert slots.count(None) == 1  # the 17th was refused: the budget is what limits
+    # When the first figures show them young (60 tokens each), none ended
+    # Then the window starts at the 16 and grows only by what fits at their whole peaks (17 of
+    # 223 below 3,800), not at 60 + 0.6 * 163 each (24 fit: 20), which started together would
+    # overflow the pool when they peak together
+    assert a.adapt("srv", load(16, used=16 * 60, capacity=4000), None) == 16 + 1
+    assert a.try_admit("srv", 4000, 223, "short") is not None
+    assert a.try_admit("srv", 4000, 223, "short") is None
+    assert a.adapt("srv", load(17, used=17 * 120, capacity=4000), None) == 17
+    # And while fewer than half of those in flight ended (their successors admitted), the rest
+    # of the batch has yet to peak: still sized at their whole peaks; once half ended, the reserve
+    # sizes the young ones again
+    first_batch = [slot for slot in slots if slot is not None]
+    for ended in range(1, 10):
+        a.release(first_batch[ended - 1])
+        assert a.try_admit("srv", 4000, 223, "short") is not None
+        assert a.try_admit("srv", 4000, 223, "short") is None
+        window = a.adapt("srv", load(17, used=(17 - ended) * 120 + ended * 25, capacity=4000), None)
+        assert window == 17 if ended < 9 else window > 17
 
 
 def test_a_retraction_does_not_take_the_window_below_what_fits_at_the_projected_peaks(

@@ -22,10 +22,15 @@
 --          admission projects beyond it (the mean projected peak of the requests in flight,
 --          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
 --          mean use the server has reported since the window started while at least half the
---          window ran (`seen_each`): sharing the headroom bets that requests are at different
---          stages, and requests that started together (a cold start's first batch; outputs that
+--          window ran, plus its rise since the figures before (what the requests will hold by the
+--          next figures if they have not ended; at most `total` / `n`) (`seen_each`): sharing
+--          the headroom bets that requests are at different stages, and requests that started together (a cold start's first batch; outputs that
 --          all run to max_tokens end together, so their successors start together too) reach
---          their peaks together, which that highest mean shows once they have; it jumps while
+--          their peaks together, which that highest mean shows once they have; until as many
+--          requests ended since the window started as half of those in flight (the admitted
+--          count at the start, `start_admitted` and `start_n`, tell), most of those in flight
+--          may have started together and not yet peaked, so each is sized at its whole
+--          projected peak (ARGV 13 counts as 1); it jumps while
 --          the pool has room for many more, creeps as it fills, and stops where the requests in
 --          flight would fill it at that size (by the queue target while nothing sizes a request
 --          yet); too much growth is cheap: the server queues what it cannot start and rule 2
@@ -46,8 +51,10 @@ local used, capacity = tonumber(ARGV[3]), tonumber(ARGV[4])
 local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])))
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
-  'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each')
+  'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
+  'start_n', 'srv_running', 'srv_used')
 local n = tonumber(f[1] or '0')
+local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
 local limiting = refused > tonumber(f[6] or '0')
 local window = tonumber(f[2] or '0')
@@ -57,15 +64,27 @@ if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
   window = math.max(smallest, n)
   limiting = limiting or n > 0
   f[10] = false  -- and what the requests were seen to hold starts again
+  f[12], f[13] = admitted, n  -- as does the count of requests ended under this window
 end
+-- requests ended since the window started: those in flight then plus those admitted since, less
+-- those in flight now (a slot given back, or expired)
+local ended = tonumber(f[13] or '0') + admitted - tonumber(f[12] or '0') - n
 local ceiling = tonumber(ARGV[9]) * capacity
 local present = 0  -- the running requests' mean use now, and the highest seen since the start
 if running > 0 then present = used / running end
-local seen = tonumber(f[10] or '0')
--- only while most of the window runs: a few stragglers alone say nothing of requests together
-if running * 2 >= window then seen = math.max(seen, present) end
 local peak = 0  -- the requests in flight's mean projected peak
 if n > 0 then peak = tonumber(f[8] or '0') / n end
+local seen = tonumber(f[10] or '0')
+-- only while most of the window runs: a few stragglers alone say nothing of requests together
+if running * 2 >= window then
+  -- figures come every poll, and requests that peak together may end before the next: what they
+  -- hold by then is taken as what they hold now plus the rise since the last figures (at most
+  -- their projected peak)
+  local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
+  local rise = 0
+  if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
+  seen = math.max(seen, math.min(present + rise, math.max(peak, present)))
+end
 local seen_retractions = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
 if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions then
@@ -81,7 +100,12 @@ elseif not holding then
     window = math.min(window, running + target)
   elseif waiting == 0 and limiting and capacity > 0 and used < ceiling then
     -- present use plus ARGV 13 of the growth projected beyond it, at least the highest seen
-    local each = math.max(seen, present + tonumber(ARGV[13]) * math.max(0, peak - present))
+    -- until as many requests ended as half of those in flight, most of those in flight may have
+    -- started together (a cold start's first batch) and will peak together: each is sized at its
+    -- whole projected peak
+    local share = tonumber(ARGV[13])
+    if ended * 2 < n then share = 1 end
+    local each = math.max(seen, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(ceiling / each) - n
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
@@ -93,5 +117,6 @@ end
 window = math.max(smallest, window)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
-  'refused_seen', refused, 'seen_each', seen)
+  'refused_seen', refused, 'seen_each', seen, 'start_admitted', f[12] or admitted,
+  'start_n', f[13] or n)
 return window
