@@ -39,7 +39,9 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
     partitions = run_counts(client, run)
     totals = totals_of(partitions)
     now = int(client.time()[0])
-    window = [str(t) for t in range(now - WINDOW_S, now)]
+    # the last WINDOW_S seconds, this one included: a run whose every commit fell in the second
+    # the status is read in (a small run on a fast server) had shown 0 tokens/s
+    window = [str(t) for t in range(now - WINDOW_S + 1, now + 1)]
     pipe = client.pipeline(transaction=False)
     pipe.hmget(k.throughput(), window)
     pipe.hgetall(k.stats())

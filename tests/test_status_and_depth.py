@@ -12,9 +12,11 @@ from pathlib import Path
 import orjson
 import redis
 
+from producer.status import run_status
 from tests.keyspace import key_events
 from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import ROOT, Proc, start_sim, start_worker, wait_for, worker_env
+from tokenmill import keys
 
 
 @dataclass
@@ -159,3 +161,12 @@ def test_status_shows_progress_failures_and_admission(
         )
         watch.send_signal(signal.SIGINT)
         assert watch.wait(20) == 130
+
+
+def test_tokens_per_s_counts_the_second_the_status_is_read_in(rclient: redis.Redis) -> None:
+    # Given a run whose every token was committed in the current second (a small run, fast)
+    now = int(rclient.time()[0])
+    rclient.hset(keys.RunKeys("r").throughput(), str(now), 600)
+
+    # Then status, read in that second, shows them: 600 tokens over its 60-second window
+    assert run_status(rclient, "r")["tokens_per_s"] == 10.0
