@@ -110,6 +110,7 @@ def test_history_reads_the_whole_run_thinned_then_only_what_is_new(tm: Client, r
     # When the page reads it whole, then asks for what came after (each read once the Redis
     # clock has left the millisecond of the last point: a read leaves the current one to the next)
     settle(rclient, keys.RunKeys("r").series())
+    settle(rclient, keys.server_series("s1"))  # written after the run's points, maybe a millisecond later
     doc = tm.history("r")
     writer.add(keys.RunKeys("r").series(), {"done": 9999, "queued": 0}, gap=False)
     settle(rclient, keys.RunKeys("r").series())
