@@ -297,7 +297,7 @@ def clean_start(engines: list[Any]) -> list[int]:
 def run_tokenmill(
     work: Path, wl: Workload, engines: list[Any], args: argparse.Namespace, affinity: bool
 ) -> tuple[float, list[int]]:
-    """One worker of ``--concurrency`` threads on both servers; the wall time from the enqueue to
+    """One worker of ``--worker-threads`` threads on both servers; the wall time from the enqueue to
     the last commit, and the servers' log offsets at its start."""
     from producer.enqueue import Enqueuer
     from tokenmill.ledger import Ledger
@@ -310,7 +310,7 @@ def run_tokenmill(
             "TOKENMILL_SERVER_AFFINITY": "1" if affinity else "0",
             **dict(args.worker_env),
         }
-        start_worker(children, work, "short", args.concurrency, env)
+        start_worker(children, work, "short", args.worker_threads, env)
         client = redis.Redis.from_url(rds.url)
         route, total, counts = routing(args), wl.jobs(), keys.RunKeys(RUN).counts()
         offsets = clean_start(engines)
@@ -486,9 +486,12 @@ def main() -> None:
         "--only", default=",".join(VARIANTS), help=f"variants, comma-separated: {', '.join(VARIANTS)}"
     )
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=32, help="the direct client's requests at a time")
     ap.add_argument(
-        "--concurrency", type=int, default=32, help="the worker's threads; the direct client's requests"
-    )
+        "--worker-threads", type=int, default=150,
+        help="the tokenmill worker's threads (its default for the short queue: admission decides "
+        "how many of them stream at once)",
+    )  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv", type=int, default=20000, help="each server's --max-total-tokens")
     ap.add_argument("--timeout", type=float, default=600)

@@ -413,6 +413,33 @@ def test_interrupted_jobs_wait_ahead_of_new_ones_in_arrival_order(rclient: redis
     run_on_worker_loop(go())
 
 
+def test_a_head_waiting_for_one_server_steps_back_once_until_room_comes(rclient: redis.Redis) -> None:
+    line = adm(rclient).line
+
+    async def go() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            a, b, c = [await stack.enter_async_context(line.join()) for _ in range(3)]
+            # Given a head refused by its home (a sibling's server) alone: the next job asks
+            assert a.step_back() and b.first() and list(line._turns) == [b, a, c]
+            assert not a.step_back()  # only the head steps back
+            # the next one steps back too: the first that has not (c) asks next
+            assert b.step_back() and list(line._turns) == [c, b, a]
+            # When the last one steps back there is no one left to pass to: it stays the head
+            assert c.step_back() is False and c.first()
+            # Then a slot freed here lets everyone ask again, in line order
+            line.wake_head()
+            await asyncio.sleep(0)
+            assert not any(t.passed for t in (a, b, c))
+            # and a wake-up a job had when it stepped back is used up by its next wait, not kept
+            # (it looped on it behind the head: the worker spun at 94% of a core)
+            assert c.first() and c.step_back() and b.first()
+            assert c._wake.is_set()
+            await c.wait(5.0)
+            assert not c._wake.is_set()
+
+    run_on_worker_loop(go())
+
+
 def test_a_slot_released_from_another_thread_wakes_the_head_at_once_and_leaving_wakes_the_next(
     rclient: redis.Redis,
 ) -> None:

@@ -4,6 +4,7 @@ the server their prompt prefers while it has room, and spill to the other when i
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -51,11 +52,17 @@ def test_turns_of_a_conversation_share_a_key() -> None:
     assert affinity.prefix_key(first) == affinity.prefix_key(later)
 
 
-def test_rows_sharing_only_a_system_prompt_spread() -> None:
-    system = {"role": "system", "content": "A long instruction block. " * 200}
-    keys_ = {affinity.prefix_key(user(f"question {i}", system)) for i in range(50)}
+def test_rows_sharing_a_long_system_message_share_its_key_and_short_ones_spread() -> None:
+    # a long system message (an instruction or few-shot block) is the key: its rows share a server
+    long = {"role": "system", "content": "A long instruction block. " * 80}  # 2,080 characters
+    assert len({affinity.prefix_key(user(f"question {i}", long)) for i in range(50)}) == 1
+    # a short one is not worth a server: its rows spread by their first user message
+    short = {"role": "system", "content": "A short instruction. " * 90}  # 1,890 characters
+    keys_ = {affinity.prefix_key(user(f"question {i}", short)) for i in range(50)}
     assert len(keys_) == 50
     assert len({preferred(k, SERVERS[:2]) for k in keys_}) == 2
+    # and without admission to spill them (long_system=False) long ones spread too
+    assert len({affinity.prefix_key(user(f"q {i}", long), long_system=False) for i in range(50)}) == 50
 
 
 def test_the_key_ignores_key_order_and_takes_content_parts_and_rendered_options() -> None:
@@ -120,9 +127,23 @@ def test_the_preferred_server_comes_first_then_the_least_full() -> None:
     key = affinity.prefix_key(user("x"))
     rank = affinity.ranked(key, SERVERS)
     fullness = [0.0, 0.0, 0.0]
-    fullness[rank[0]] = 0.9  # the preferred server is the fullest: still tried first
+    fullness[rank[0]] = 0.55  # the preferred server is the fullest, within the slack: tried first
     fullness[rank[1]] = 0.5
+    fullness[rank[2]] = 0.5 - affinity.BALANCE_SLACK / 2
     assert affinity.dispatch_order(key, SERVERS, fullness) == [rank[0], rank[2], rank[1]]
+    fullness[rank[0]] = 0.5 - affinity.BALANCE_SLACK / 2 + affinity.BALANCE_SLACK * 1.01  # beyond it
+    assert affinity.dispatch_order(key, SERVERS, fullness) == [rank[2], rank[1], rank[0]]
+    # a sibling's home comes first however full (its prefix is cached there), then only the
+    # servers emptier than it by more than the slack: about as busy, it waits for its home
+    home = SERVERS[rank[1]]
+    assert affinity.dispatch_order(key, SERVERS, [0.5, 0.5, 0.5], home) == [rank[1]]
+    emptier = [0.5, 0.5, 0.5]
+    emptier[rank[2]] = 0.5 - affinity.BALANCE_SLACK * 1.01
+    assert affinity.dispatch_order(key, SERVERS, emptier, home) == [rank[1], rank[2]]
+    # a server where a sibling is on its way to its first token is left out, the home too
+    assert rank[0] not in affinity.dispatch_order(key, SERVERS, [0.0] * 3, cold=[SERVERS[rank[0]]])
+    assert affinity.dispatch_order(key, SERVERS, emptier, home, cold=[home]) == [rank[2]]
+    assert affinity.dispatch_order(key, SERVERS, [0.0] * 3, cold=SERVERS) == []
     # nothing admitted anywhere (admission not limiting): the rendezvous order, not the list's
     assert affinity.dispatch_order(key, SERVERS, [0.0, 0.0, 0.0]) == rank
     # affinity off: least full first, ties in a random order (the list's order sent every job to
@@ -146,8 +167,57 @@ def test_a_siblings_home_comes_first_and_is_waited_for_within_the_wait() -> None
     assert job.home(now=103.0) == (home, False)  # ...and ends 2 s later: spill
     assert affinity.JobAffinity(other, homes, 2.0).home(now=101.0) == (None, False)
     assert affinity.JobAffinity(key, homes, 2.0).home(now=160.5) == (None, False)  # forgotten after ttl_s
-    off = affinity.JobAffinity(key, homes, wait_s=0.0)  # the default: no home, no wait
-    assert off.home(now=101.0) == (None, False)
+    no_wait = affinity.JobAffinity(key, homes, wait_s=0.0)  # the default: the home first, no wait
+    assert no_wait.home(now=101.0) == (home, False)
+
+
+def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token() -> None:
+    async def run() -> None:
+        homes, prefills = affinity.Homes(ttl_s=60), affinity.Prefills()
+        key, other = affinity.prefix_key(user("x")), affinity.prefix_key(user("y"))
+
+        def job(k: bytes) -> affinity.JobAffinity:
+            return affinity.JobAffinity(k, homes, 0.0, prefills)
+
+        # Given a key's first job, which leads (nothing to wait for), and a sibling after it
+        leader = job(key)
+        assert leader.sibling_prefill(now=1.0) is None
+        sibling = job(key).sibling_prefill(now=1.1)
+        assert sibling is not None and not sibling.is_set()
+        assert job(other).sibling_prefill(now=1.1) is None  # another key: its own leader
+        # When the leader is admitted on s2 and its first token comes
+        leader.admitted("s2", now=1.2)
+        assert job(key).sibling_prefill(now=1.3) is sibling  # still waiting until the token
+        assert leader.cold() == ["s2"]  # and no sibling goes to s2 before it (one prefill batch)
+        leader.first_token()
+        # Then the siblings go, to its server, and later ones neither wait nor lead
+        assert sibling.is_set() and leader.cold() == []
+        later = job(key)
+        assert later.sibling_prefill(now=2.0) is None and later.home(now=2.0) == ("s2", False)
+        assert prefills.pending(key) is None
+        leader.ended()  # the job's end: nothing left to do
+        # a sibling admitted where the prefix is warm is not cold there; one spilled elsewhere is
+        later.admitted("s2", now=2.1)
+        assert later.cold() == []
+        spilled = job(key)
+        spilled.admitted("s1", now=2.2)
+        assert spilled.cold() == ["s1"] and later.home(now=2.3) == ("s1", False)
+        spilled.ended()  # ended without a token: s1 is neither cold nor warm for the key
+        assert spilled.cold() == [] and homes.put(key, "s1", now=2.4)  # so the next one is cold
+
+        # Given a leader that ends without a token and was never admitted (no home)
+        z = affinity.prefix_key(user("z"))
+        lost = job(z)
+        assert lost.sibling_prefill(now=3.0) is None
+        waiting = job(z).sibling_prefill(now=3.1)
+        assert waiting is not None
+        # When it ends
+        lost.ended()
+        # Then its siblings go, and the key's next job leads afresh
+        assert waiting.is_set() and prefills.pending(z) is None
+        assert job(z).sibling_prefill(now=3.2) is None and prefills.pending(z) is not None
+
+    asyncio.run(run())
 
 
 def test_homes_keep_the_most_recent_keys() -> None:
@@ -284,3 +354,29 @@ def test_with_affinity_off_samples_go_least_full_first_as_before(
     ran = run_samples(tmp_path, rclient, env, prompts, procs)
     # Then jobs alternate by load: samples of one prompt run on both servers
     assert any(set(ran[p]) == set(urls) for p in prompts), ran
+
+
+def test_the_samples_of_a_prompt_wait_for_the_first_ones_first_token_then_go_to_its_server(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given two sims whose prefill is slow (a token a millisecond: these prompts take ~0.3 s)
+    sims = [start_sim(tmp_path, *SIM, "--sim-prefill-tokens-per-ms", "1") for _ in range(2)]
+    procs += [p for p, _ in sims]
+    urls = [u for _, u in sims]
+    prompts = [f"prompt number {i}: " + "a long shared prompt " * 50 for i in range(2)]
+    # When their samples run on 8 threads
+    ran = run_samples(tmp_path, rclient, affinity_env(redis_url, urls), prompts, procs)
+    # Then each prompt's first sample ran alone until its first token, and the others were
+    # claimed after it (its prompt then cached), on its server
+    k = keys.RunKeys("r")
+    for i, p in enumerate(prompts):
+        claims = []
+        for s in range(SAMPLES):
+            job = rclient.hmget(k.job(f"P:{i}#{s}"), ["claimed_ms", "result"])
+            claims.append((int(job[0]), orjson.loads(job[1])["ttft_s"]))
+        claims.sort()
+        (lead_ms, lead_ttft), rest = claims[0], claims[1:]
+        assert lead_ttft > 0.1, claims  # the slow prefill, so the test can tell
+        first_token_ms = lead_ms + lead_ttft * 1000
+        assert all(ms >= first_token_ms - 5 for ms, _ in rest), (first_token_ms, claims)
+        assert len(set(ran[p])) == 1, (p, Counter(ran[p]))

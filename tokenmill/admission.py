@@ -58,6 +58,7 @@ class Slot:
     server: str
     member: str
     tokens: int
+    shared: int = 0  # tokens of its prompt taken as cached on the server (its prefix's home)
 
     @property
     def key(self) -> str:
@@ -132,9 +133,13 @@ class Admission:
         cached = self._curves.get(run)
         return cached[1] if cached and time.monotonic() - cached[0] < STATS_TTL_S else None
 
-    def tracker(self, run: str, request: dict[str, Any], base_tokens: int) -> LengthTracker:
-        """What a running request reports at heartbeats and commit (hold, length bins reached)."""
-        return LengthTracker(lambda generated: self.held(run, request, generated), base_tokens)
+    def tracker(self, run: str, request: dict[str, Any], base_tokens: int, shared: int = 0) -> LengthTracker:
+        """What a running request reports at heartbeats and commit (hold, length bins reached);
+        ``shared``: tokens of its prompt already cached on its server, which it holds no more
+        of than its siblings do."""
+        return LengthTracker(
+            lambda generated: max(1, self.held(run, request, generated) - shared), base_tokens
+        )
 
     def load(self, server: str) -> int:
         """Tokens currently admitted on ``server``."""

@@ -84,6 +84,10 @@ class Settings:
     # with affinity, how long a job whose sibling (same prefix key) this process admitted on a
     # server in the last minute waits for that server before it spills; 0: it spills at once
     server_affinity_wait_s: float = 0.0
+    # with affinity, how long the siblings of a job (same prefix key) this process is sending
+    # first wait for its first token, so that its prompt is in its server's cache before they
+    # go there (tokenmill/affinity.py, Prefills); 0: they go at once
+    server_prefill_wait_s: float = 10.0
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
     server_wait_s: float = 1.0
 
@@ -160,7 +164,7 @@ class Settings:
             raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
         if self.seal_batch_jobs < 1:
             raise ConfigError(f"seal_batch_jobs must be at least 1, got {self.seal_batch_jobs}")
-        for name in ("seal_after_s", "seal_check_s", "server_affinity_wait_s"):
+        for name in ("seal_after_s", "seal_check_s", "server_affinity_wait_s", "server_prefill_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.admission_fraction <= 1:

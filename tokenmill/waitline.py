@@ -22,6 +22,13 @@ class Turn:
         self._line = line
         self._wake = asyncio.Event()
         self.ahead = ahead
+        self.passed = False  # stepped back since the last slot freed here
+
+    def step_back(self) -> bool:
+        """Let the first job that has not stepped back ask before this one (the head waits for
+        one server only; the job behind may have room elsewhere). False when there is none:
+        this job stays the head and waits."""
+        return self._line.step_back(self)
 
     def first(self) -> bool:
         """Whether this job is at the head of the line (the one that asks for room)."""
@@ -33,10 +40,13 @@ class Turn:
         self._wake.clear()
 
     async def wait(self, timeout_s: float) -> None:
-        """Sleep until woken (head reached, or a slot freed here) or ``timeout_s``."""
+        """Sleep until woken (head reached, or a slot freed here) or ``timeout_s``; a wake-up
+        is used up (a job woken as the head, then moved back, must not find it set again
+        behind: it would spin)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._wake.wait()
+        self._wake.clear()
 
     def wake(self) -> None:
         self._wake.set()
@@ -71,8 +81,23 @@ class WaitLine:
             loop.call_soon_threadsafe(self._wake_head)
 
     def _wake_head(self) -> None:
+        for turn in self._turns:  # room may have come: every job asks again, in line order
+            turn.passed = False
         if self._turns:
             self._turns[0].wake()
+
+    def step_back(self, turn: Turn) -> bool:
+        if not self._turns or self._turns[0] is not turn:
+            return False
+        at = next((i for i, t in enumerate(self._turns) if not t.passed and t is not turn), None)
+        if at is None:
+            return False
+        ahead = self._turns[at]
+        del self._turns[at]
+        self._turns.appendleft(ahead)  # the first job that has not stepped back asks now
+        turn.passed = True
+        ahead.wake()
+        return True
 
     @contextlib.asynccontextmanager
     async def join(self, ahead: bool = False) -> AsyncIterator[Turn]:

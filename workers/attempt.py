@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -85,9 +86,12 @@ def uncounted(base: Checkpoint) -> str | None:
     return "the server never stated its token count (no usage on the stream's chunks)"
 
 
-async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attempted:
+async def attempt_job(
+    rt: Runtime, claim: Claim, url: str, slot: Slot, on_first: Callable[[], None] | None = None
+) -> Attempted:
     """Stream a claimed job on the worker's loop; an error is returned in the result, for the
-    task's thread to settle (it may have to wait for Redis)."""
+    task's thread to settle (it may have to wait for Redis). ``on_first`` is called at the
+    stream's first chunk."""
     s = rt.settings
     base = claim.checkpoint if s.continue_partial else Checkpoint()
     why = (restart_reason(claim.spec["request"]) or uncounted(base)) if base.tokens else None
@@ -95,10 +99,10 @@ async def attempt_job(rt: Runtime, claim: Claim, url: str, slot: Slot) -> Attemp
         log.info("job %s: starting over (%d tokens thrown away): %s", claim.job_id, base.tokens, why)
     if why is not None or not base:  # a checkpoint without text (tool calls) is no base either
         base = Checkpoint()
-    state = AttemptState(base=base, progress=Progress())
+    state = AttemptState(base=base, progress=Progress(on_first=on_first))
     tracker = None
     if slot.tokens:
-        tracker = rt.admission.tracker(claim.run, claim.spec["request"], base.tokens)
+        tracker = rt.admission.tracker(claim.run, claim.spec["request"], base.tokens, slot.shared)
         state.slot_update = tracker.update
     else:
         claim.slot = None

@@ -50,14 +50,23 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
         return "missing"
     if peeked.state in FINAL_STATES:
         return peeked.state
-    started = await _admit(rt, ll, job_id, peeked)
-    if started is None:
-        return "stopping"
-    if isinstance(started, str):
-        log.info("job %s/%s not claimed: %s", run, job_id, started)
-        return started
-    server, slot, claim = started
-    done = await attempt_job(rt, claim, server.url, slot)
+    s = rt.settings
+    # the job's prefix key, once per delivery (None: affinity off, or no second server to choose)
+    several = s.server_affinity and len(s.server_urls) > 1
+    prefix = affinity.prefix(peeked.spec["request"], long_system=s.admission) if several else None
+    prefills = rt.prefills if s.server_prefill_wait_s > 0 else None
+    aff = affinity.JobAffinity.of(prefix, rt.homes, s.server_affinity_wait_s, prefills)
+    try:
+        started = await _admit(rt, ll, job_id, peeked, aff)
+        if started is None:
+            return "stopping"
+        if isinstance(started, str):
+            log.info("job %s/%s not claimed: %s", run, job_id, started)
+            return started
+        server, slot, claim = started
+        done = await attempt_job(rt, claim, server.url, slot, on_first=aff.first_token)
+    finally:
+        aff.ended()  # with or without a first token: its siblings wait for it no longer
     if done.error is not None:
         return done
     commit = done.commit(rt.settings)
@@ -66,7 +75,7 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
 
 
 async def _admit(
-    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek
+    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
 ) -> tuple[ServerView, Slot, Claim] | str | None:
     """Wait in this process's line for a ready server with room, and claim the job with the slot
     in the same round trip (``start.lua``). Returns the server, the slot and the claim; why the
@@ -76,14 +85,13 @@ async def _admit(
     and every ``admission_wait_s`` for slots freed elsewhere. While it waits the job holds a
     waiting lease, so that if this worker dies the job is republished at once instead of when
     the broker's visibility timeout restores the message; a job admitted at once never needs
-    one, and the claim drops it (no Redis call of its own)."""
+    one, and the claim drops it (no Redis call of its own).
+
+    A job whose sibling (same prefix key) this process is sending first waits, before it
+    joins the line, for that sibling's first token (:class:`tokenmill.affinity.Prefills`)."""
     s = rt.settings
     said = False
     held_at = 0.0
-    # the job's prefix key, once per delivery (None: affinity off, or no second server to choose)
-    several = s.server_affinity and len(s.server_urls) > 1
-    key = affinity.prefix_key(peeked.spec["request"]) if several else None
-    aff = affinity.JobAffinity(key, rt.homes, s.server_affinity_wait_s)
     claimed = False
     loop = asyncio.get_running_loop()
 
@@ -94,6 +102,11 @@ async def _admit(
             held_at = loop.time()
 
     try:
+        sibling = aff.sibling_prefill(loop.time())
+        if sibling is not None:
+            await hold()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sibling.wait(), s.server_prefill_wait_s)
         async with rt.admission.line.join(ahead=peeked.attempts > 0) as turn:
             while not rt.stopping.is_set():
                 try:
@@ -110,6 +123,8 @@ async def _admit(
                         claimed = isinstance(got, tuple) and got[2].slot is not None
                         return got
                     await hold()
+                    if got and aff.for_home and turn.step_back():
+                        continue  # waiting for its home only: the jobs behind it may go elsewhere
                 except redis.RedisError as exc:
                     log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
                     await asyncio.sleep(WAIT_RETRY_S)
@@ -131,7 +146,7 @@ async def _try_servers(
     """Admitted and claimed on a ready server: the one a sibling went to, or the one the job's
     prefix key prefers, else the least full (:func:`tokenmill.affinity.dispatch_order`; no key:
     least full first); why the job cannot be claimed; or whether any server is ready (True:
-    ready but full)."""
+    ready but full, or left out for the job's prefix: its siblings' server, a cold one)."""
     adm, s = rt.admission, rt.settings
     views = rt.pool.ready_views_now()
     if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
@@ -140,16 +155,21 @@ async def _try_servers(
     if curve is None:
         curve = await asyncio.to_thread(adm.survival, ll.run)
     tokens = adm.held_on(curve, peeked.spec["request"])
+    home, aff.for_home, ready = None, False, bool(views)
     if len(views) > 1:
         names = [v.name for v in views]
         loads = await adm.loads(ll.r, names)
         fullness = [adm.fullness(load, v.capacity) for load, v in zip(loads, views, strict=True)]
         home, only_home = aff.home(asyncio.get_running_loop().time())
-        views = [views[i] for i in affinity.dispatch_order(aff.key, names, fullness, home)]
-        if only_home and views[0].name == home:  # waiting for the server its siblings are on
+        order = affinity.dispatch_order(aff.key, names, fullness, home, aff.cold())
+        views = [views[i] for i in order]
+        if only_home and views and views[0].name == home:  # waiting for its siblings' server
             views = views[:1]
+        aff.for_home = len(views) < len(names)  # refused, it waits for the servers left out
     for view in views:
-        admit = adm.request(view.name, view.capacity, tokens, peeked.queue)
+        # at its home a sibling's shared prefix is cached: it holds only the rest of the KV
+        shared = min(aff.shared, tokens - 1) if view.name == home else 0
+        admit = adm.request(view.name, view.capacity, tokens - shared, peeked.queue)
         if admit is None:  # not limited: a plain claim, no slot
             claim = await ll.claim(job_id, rt.worker_id, s.lease_ttl_s)
             slot = Slot(view.name, "", 0)
@@ -157,8 +177,8 @@ async def _try_servers(
             claim = await ll.start(job_id, rt.worker_id, s.lease_ttl_s, admit, peeked.spec)
             if claim == "full":
                 continue
-            slot = Slot(view.name, str(admit.args[0]), tokens)
+            slot = Slot(view.name, str(admit.args[0]), tokens - shared, shared)
         if isinstance(claim, str):
             return claim
         return view, slot, claim
-    return bool(views)
+    return ready

@@ -33,6 +33,7 @@ class Runtime:
         self.pool = ServerPool(settings, self.redis)
         self.admission = Admission(self.redis, settings)
         self.homes = affinity.Homes()  # where this process admitted each prefix key lately
+        self.prefills = affinity.Prefills()  # prefix keys whose first job has no token yet
         self.stopping = threading.Event()  # stop taking work
         self.abort_streams = threading.Event()  # grace period over: checkpoint and release
         self.auth_error: str | None = None

@@ -52,6 +52,8 @@ class Progress:
     # (part, n): a stop string across the checkpoint cut n characters from the end of its part
     trim: tuple[str, int] | None = None
     whole: bool = False  # answered whole (whole_chat): no chunk comes before the end
+    # called once, at the first chunk (the prompt is prefilled and in the server's prefix cache)
+    on_first: Callable[[], None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -228,6 +230,8 @@ def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> No
         if not p.first_chunk_at:
             p.first_chunk_at = p.last_chunk_at
             p.model = obj.get("model")
+            if p.on_first is not None:
+                p.on_first()
     elif "error" in obj:
         raise taxonomy.from_error_chunk(obj)
     usage = obj.get("usage")
@@ -269,6 +273,8 @@ def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) 
         if not p.first_chunk_at:
             p.first_chunk_at = p.last_chunk_at
             p.model = obj.get("model")
+            if p.on_first is not None:
+                p.on_first()
     elif "error" in obj:
         raise taxonomy.from_error_chunk(obj)
     else:

@@ -115,6 +115,10 @@ async def _stream(
     if plan.abort:
         return await _stream_abort(request, plan, req)
     resp = await _open_stream(request)
+    # SGLang sends the role chunk with the first output, after the prefill (serving_chat's
+    # `async for content in generate_request(...)`): a client may take it as "prompt cached"
+    while not req.emitted and not req.finished:
+        await req.wait()
     await resp.write(enc.role())
     renderer = render.StreamRenderer(plan, enc)
     sent = 0
