@@ -12,18 +12,25 @@ that reach one server together, in one prefill batch, are each prefilled in full
 1. **The first job of a key leads** (:class:`Prefills`). Its siblings in this process (jobs of
    the same key delivered while it has no first token yet) wait before they ask for a slot, up
    to ``server_prefill_wait_s`` (default 10 s), until its first token: by then its prompt is in
-   its server's cache. A job that ends without a token lets them go too.
-2. **Siblings go home first** (:class:`Homes`): to the server this process last admitted a job
-   of their key on, within the last minute; when its window or budget refuses, the others are
-   tried least full first (the spill). ``server_affinity_wait_s`` (default 0: spill at once)
-   lets a sibling wait that long for its home instead.
+   its server's cache (SGLang sends the first chunk after the prefill). A job that ends without
+   a token lets them go too.
+2. **Siblings go home** (:class:`Homes`): to the server this process last admitted a job of
+   their key on, within the last minute, where the prefix is cached; and the sibling admitted
+   there holds only its own tokens of KV for admission (the prefix's pages are shared). When
+   the home's window or budget refuses, the sibling spills only to a server emptier than the
+   home by more than :data:`BALANCE_SLACK` of a budget; otherwise it waits for its home, and
+   steps back in this process's line so that the jobs behind it may go elsewhere
+   (:meth:`tokenmill.waitline.Turn.step_back`). A server where a sibling is *cold* (admitted,
+   on its way to its first token, the prefix not cached there yet) is left out, its home too:
+   two copies in one prefill batch both prefill it. ``server_affinity_wait_s`` (default 0)
+   makes a sibling wait that long for its home alone, spilling nowhere.
 3. **A key without a home goes to its preferred server** by rendezvous (highest-random-weight)
    hashing, the server with the highest ``blake2b(key, server name)``, unless that one is fuller
-   than the least full by more than :data:`BALANCE_SLACK` of a budget: then least full first
-   (bounded-load rendezvous; pure rendezvous put 10 of a run's first 12 keys on one server
-   while the other idled). Rendezvous needs no shared state: every worker on every host ranks a
-   key the same way while loads are even, distinct keys spread evenly, and a server that joins
-   or leaves moves only the keys it wins or held (~1/n of them), not a reshuffle.
+   than the least full by more than the slack: then least full first (bounded-load rendezvous;
+   pure rendezvous put 10 of a run's first 12 keys on one server while the other idled).
+   Rendezvous needs no shared state: every worker on every host ranks a key the same way while
+   loads are even, distinct keys spread evenly, and a server that joins or leaves moves only
+   the keys it wins or held (~1/n of them), not a reshuffle.
 
 The key (:func:`prefix_key`) is a hash of the leading messages up to and including the first
 user message, plus the options a chat template renders before them (``tools``) or that give the
