@@ -3,12 +3,13 @@
 Two SGLang 0.5.23 servers, one core each, serve a model big enough that prefill shows in wall
 time (:data:`MODEL`); the same jobs go through each variant:
 
-- ``least-loaded``: tokenmill (a private Redis, one real ``tokenmill worker``) with both servers
+- ``least-loaded``: tokenmill (a private Redis, one real ``tokenmill worker`` with its default
+  150 threads, ``--worker-threads``: admission decides how many stream) with both servers
   in ``TOKENMILL_SERVER_URL`` and ``TOKENMILL_SERVER_AFFINITY=0``: each job to the least full one;
 - ``affinity``: the same with ``TOKENMILL_SERVER_AFFINITY=1`` (a setting that has no effect on a
   tokenmill without it: the two variants are then the same);
 - ``cache_aware``, ``round_robin``: no tokenmill; the direct asyncio client of bench/e2e.py sends
-  the same requests, as many at a time as the worker has threads, through SGLang's router
+  the same requests, ``--concurrency`` (32) at a time, through SGLang's router
   (``sglang_router.launch_router``, from the SGLang venv) with that policy.
 
 Workloads (:func:`workload`): ``shared``, prefixes shared as datasets share them: prompts enqueued
@@ -25,7 +26,7 @@ completion, and from SGLang's own log lines the prompt tokens it computed (``#ne
 found cached (``#cached-token``) in its prefill batches, split by server, and its retractions.
 The table gives the medians of the rounds and each round's figure.
 
-    python bench/servers.py --engine sglang --lock /tmp/tokenmill-heavy.lock   # ~25 min under the lock
+    python bench/servers.py --engine sglang --lock /tmp/tokenmill-heavy.lock   # ~16 min under the lock
     python bench/servers.py --engine sglang --workloads shared --only affinity,cache_aware --rounds 1
 
 Only the real engine has a prefix cache (the sim has none), so ``--engine`` has one choice.

@@ -20,13 +20,18 @@ class Capacity(NamedTuple):
     context_length: int | None
 
 
-def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
-    """GET ``url`` as a JSON object (bearer auth when ``api_key``); raises OSError or ValueError."""
+def get_bytes(url: str, api_key: str | None, timeout_s: float) -> bytes:
+    """GET ``url``'s body (bearer auth when ``api_key``); raises OSError."""
     request = urllib.request.Request(url)
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-        data = orjson.loads(resp.read())
+        return resp.read()
+
+
+def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """GET ``url`` as a JSON object (bearer auth when ``api_key``); raises OSError or ValueError."""
+    data = orjson.loads(get_bytes(url, api_key, timeout_s))
     if not isinstance(data, dict):
         raise ValueError(f"{url} did not answer a JSON object")
     return data

@@ -18,12 +18,11 @@ pools together; where each request goes stays the router's choice.
 from __future__ import annotations
 
 import urllib.error
-import urllib.request
 from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.capacity import get_json
+from tokenmill.capacity import get_bytes, get_json
 
 # sglang:<gauge> -> the name published as live.<name> (same vocabulary as the log parser)
 METRIC_NAMES = {
@@ -125,11 +124,7 @@ def parse_metrics(text: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
 
 
 def _text(url: str, api_key: str | None, timeout_s: float) -> str:
-    request = urllib.request.Request(url)
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-        return resp.read().decode("utf-8", "replace")
+    return get_bytes(url, api_key, timeout_s).decode("utf-8", "replace")
 
 
 def in_flight(
