@@ -16,7 +16,11 @@ from tests.procs import Proc, RedisServer, start_s3
 
 SGLANG_UNIT = "real SGLang"
 SGLANG_PARAM = "sglang"  # the id of the real engine in tests.engines.ENGINE_PARAMS
-SGLANG_MODULES = ("tests/test_sglang_server.py::", "tests/test_sglang_router.py::")  # all real SGLang
+SGLANG_MODULES = (  # all real SGLang
+    "tests/test_sglang_server.py::",
+    "tests/test_sglang_router.py::",
+    "tests/test_sglang_affinity.py::",
+)
 
 
 COMPOSE_TESTS = Path(__file__).resolve().parent / "compose"
