@@ -22,7 +22,12 @@ class Turn:
         self._line = line
         self._wake = asyncio.Event()
         self.ahead = ahead
-        self.passed = False  # stepped back since the last slot freed here
+        self._passed_at = -1  # the line's epoch when it last stepped back
+
+    @property
+    def passed(self) -> bool:
+        """Whether it stepped back since the head was last woken (room may have come since)."""
+        return self._passed_at == self._line.epoch
 
     def step_back(self) -> bool:
         """Let the first job that has not stepped back ask before this one (the head waits for
@@ -57,6 +62,7 @@ class WaitLine:
 
     def __init__(self) -> None:
         self._turns: deque[Turn] = deque()
+        self.epoch = 0  # counts the head's wake-ups: a step back lasts until the next
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
@@ -81,8 +87,7 @@ class WaitLine:
             loop.call_soon_threadsafe(self._wake_head)
 
     def _wake_head(self) -> None:
-        for turn in self._turns:  # room may have come: every job asks again, in line order
-            turn.passed = False
+        self.epoch += 1  # room may have come: every job that stepped back asks again, in order
         if self._turns:
             self._turns[0].wake()
 
@@ -95,7 +100,7 @@ class WaitLine:
         ahead = self._turns[at]
         del self._turns[at]
         self._turns.appendleft(ahead)  # the first job that has not stepped back asks now
-        turn.passed = True
+        turn._passed_at = self.epoch
         ahead.wake()
         return True
 
