@@ -45,17 +45,21 @@ def test_the_samples_of_a_prompt_are_prefilled_once_when_the_first_leads(
 ) -> None:
     # Given one real SGLang server under two names, and two long prompts with 4 samples each
     own = start_engine("sglang", tmp_path, *PLAIN_FLAGS, api_key=API_KEY)
-    with FaultProxy(own.port) as proxy:
-        urls = [own.url, f"http://{proxy.address()}"]
-        env = worker_env(redis_url, ",".join(urls), api_key=API_KEY)
-        words = "the radix cache keeps every prefilled prompt for the next request that shares it"
-        rows = [{"id": str(i), "prompt": f"prompt {i}: " + " ".join([words] * 12)} for i in range(2)]
-        before = prefilled(own.output())
-        # When they run on one worker, every sample delivered at once
-        cli("enqueue", str(write_jsonl(tmp_path / "A.jsonl", rows)), "--run", "aff", "--samples",
-            str(SAMPLES), "--temperature", "0", "--short-max-tokens", "8", env=env)  # fmt: skip
-        procs.append(start_worker(tmp_path, "short", env, concurrency=16))
-        doc = wait_run_finished(rclient, "aff", 180)
+    try:
+        with FaultProxy(own.port) as proxy:
+            urls = [own.url, f"http://{proxy.address()}"]
+            env = worker_env(redis_url, ",".join(urls), api_key=API_KEY)
+            words = "the radix cache keeps every prefilled prompt for the next request that shares it"
+            rows = [{"id": str(i), "prompt": f"prompt {i}: " + " ".join([words] * 12)} for i in range(2)]
+            before = prefilled(own.output())
+            # When they run on one worker, every sample delivered at once
+            cli("enqueue", str(write_jsonl(tmp_path / "A.jsonl", rows)), "--run", "aff", "--samples",
+                str(SAMPLES), "--temperature", "0", "--short-max-tokens", "8", env=env)  # fmt: skip
+            procs.append(start_worker(tmp_path, "short", env, concurrency=16))
+            doc = wait_run_finished(rclient, "aff", 180)
+        after = prefilled(own.output())
+    finally:
+        own.stop()
     assert doc["totals"]["done"] == 2 * SAMPLES
     prompts = [[prompt_tokens(rclient, f"A:{i}#{s}") for s in range(SAMPLES)] for i in range(2)]
     once = sum(p[0] for p in prompts)
@@ -63,7 +67,6 @@ def test_the_samples_of_a_prompt_are_prefilled_once_when_the_first_leads(
     # Then SGLang computed each prompt about once (its first sample) and found it cached for the
     # other three (each recomputes its last token or so), where sent together all four are
     # computed; a few tokens more for health probes
-    after = prefilled(own.output())
     new, cached = after[0] - before[0], after[1] - before[1]
     assert new <= once + 2 * (SAMPLES - 1) * 16 + 16, (new, cached, prompts)
     assert cached >= sum(map(sum, prompts)) - once - 2 * (SAMPLES - 1) * 16, (new, cached, prompts)
