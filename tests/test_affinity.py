@@ -26,9 +26,13 @@ def user(text: str, *before: dict[str, object]) -> dict[str, object]:
     return {"model": "m", "messages": [*before, {"role": "user", "content": text}], "max_tokens": 100}
 
 
+def prefix_key(request: dict[str, object], long_system: bool = True) -> bytes:
+    return affinity.prefix(request, long_system).key
+
+
 def key_of(prompt: str) -> bytes:
     """The key of a ``prompt`` row's jobs (``enqueue`` sends it as one user message)."""
-    return affinity.prefix_key({"messages": [{"role": "user", "content": prompt}]})
+    return prefix_key({"messages": [{"role": "user", "content": prompt}]})
 
 
 def preferred(key: bytes, servers: list[str]) -> str:
@@ -40,8 +44,8 @@ def preferred(key: bytes, servers: list[str]) -> str:
 
 def test_samples_of_a_prompt_share_a_key_and_distinct_prompts_do_not() -> None:
     a = user("what is a radix tree?")
-    assert affinity.prefix_key({**a, "seed": 1}) == affinity.prefix_key({**a, "seed": 2, "temperature": 1})
-    assert affinity.prefix_key(a) != affinity.prefix_key(user("what is a trie?"))
+    assert prefix_key({**a, "seed": 1}) == prefix_key({**a, "seed": 2, "temperature": 1})
+    assert prefix_key(a) != prefix_key(user("what is a trie?"))
 
 
 def test_turns_of_a_conversation_share_a_key() -> None:
@@ -49,34 +53,34 @@ def test_turns_of_a_conversation_share_a_key() -> None:
     first = user("hello", system)
     reply = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "and?"}]
     later = {**first, "messages": [*first["messages"], *reply]}
-    assert affinity.prefix_key(first) == affinity.prefix_key(later)
+    assert prefix_key(first) == prefix_key(later)
 
 
 def test_rows_sharing_a_long_system_message_share_its_key_and_short_ones_spread() -> None:
     # a long system message (an instruction or few-shot block) is the key: its rows share a server
     long = {"role": "system", "content": "A long instruction block. " * 80}  # 2,080 characters
-    assert len({affinity.prefix_key(user(f"question {i}", long)) for i in range(50)}) == 1
+    assert len({prefix_key(user(f"question {i}", long)) for i in range(50)}) == 1
     # a short one is not worth a server: its rows spread by their first user message
     short = {"role": "system", "content": "A short instruction. " * 90}  # 1,890 characters
-    keys_ = {affinity.prefix_key(user(f"question {i}", short)) for i in range(50)}
+    keys_ = {prefix_key(user(f"question {i}", short)) for i in range(50)}
     assert len(keys_) == 50
     assert len({preferred(k, SERVERS[:2]) for k in keys_}) == 2
     # and without admission to spill them (long_system=False) long ones spread too
-    assert len({affinity.prefix_key(user(f"q {i}", long), long_system=False) for i in range(50)}) == 50
+    assert len({prefix_key(user(f"q {i}", long), long_system=False) for i in range(50)}) == 50
 
 
 def test_the_key_ignores_key_order_and_takes_content_parts_and_rendered_options() -> None:
     parts = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": "x"}}]
     a = {"messages": [{"role": "user", "content": parts}]}
     b = {"messages": [{"content": [dict(reversed(p.items())) for p in parts], "role": "user"}]}
-    assert affinity.prefix_key(a) == affinity.prefix_key(b)
-    assert affinity.prefix_key(a) != key_of("describe")
+    assert prefix_key(a) == prefix_key(b)
+    assert prefix_key(a) != key_of("describe")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    assert affinity.prefix_key({**a, "tools": [tool]}) != affinity.prefix_key(a)
-    assert affinity.prefix_key({**a, "lora_path": "ad1"}) != affinity.prefix_key({**a, "lora_path": "ad2"})
+    assert prefix_key({**a, "tools": [tool]}) != prefix_key(a)
+    assert prefix_key({**a, "lora_path": "ad1"}) != prefix_key({**a, "lora_path": "ad2"})
     # no user message at all: every message is the key
     only = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}
-    assert affinity.prefix_key(only) != affinity.prefix_key({"messages": only["messages"][:1]})
+    assert prefix_key(only) != prefix_key({"messages": only["messages"][:1]})
 
 
 def test_keys_and_ranks_are_the_same_in_every_process() -> None:
@@ -85,9 +89,9 @@ def test_keys_and_ranks_are_the_same_in_every_process() -> None:
     req = user("stable?", {"role": "system", "content": "s"})
     code = (
         "import orjson, sys; from tokenmill import affinity; r = orjson.loads(sys.argv[1]); "
-        "k = affinity.prefix_key(r); print(k.hex(), affinity.ranked(k, r['servers']))"
+        "k = affinity.prefix(r).key; print(k.hex(), affinity.ranked(k, r['servers']))"
     )
-    here = f"{affinity.prefix_key(req).hex()} {affinity.ranked(affinity.prefix_key(req), SERVERS)}"
+    here = f"{prefix_key(req).hex()} {affinity.ranked(prefix_key(req), SERVERS)}"
     for seed in ("1", "2"):
         out = subprocess.run(
             [sys.executable, "-c", code, orjson.dumps({**req, "servers": SERVERS}).decode()],
@@ -104,7 +108,7 @@ def test_keys_and_ranks_are_the_same_in_every_process() -> None:
 
 
 def test_distinct_keys_spread_evenly_over_the_servers() -> None:
-    ks = [affinity.prefix_key(user(f"prompt {i}")) for i in range(3000)]
+    ks = [prefix_key(user(f"prompt {i}")) for i in range(3000)]
     for n in (2, 3):
         counts = Counter(preferred(k, SERVERS[:n]) for k in ks)
         assert len(counts) == n
@@ -113,7 +117,7 @@ def test_distinct_keys_spread_evenly_over_the_servers() -> None:
 
 
 def test_a_server_joining_or_leaving_moves_only_its_share_of_keys() -> None:
-    ks = [affinity.prefix_key(user(f"prompt {i}")) for i in range(3000)]
+    ks = [prefix_key(user(f"prompt {i}")) for i in range(3000)]
     before = {k: preferred(k, SERVERS[:2]) for k in ks}
     after = {k: preferred(k, SERVERS) for k in ks}
     moved = [k for k in ks if before[k] != after[k]]
@@ -124,7 +128,7 @@ def test_a_server_joining_or_leaving_moves_only_its_share_of_keys() -> None:
 
 
 def test_the_preferred_server_comes_first_then_the_least_full() -> None:
-    key = affinity.prefix_key(user("x"))
+    key = prefix_key(user("x"))
     rank = affinity.ranked(key, SERVERS)
     fullness = [0.0, 0.0, 0.0]
     fullness[rank[0]] = 0.55  # the preferred server is the fullest, within the slack: tried first
@@ -154,7 +158,7 @@ def test_the_preferred_server_comes_first_then_the_least_full() -> None:
 
 
 def test_a_siblings_home_comes_first_and_is_waited_for_within_the_wait() -> None:
-    key, other = affinity.prefix_key(user("x")), affinity.prefix_key(user("y"))
+    key, other = prefix_key(user("x")), prefix_key(user("y"))
     rank = affinity.ranked(key, SERVERS)
     home = SERVERS[rank[2]]  # a sibling spilled to the last server in the key's order
     assert affinity.dispatch_order(key, SERVERS, [0.0, 0.0, 0.0], home)[0] == rank[2]
@@ -174,7 +178,7 @@ def test_a_siblings_home_comes_first_and_is_waited_for_within_the_wait() -> None
 def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token() -> None:
     async def run() -> None:
         homes, prefills = affinity.Homes(ttl_s=60), affinity.Prefills()
-        key, other = affinity.prefix_key(user("x")), affinity.prefix_key(user("y"))
+        key, other = prefix_key(user("x")), prefix_key(user("y"))
 
         def job(k: bytes) -> affinity.JobAffinity:
             return affinity.JobAffinity(k, homes, 0.0, prefills)
@@ -206,7 +210,7 @@ def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token(
         assert spilled.cold() == [] and homes.put(key, "s1", now=2.4)  # so the next one is cold
 
         # Given a leader that ends without a token and was never admitted (no home)
-        z = affinity.prefix_key(user("z"))
+        z = prefix_key(user("z"))
         lost = job(z)
         assert lost.sibling_prefill(now=3.0) is None
         waiting = job(z).sibling_prefill(now=3.1)
@@ -222,7 +226,7 @@ def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token(
 
 def test_homes_keep_the_most_recent_keys() -> None:
     homes = affinity.Homes(ttl_s=60, max_keys=2)
-    a, b, c = (affinity.prefix_key(user(x)) for x in "abc")
+    a, b, c = (prefix_key(user(x)) for x in "abc")
     homes.put(a, "s1", 1.0)
     homes.put(b, "s2", 2.0)
     homes.put(a, "s1", 3.0)  # a used again: b is now the oldest
@@ -276,7 +280,7 @@ def run_samples(
         for s in range(SAMPLES):
             job = k.job(f"P:{i}#{s}")
             spec = orjson.loads(rclient.hget(job, "spec"))
-            assert affinity.prefix_key(spec["request"]) == key_of(p)  # as the test reckoned
+            assert prefix_key(spec["request"]) == key_of(p)  # as the test reckoned
             ran[p].append(orjson.loads(rclient.hget(job, "result"))["server"])
     return ran
 

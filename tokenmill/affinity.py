@@ -32,7 +32,7 @@ that reach one server together, in one prefill batch, are each prefilled in full
    loads are even, distinct keys spread evenly, and a server that joins or leaves moves only
    the keys it wins or held (~1/n of them), not a reshuffle.
 
-The key (:func:`prefix_key`) is a hash of the leading messages up to and including the first
+The key (:func:`prefix`) is a hash of the leading messages up to and including the first
 user message, plus the options a chat template renders before them (``tools``) or that give the
 cache a namespace of its own (``lora_path``). Rows share a key when they share that much:
 
@@ -55,7 +55,8 @@ it is cheap (``python -m timeit`` on this 2-core machine: 2.4 µs for a prompt o
 message and a 300-character question, 29 µs with a 20,000-character system message; ranking two
 servers, 3.5 µs), specs enqueued before affinity existed dispatch with it, and the choice of key
 can change without a re-enqueue. ``server_affinity`` (``TOKENMILL_SERVER_AFFINITY=0``) turns it
-all off: least full first, as before; ``server_prefill_wait_s=0`` turns off rule 1 alone.
+all off: least full first, as before; ``server_prefill_wait_s=0`` turns off rule 1 and the
+skipping of cold servers in rule 2 (both wait for a sibling's first token).
 
 Leaders and homes are this process's: siblings delivered to another worker process go by rule 3
 (the same server while loads are even) without waiting.
@@ -108,11 +109,6 @@ def prefix(request: Mapping[str, Any], long_system: bool = True) -> Prefix:
         if value is not None:
             h.update(b"\0" + name.encode() + b"\0" + orjson.dumps(value))
     return Prefix(h.digest(), estimate_prompt_tokens(messages[:end]))
-
-
-def prefix_key(request: Mapping[str, Any], long_system: bool = True) -> bytes:
-    """:func:`prefix`'s key alone."""
-    return prefix(request, long_system).key
 
 
 def weight(key: bytes, server: str) -> int:
