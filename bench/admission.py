@@ -215,6 +215,7 @@ def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission
         figures = server.figures()
         return {
             "wall_s": round(wall, 2),
+            **job_timing(client),
             "retractions": figures.pop("retractions") - retr0,
             "peak_kv": figures.pop("peak_kv"),
             "tokens": int(client.hget(keys.RunKeys(RUN).stats(), "completion_tokens") or 0),
@@ -223,6 +224,29 @@ def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
             **figures,
         }
+
+
+def job_timing(client: redis.Redis) -> dict[str, float]:
+    """From the run's job hashes: the median gap between a job's claim and the last end before it
+    (for jobs claimed after the first end: how long a freed place waited for its successor, the
+    worker's turnaround), and the median time to first token (the server's queue and prefill)."""
+    run = keys.RunKeys(RUN)
+    ids = [x.decode() for x in client.lrange(run.jobs(PARTITION), 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hmget(run.job(job_id), "claimed_ms", "done_ms", "result")
+    rows = [(int(c), int(d), orjson.loads(r).get("ttft_s")) for c, d, r in pipe.execute() if c and d and r]
+    ends = sorted(d for _, d, _ in rows)
+    gaps = []
+    for claimed, _, _ in rows:
+        before = [d for d in ends if d <= claimed]
+        if before:
+            gaps.append(claimed - before[-1])
+    ttfts = [t * 1000 for _, _, t in rows if t is not None]
+    return {
+        "refill_ms": round(statistics.median(gaps), 1) if gaps else 0.0,
+        "ttft_ms": round(statistics.median(ttfts), 1) if ttfts else 0.0,
+    }
 
 
 def routing_of(args: argparse.Namespace) -> Any:
@@ -377,6 +401,7 @@ def main() -> None:
         help=f"cells, comma-separated or 'all' ({', '.join(CELLS)}); --repeat defaults to 3 there",
     )  # fmt: skip
     ap.add_argument("--lock", default=None, help="a file to flock around each variant's run (shared CPU)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (servers' logs)")
     ap.add_argument("--json-out", default=None, help="append each run's result as a JSON line here")
     args = ap.parse_args()
     exit_on_sigterm()
@@ -405,7 +430,7 @@ def main() -> None:
         print("sglang: the early-stop and mixed-outputs cells are the sim's only; skipped")
         names = [n for n in names if not CELLS[n].get("outputs")]
     cells = [cell_args(args, n) if n else args for n in names]
-    with workdir(prefix="tm-bench-adm-") as work:
+    with workdir(args.keep, prefix="tm-bench-adm-") as work:
         tables = [measure(work, cell, args.lock, args.json_out) for cell in cells]
     print(load.line())
     for cell, results in zip(cells, tables, strict=True):

@@ -212,6 +212,37 @@ def test_requests_that_peak_between_two_figures_are_sized_by_the_rise_they_were_
     assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
 
 
+def test_a_rise_projected_under_the_cold_prior_gives_way_once_the_run_learns_outputs_end_early(
+    rclient: redis.Redis,
+) -> None:
+    # Given a cold start's 17 requests, projected at 223 tokens each (nothing has ended: every
+    # output is assumed to reach max_tokens), seen at 60 then 150 tokens each: rising 90 a
+    # reading, they would be past their projected peak by the next figures
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(rclient, 17, n=17, admitted=17, total=17 * 223)
+    a.adapt("srv", load(17, used=17 * 60, capacity=4000), None)
+    a.adapt("srv", load(17, used=17 * 150, capacity=4000), None)
+    # When half of them ended early, and the run's lengths now project the 17 in flight (the
+    # rest and their successors) at 137 each, the young successors using 40, a request refused
+    rclient.hset(USED, mapping={"n": 17, "admitted": 34, "total": 17 * 137, "refused": 1})
+    # Then the rise gives way to the projection: sized by the 150 each the server did report,
+    # 25 fit below 3,800: half the 8 more (sized by the rise capped at the first projection,
+    # 223, none would)
+    assert a.adapt("srv", load(17, used=17 * 40, capacity=4000), None) == 17 + 4
+
+
+def test_slots_given_back_between_two_figures_are_not_room_to_grow(rclient: redis.Redis) -> None:
+    # Given a window of 17, as many as fit at the 220 tokens each they were seen to hold at once,
+    # and a batch ending: 2 slots given back, their successors not yet admitted
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(
+        rclient, 17, n=15, admitted=34, start_admitted=17, start_n=17, total=15 * 223, refused=1,
+        seen_each=220,
+    )  # fmt: skip
+    # When the figures come in then, the window does not grow into the 2 free places
+    assert a.adapt("srv", load(15, used=15 * 60, capacity=4000), None) == 17
+
+
 def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many_ended(
     rclient: redis.Redis,
 ) -> None:

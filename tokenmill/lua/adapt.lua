@@ -17,16 +17,20 @@
 --          stops piling up requests the server cannot start yet;
 --       3. nothing waits on the server, its KV use is below ARGV 9 of its pool, and the window is
 --          what limits tokenmill (a request was refused since the last figures): the window grows
---          by half the requests that would still fit below the ceiling if every request were
+--          by half the requests that would fit below the ceiling beyond the window (or beyond
+--          those in flight, if more: slots given back between figures do not count as room) if
+--          every request were
 --          the size of the running requests' present mean use plus ARGV 13 of the growth
 --          admission projects beyond it (the mean projected peak of the requests in flight,
 --          `total` / `n`: the safe prior until outputs end), and never smaller than the highest
 --          mean use the server has reported since the window started while at least half the
---          window ran, plus its rise since the figures before (what the requests will hold by the
---          next figures if they have not ended; at most `total` / `n`) (`seen_each`): sharing
---          the headroom bets that requests are at different stages, and requests that started together (a cold start's first batch; outputs that
---          all run to max_tokens end together, so their successors start together too) reach
---          their peaks together, which that highest mean shows once they have; until as many
+--          window ran (`seen_each`, a fact), nor than the highest such mean plus its rise since
+--          the figures before (what the requests would hold by the next figures if none ended:
+--          `seen_rise`, a projection, so capped by the mean projected peak now, which falls as
+--          the run learns that outputs end early): sharing the headroom bets that requests are
+--          at different stages, and requests that started together (a cold start's first batch;
+--          outputs that all run to max_tokens end together, so their successors start together
+--          too) reach their peaks together, which that highest mean shows once they have; until as many
 --          requests ended since the window started as half of those in flight (the admitted
 --          count at the start, `start_admitted` and `start_n`, tell), most of those in flight
 --          may have started together and not yet peaked, so each is sized at its whole
@@ -52,7 +56,7 @@ local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
-  'start_n', 'srv_running', 'srv_used')
+  'start_n', 'srv_running', 'srv_used', 'seen_rise')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
@@ -63,7 +67,7 @@ if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
   -- is in flight, free to grow at once
   window = math.max(smallest, n)
   limiting = limiting or n > 0
-  f[10] = false  -- and what the requests were seen to hold starts again
+  f[10], f[16] = false, false  -- and what the requests were seen to hold starts again
   f[12], f[13] = admitted, n  -- as does the count of requests ended under this window
 end
 -- requests ended since the window started: those in flight then plus those admitted since, less
@@ -74,17 +78,19 @@ local present = 0  -- the running requests' mean use now, and the highest seen s
 if running > 0 then present = used / running end
 local peak = 0  -- the requests in flight's mean projected peak
 if n > 0 then peak = tonumber(f[8] or '0') / n end
-local seen = tonumber(f[10] or '0')
+local seen, seen_rise = tonumber(f[10] or '0'), tonumber(f[16] or '0')
 -- only while most of the window runs: a few stragglers alone say nothing of requests together
 if running * 2 >= window then
+  seen = math.max(seen, present)
   -- figures come every poll, and requests that peak together may end before the next: what they
-  -- hold by then is taken as what they hold now plus the rise since the last figures (at most
-  -- their projected peak)
+  -- hold by then is taken as what they hold now plus the rise since the last figures
   local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
   local rise = 0
   if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
-  seen = math.max(seen, math.min(present + rise, math.max(peak, present)))
+  seen_rise = math.max(seen_rise, present + rise)
 end
+-- the rise is a projection: never above what the requests in flight are projected to hold now
+local held_each = math.max(seen, math.min(seen_rise, peak))
 local seen_retractions = tonumber(f[3] or '-1')
 local holding = now_ms < tonumber(f[4] or '0')
 if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions then
@@ -105,9 +111,9 @@ elseif not holding then
     -- whole projected peak
     local share = tonumber(ARGV[13])
     if ended * 2 < n then share = 1 end
-    local each = math.max(seen, present + share * math.max(0, peak - present))
+    local each = math.max(held_each, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
-      local room = math.floor(ceiling / each) - n
+      local room = math.floor(ceiling / each) - math.max(n, window)
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
     else  -- nothing to size a request by yet
       window = window + target
@@ -117,6 +123,6 @@ end
 window = math.max(smallest, window)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
-  'refused_seen', refused, 'seen_each', seen, 'start_admitted', f[12] or admitted,
+  'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,
   'start_n', f[13] or n)
 return window
