@@ -100,8 +100,11 @@ class Server:
         self.engine = args.engine
         if self.engine == "sglang":
             # --enable-metrics: the closed loop reads the retractions from /metrics, as a managed
-            # server's manager counts them from its log
+            # server's manager counts them from its log; --enable-cache-report: usage states the
+            # prompt tokens served from the prefix cache, which admission's prompt scale nets
             flags = ("--max-total-tokens", str(args.kv), "--enable-metrics")
+            if args.cache_report:
+                flags += ("--enable-cache-report",)
             engine, self.url = start_sglang(children, where, *flags, split=args.split)
             self.pid, self.log = engine.pid, engine.log
         else:
@@ -392,6 +395,10 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=256, help="the admission variant's threads (a worker's)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--warm", action="store_true", help="run the dataset once under another run id first")
+    ap.add_argument(
+        "--cache-report", action=argparse.BooleanOptionalAction, default=True,
+        help="sglang: --enable-cache-report (usage states the prompt tokens served from the prefix cache)",
+    )  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--only", default=None, help="variants, comma-separated (see above)")

@@ -13,7 +13,16 @@ from tests.procs import wait_for
 from tokenmill import keys
 from tokenmill.admission import Admission, LengthTracker, Slot
 from tokenmill.admission_view import admission_view, length_view
-from tokenmill.lengths import Survival, bin_of, edge, ended_field, reached, reached_field
+from tokenmill.lengths import (
+    MIN_AT_RISK,
+    MIN_PROMPT_SAMPLE,
+    Survival,
+    bin_of,
+    edge,
+    ended_field,
+    reached,
+    reached_field,
+)
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from workers.loop import LoopThread
@@ -252,23 +261,24 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
     slots = [a.try_admit("srv", 4000, 223, "short") for _ in range(17)]
     assert slots.count(None) == 1  # the 17th was refused: the budget is what limits
     # When the first figures show them young (60 tokens each), none ended
-    # Then the window starts at the 16 and grows only by what fits at their whole peaks (17 of
-    # 223 below 3,800), not at 60 + 0.6 * 163 each (24 fit: 20), which started together would
-    # overflow the pool when they peak together
-    assert a.adapt("srv", load(16, used=16 * 60, capacity=4000), None) == 16 + 1
-    assert a.try_admit("srv", 4000, 223, "short") is not None
+    # Then the window starts at the 16 and does not grow: sized by projection alone, at their
+    # whole peaks, 16 of 223 fit in the guard's 3,600 (the 17 the 3,800 ceiling would hold
+    # overflowed SGLang's pool when the prompts were longer than guessed), and not at
+    # 60 + 0.6 * 163 each (24 fit: 20), which started together would overflow the pool when they
+    # peak together
+    assert a.adapt("srv", load(16, used=16 * 60, capacity=4000), None) == 16
     assert a.try_admit("srv", 4000, 223, "short") is None
-    assert a.adapt("srv", load(17, used=17 * 120, capacity=4000), None) == 17
+    assert a.adapt("srv", load(16, used=16 * 120, capacity=4000), None) == 16
     # And while fewer than half of those in flight ended (their successors admitted), the rest
     # of the batch has yet to peak: still sized at their whole peaks; once half ended, the reserve
-    # sizes the young ones again
+    # sizes the young ones again, below the ceiling
     first_batch = [slot for slot in slots if slot is not None]
-    for ended in range(1, 10):
+    for ended in range(1, 9):
         a.release(first_batch[ended - 1])
         assert a.try_admit("srv", 4000, 223, "short") is not None
         assert a.try_admit("srv", 4000, 223, "short") is None
-        window = a.adapt("srv", load(17, used=(17 - ended) * 120 + ended * 25, capacity=4000), None)
-        assert window == 17 if ended < 9 else window > 17
+        window = a.adapt("srv", load(16, used=(16 - ended) * 120 + ended * 25, capacity=4000), None)
+        assert window == 16 if ended < 8 else window > 16
 
 
 def test_a_retraction_does_not_take_the_window_below_what_fits_at_the_projected_peaks(
@@ -369,14 +379,25 @@ def test_a_known_length_distribution_projects_the_expected_peak_not_the_sum_of_m
 
 
 def test_requests_still_running_keep_the_first_short_completions_from_biasing_it_low() -> None:
-    # Given 20 requests started together: the 5 shortest ended at ~400, 15 are still at 600
-    ended_only = curve([400] * 5)
-    with_running = curve([400] * 5, running=[600] * 15)
+    # Given 40 requests started together: the 10 shortest ended at ~400, 30 are still at 600
+    ended_only = curve([400] * 10)
+    with_running = curve([400] * 10, running=[600] * 30)
     # Then counting only the ended ones would project ~500; the survivors keep 75% of the mass
     # beyond the data, projected to max_tokens
     assert ended_only.hold(100, 4096) <= 550
     assert with_running.tail == 0.75
     assert with_running.hold(100, 4096) == int(0.75 * 4196 + 0.999)
+
+
+def test_lengths_too_few_requests_were_seen_to_reach_say_nothing() -> None:
+    # Given 17 requests started together with max_tokens 200: one ended at 147 tokens, the 16
+    # others had reported reaching 100 at their last heartbeat and still run
+    c = curve([147], running=[100] * 16)
+    # Then beyond 100 only the one that ended is known: the curve stops there and each request
+    # is still projected to reach max_tokens (not to end by 160, as that one did)
+    assert c.hold(24, 200) == 224 and c.tail == 1.0
+    # while MIN_AT_RISK known to have reached a length are enough to project by
+    assert curve([147] * MIN_AT_RISK, running=[100] * 16).hold(24, 200) < 224
 
 
 def test_requests_cut_at_max_tokens_hold_all_of_it() -> None:
@@ -404,6 +425,32 @@ def test_estimate_uses_the_runs_length_curve_from_redis(rclient: redis.Redis) ->
     view = length_view(rclient, "r2")
     assert view["ended"] == 40 and view["running"] == 0 and view["unknown_tail"] == 0
     assert view["p50"] == edge(bin_of(200) + 1) and view["mean_known"] == 200
+
+
+def test_prompts_are_projected_at_the_servers_size_once_enough_requests_reported_theirs(
+    rclient: redis.Redis,
+) -> None:
+    a = adm(rclient)
+    request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 100}  # 104 estimated
+    assert a.estimate("r3", request) == 104 + 100
+    # Given requests whose server counted 208 prompt tokens (a chat template's included), 52 of
+    # them served from its prefix cache; a continuation and a prompt netted by affinity report none
+    usage = {"prompt_tokens": 208, "prompt_tokens_details": {"cached_tokens": 52}, "completion_tokens": 9}
+    assert LengthTracker(lambda g: 0, 0, 104).finish(9, usage).prompt == (104, 156)
+    assert LengthTracker(lambda g: 0, 0, 104).finish(9, {"prompt_tokens": 208}).prompt == (104, 208)
+    assert LengthTracker(lambda g: 0, 0, 104).finish(9, None).prompt is None
+    assert LengthTracker(lambda g: 0, 5, 104).finish(9, usage).prompt is None
+    assert a.tracker("r3", request, 0, shared=50).finish(9, usage).prompt is None
+    # When fewer than MIN_PROMPT_SAMPLE reported, the estimate stands; then the server's size does
+    lengths = keys.RunKeys("r3").lengths()
+    for reported in range(1, MIN_PROMPT_SAMPLE + 1):
+        rclient.hincrby(lengths, "pn", 1)
+        rclient.hincrby(lengths, "pe", 104)
+        rclient.hincrby(lengths, "pk", 156)
+        a._curves.clear()
+        expected = 104 if reported < MIN_PROMPT_SAMPLE else 156
+        assert a.estimate("r3", request) == expected + 100, reported
+    assert a.held("r3", request, 60) == 156 + 100
 
 
 def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rclient: redis.Redis) -> None:

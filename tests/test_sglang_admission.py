@@ -14,7 +14,8 @@ from tests.chaos import state_counts, wait_finished
 from tests.engines import ENGINE_PARAMS, running_engine
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_worker, worker_env
-from tokenmill.admission_view import admission_view
+from tokenmill import keys
+from tokenmill.admission_view import admission_view, read_survival
 
 
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)
@@ -56,3 +57,11 @@ def test_the_window_follows_the_servers_own_figures_and_keeps_its_queue_short(
     waiting = [s["srv_waiting"] for s in steered]
     trace = [(s["n"], s["window"], s["srv_running"], s["srv_waiting"], s["srv_used"]) for s in steered]
     assert statistics.median(waiting) <= 8, trace
+    # and every request reported its prompt as the server counted it, so the projection holds
+    # prompts at the server's size (SGLang's tokenizer took each "context " as one token, not the
+    # estimate's two; the sim counts a template's tokens more), not at the estimate's
+    lengths = rclient.hgetall(keys.RunKeys("loop").lengths())
+    stats = rclient.hgetall(keys.RunKeys("loop").stats())
+    assert int(lengths[b"pn"]) == 64 and int(lengths[b"pk"]) == int(stats[b"prompt_tokens"])
+    scale = read_survival(rclient, "loop").prompt_scale
+    assert scale == int(lengths[b"pk"]) / int(lengths[b"pe"]) and scale != 1.0

@@ -70,25 +70,45 @@ class Slot:
 
 
 class LengthTracker:
-    """One attempt's reports: its hold and the length bins it reached since the last report."""
+    """One attempt's reports: its hold, the length bins it reached since the last report, and at
+    the end its prompt's size as estimated and as the server held it (``prompt_estimate`` 0: not
+    reported: a continuation's prompt holds its partial, and a prompt partly taken as cached on
+    its server by affinity is netted already)."""
 
-    def __init__(self, held: Callable[[int], int], base_tokens: int) -> None:
+    def __init__(self, held: Callable[[int], int], base_tokens: int, prompt_estimate: int = 0) -> None:
         self._held = held
         # a continued attempt's earlier bins were reported by the attempt before it
         self._reported = base_tokens if base_tokens > 0 else -1
+        self._prompt_estimate = prompt_estimate if base_tokens <= 0 else 0
 
     def update(self, generated: int) -> SlotUpdate:
         """The slot's new size and the bins newly reached (for a heartbeat)."""
         return SlotUpdate(self._held(generated), self._newly_reached(generated))
 
-    def finish(self, completion_tokens: int) -> LengthReport:
-        """The bins still to report and the bin the request ended in (for the commit)."""
-        return LengthReport(self._newly_reached(completion_tokens), bin_of(completion_tokens))
+    def finish(self, completion_tokens: int, usage: dict[str, Any] | None = None) -> LengthReport:
+        """The bins still to report and the bin the request ended in (for the commit); with the
+        server's ``usage``, the prompt's tokens in its KV pool (its count, less what it reported
+        served from its prefix cache)."""
+        prompt = None
+        kv = prompt_kv_tokens(usage) if self._prompt_estimate else 0
+        if kv > 0:
+            prompt = (self._prompt_estimate, kv)
+        return LengthReport(self._newly_reached(completion_tokens), bin_of(completion_tokens), prompt)
 
     def _newly_reached(self, tokens: int) -> tuple[int, ...]:
         bins = reached(self._reported, tokens)
         self._reported = max(self._reported, tokens)
         return tuple(bins)
+
+
+def prompt_kv_tokens(usage: dict[str, Any] | None) -> int:
+    """The prompt tokens a request held in the server's KV pool by its ``usage`` (0: unknown):
+    ``prompt_tokens`` less ``prompt_tokens_details.cached_tokens`` (SGLang reports the latter with
+    ``--enable-cache-report``)."""
+    if not usage:
+        return 0
+    details = usage.get("prompt_tokens_details") or {}
+    return max(0, int(usage.get("prompt_tokens") or 0) - int(details.get("cached_tokens") or 0))
 
 
 class Admission:
@@ -117,7 +137,7 @@ class Admission:
     def held_on(self, curve: Survival, request: dict[str, Any], generated: int = 0) -> int:
         """:meth:`held` by the curve given."""
         max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
-        return curve.hold(estimate_prompt_tokens(request["messages"]), max_tokens, generated)
+        return curve.hold(curve.prompt(estimate_prompt_tokens(request["messages"])), max_tokens, generated)
 
     def survival(self, run: str) -> Survival:
         """The run's completion-length curve (cached for ``STATS_TTL_S``)."""
@@ -138,7 +158,9 @@ class Admission:
         ``shared``: tokens of its prompt already cached on its server, which it holds no more
         of than its siblings do."""
         return LengthTracker(
-            lambda generated: max(1, self.held(run, request, generated) - shared), base_tokens
+            lambda generated: max(1, self.held(run, request, generated) - shared),
+            base_tokens,
+            0 if shared else estimate_prompt_tokens(request["messages"]),
         )
 
     def load(self, server: str) -> int:
@@ -210,6 +232,7 @@ class Admission:
                 -1 if retractions is None else retractions,
                 int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
                 s.admission_reserve,
+                s.admission_fraction,
             ],
         )
         self.wake()  # a wider window: let the head of this process's line ask now

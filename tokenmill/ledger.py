@@ -130,10 +130,13 @@ class SlotUpdate(NamedTuple):
 
 
 class LengthReport(NamedTuple):
-    """At a commit: the length bins reached since the last heartbeat, and the bin it ended in."""
+    """At a commit: the length bins reached since the last heartbeat, the bin it ended in, and
+    (estimated, held in the server's KV) prompt tokens, when both are known (the prompt scale's
+    sample: :mod:`tokenmill.lengths`)."""
 
     reached: tuple[int, ...]
     ended: int
+    prompt: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,7 +540,8 @@ def commit_call(
     ]
     if lengths is not None:
         script_keys.append(k.lengths())
-        args += [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        estimated, kv = lengths.prompt or (0, 0)
+        args += [estimated, kv, ended_field(lengths.ended), *map(reached_field, lengths.reached)]
     if release_slot and claim.slot is not None:
         slots_key, used_key, member = claim.slot
         return "finish", [*script_keys, slots_key, used_key], [*args, member]

@@ -4,14 +4,23 @@ Lengths are counted in bins (16 tokens wide below 128, then 8 bins per doubling,
 most 1/8 of its lower edge). While a request runs it reports each bin it *reaches*; when it ends
 it reports the bin it *ended* in. The chance of ending in bin b, given the bin was reached, is
 ``ended_b / reached_b``: a discrete Kaplan-Meier estimate in which running requests count as
-survivors, so the short outputs that finish first do not bias it low. Beyond the last bin any
-request reached nothing is known: the mass left there is put at ``max_tokens`` (the safe prior),
-so before anything has finished a request is expected to reach ``max_tokens``.
+survivors, so the short outputs that finish first do not bias it low; a bin fewer than
+``MIN_AT_RISK`` requests are known to have reached says too little, so the curve stops before
+it. Beyond the last bin enough requests reached nothing is known: the mass left there is put at
+``max_tokens`` (the safe prior), so before enough have finished a request is expected to reach
+``max_tokens``.
 
 The hold projected for a request of prompt p that has generated g tokens is the peak over x >= g
 of its expected KV at length x, ``(p + x) * P(L >= x | L >= g)``: it grows to p + g as the
 request grows, and counts that a request which ends frees its KV (so requests started together
 do not all peak at max_tokens). x is rounded up to its bin's upper edge (at most 1/8 more).
+
+The prompt p is tokenmill's estimate (:mod:`tokenmill.tokens`) times the run's *prompt scale*: the
+hash also counts, for requests that ended on their first attempt, their estimated prompt tokens
+(``pe``) and the prompt tokens they held in the server's KV pool (``pk``: the server's count, less
+the tokens it reported served from its prefix cache), so once ``MIN_PROMPT_SAMPLE`` requests have
+reported, the projection holds prompts at the server tokenizer's size (a chat template's tokens
+included), not at a bytes-per-token guess.
 """
 
 from __future__ import annotations
@@ -23,6 +32,14 @@ FINE_UNTIL = 128  # bins of FINE_WIDTH below this
 FINE_WIDTH = 16
 PER_DOUBLING = 8
 _REACHED, _ENDED = "r", "e"  # lengths-hash field prefixes: r<bin>, e<bin>
+PROMPTS, PROMPT_ESTIMATED, PROMPT_KV = "pn", "pe", "pk"  # the prompt scale's sample (see above)
+MIN_PROMPT_SAMPLE = 4  # requests reported before the scale replaces 1
+# The curve stops at the first bin fewer requests were seen to reach: beyond it the mass is the
+# unknown tail. Running requests report their bins at heartbeats, so the first outputs to end
+# may be all that reached a bin yet: one request that ended at 147 tokens, its 16 siblings
+# running unreported, would say every output ends by 160. (8 held the sim's mixed outputs at
+# the prior longer: 5.3 s against 5.0-5.1 at 1 and 4.)
+MIN_AT_RISK = 4
 _FINE_BINS = FINE_UNTIL // FINE_WIDTH
 _FIRST_OCTAVE = FINE_UNTIL.bit_length() - 1
 
@@ -58,18 +75,25 @@ class Survival:
     s: tuple[float, ...] = (1.0,)
     ended: int = 0  # requests that ended (the sample behind the curve)
     running: int = 0  # requests seen running and not ended (censored)
+    prompt_scale: float = 1.0  # the server's KV prompt tokens per estimated token
 
     @classmethod
-    def from_counts(cls, reached_n: Mapping[int, int], ended_n: Mapping[int, int]) -> Survival:
+    def from_counts(
+        cls, reached_n: Mapping[int, int], ended_n: Mapping[int, int], prompt_scale: float = 1.0
+    ) -> Survival:
         """The curve from per-bin counts of requests that reached and that ended in each bin."""
         s = [1.0]
         b = 0
-        while reached_n.get(b, 0) > 0:
+        while reached_n.get(b, 0) >= MIN_AT_RISK:
             n, d = reached_n[b], ended_n.get(b, 0)
             s.append(s[-1] * max(0.0, 1.0 - d / max(n, d)))
             b += 1
         ended = sum(ended_n.values())
-        return cls(tuple(s), ended, max(0, reached_n.get(0, 0) - ended))
+        return cls(tuple(s), ended, max(0, reached_n.get(0, 0) - ended), prompt_scale)
+
+    def prompt(self, estimate: int) -> int:
+        """A prompt's projected KV tokens from tokenmill's estimate of it."""
+        return estimate if self.prompt_scale == 1.0 else int(estimate * self.prompt_scale + 0.999)
 
     @property
     def tail(self) -> float:
@@ -115,16 +139,25 @@ class Survival:
         return mass / (1.0 - self.tail)
 
 
-def parse_counts(raw: Mapping[bytes | str, bytes | str | int]) -> tuple[dict[int, int], dict[int, int]]:
-    """(reached, ended) per bin from the run's lengths hash (fields ``r<bin>`` and ``e<bin>``)."""
+def parse_counts(
+    raw: Mapping[bytes | str, bytes | str | int],
+) -> tuple[dict[int, int], dict[int, int], float]:
+    """(reached, ended) per bin from the run's lengths hash (fields ``r<bin>`` and ``e<bin>``), and
+    the prompt scale (1 until ``MIN_PROMPT_SAMPLE`` requests reported their prompts)."""
     reached_n: dict[int, int] = {}
     ended_n: dict[int, int] = {}
+    prompts: dict[str, int] = {}
     for f, v in raw.items():
         name = f.decode() if isinstance(f, bytes) else f
         target = reached_n if name[0] == _REACHED else ended_n if name[0] == _ENDED else None
         if target is not None and name[1:].isdigit():
             target[int(name[1:])] = int(v)
-    return reached_n, ended_n
+        elif name in (PROMPTS, PROMPT_ESTIMATED, PROMPT_KV):
+            prompts[name] = int(v)
+    scale = 1.0
+    if prompts.get(PROMPTS, 0) >= MIN_PROMPT_SAMPLE and prompts.get(PROMPT_ESTIMATED, 0) > 0:
+        scale = prompts.get(PROMPT_KV, 0) / prompts[PROMPT_ESTIMATED]
+    return reached_n, ended_n, scale
 
 
 def reached_field(b: int) -> str:

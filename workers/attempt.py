@@ -66,7 +66,9 @@ class Attempted:
             # server's count: uncounted): its tokens are thrown away
             result["restarted"] = True
             result["discarded_tokens"] = self.claim.checkpoint.tokens
-        lengths = self.tracker.finish(result["usage"]["completion_tokens"]) if self.tracker else None
+        lengths = None
+        if self.tracker:
+            lengths = self.tracker.finish(result["usage"]["completion_tokens"], self.state.progress.usage)
         return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
 
 

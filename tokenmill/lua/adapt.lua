@@ -34,7 +34,9 @@
 --          requests ended since the window started as half of those in flight (the admitted
 --          count at the start, `start_admitted` and `start_n`, tell), most of those in flight
 --          may have started together and not yet peaked, so each is sized at its whole
---          projected peak (ARGV 13 counts as 1); it jumps while
+--          projected peak (ARGV 13 counts as 1), and what fits is counted below ARGV 14 of the
+--          pool (the guard's budget, if lower than the ceiling: sized by projection alone, the
+--          window keeps the projection's margin, as the guard did); it jumps while
 --          the pool has room for many more, creeps as it fills, and stops where the requests in
 --          flight would fill it at that size (by the queue target while nothing sizes a request
 --          yet); too much growth is cheap: the server queues what it cannot start and rule 2
@@ -46,7 +48,8 @@
 --       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
 --       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown),
 --       12 how long a window stays fresh (ms; admit.lua's ARGV 9), 13 the share of the projected
---       growth a request is sized by (1: its whole projected peak).
+--       growth a request is sized by (1: its whole projected peak), 14 the guard's budget (a
+--       fraction of the pool).
 -- Returns the new window.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -109,11 +112,11 @@ elseif not holding then
     -- until as many requests ended as half of those in flight, most of those in flight may have
     -- started together (a cold start's first batch) and will peak together: each is sized at its
     -- whole projected peak
-    local share = tonumber(ARGV[13])
-    if ended * 2 < n then share = 1 end
+    local share, limit = tonumber(ARGV[13]), ceiling
+    if ended * 2 < n then share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity) end
     local each = math.max(held_each, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
-      local room = math.floor(ceiling / each) - math.max(n, window)
+      local room = math.floor(limit / each) - math.max(n, window)
       if room > 0 then window = window + math.max(1, math.floor(room / 2)) end
     else  -- nothing to size a request by yet
       window = window + target
