@@ -101,7 +101,7 @@ class Server:
         if self.engine == "sglang":
             # --enable-metrics: the closed loop reads the retractions from /metrics, as a managed
             # server's manager counts them from its log; --enable-cache-report: usage states the
-            # prompt tokens served from the prefix cache, which admission's prompt scale nets
+            # prompt tokens served from the prefix cache, which admission's prompt offset nets
             flags = ("--max-total-tokens", str(args.kv), "--enable-metrics")
             if args.cache_report:
                 flags += ("--enable-cache-report",)

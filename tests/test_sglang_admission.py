@@ -63,5 +63,5 @@ def test_the_window_follows_the_servers_own_figures_and_keeps_its_queue_short(
     lengths = rclient.hgetall(keys.RunKeys("loop").lengths())
     stats = rclient.hgetall(keys.RunKeys("loop").stats())
     assert int(lengths[b"pn"]) == 64 and int(lengths[b"pk"]) == int(stats[b"prompt_tokens"])
-    scale = read_survival(rclient, "loop").prompt_scale
-    assert scale == int(lengths[b"pk"]) / int(lengths[b"pe"]) and scale != 1.0
+    offset = read_survival(rclient, "loop").prompt_offset
+    assert offset == (int(lengths[b"pk"]) - int(lengths[b"pe"])) / 64 and offset != 0

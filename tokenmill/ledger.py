@@ -131,7 +131,7 @@ class SlotUpdate(NamedTuple):
 
 class LengthReport(NamedTuple):
     """At a commit: the length bins reached since the last heartbeat, the bin it ended in, and
-    (estimated, held in the server's KV) prompt tokens, when both are known (the prompt scale's
+    (estimated, held in the server's KV) prompt tokens, when both are known (the prompt offset's
     sample: :mod:`tokenmill.lengths`)."""
 
     reached: tuple[int, ...]

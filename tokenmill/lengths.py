@@ -15,12 +15,15 @@ of its expected KV at length x, ``(p + x) * P(L >= x | L >= g)``: it grows to p 
 request grows, and counts that a request which ends frees its KV (so requests started together
 do not all peak at max_tokens). x is rounded up to its bin's upper edge (at most 1/8 more).
 
-The prompt p is tokenmill's estimate (:mod:`tokenmill.tokens`) times the run's *prompt scale*: the
-hash also counts, for requests that ended on their first attempt, their estimated prompt tokens
-(``pe``) and the prompt tokens they held in the server's KV pool (``pk``: the server's count, less
-the tokens it reported served from its prefix cache), so once ``MIN_PROMPT_SAMPLE`` requests have
-reported, the projection holds prompts at the server tokenizer's size (a chat template's tokens
-included), not at a bytes-per-token guess.
+The prompt p is tokenmill's estimate (:mod:`tokenmill.tokens`) plus the run's *prompt offset*:
+the hash also counts, for requests that ended on their first attempt, their estimated prompt
+tokens (``pe``) and the prompt tokens they held in the server's KV pool (``pk``: the server's
+count, less the tokens it reported served from its prefix cache), so once ``MIN_PROMPT_SAMPLE``
+requests have reported, the projection adds their mean difference: prompts are held at the
+server's size (its tokenizer, and its chat template's tokens, tools' schemas included, which the
+estimate does not see), not at a bytes-per-token guess. An offset, not a ratio: what the
+estimate misses is mostly a request's fixed part (a template, a tool's schema), and a ratio
+taken on a run whose few requests carry tools would multiply every prompt of it.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ FINE_UNTIL = 128  # bins of FINE_WIDTH below this
 FINE_WIDTH = 16
 PER_DOUBLING = 8
 _REACHED, _ENDED = "r", "e"  # lengths-hash field prefixes: r<bin>, e<bin>
-PROMPTS, PROMPT_ESTIMATED, PROMPT_KV = "pn", "pe", "pk"  # the prompt scale's sample (see above)
-MIN_PROMPT_SAMPLE = 4  # requests reported before the scale replaces 1
+PROMPTS, PROMPT_ESTIMATED, PROMPT_KV = "pn", "pe", "pk"  # the prompt offset's sample (see above)
+MIN_PROMPT_SAMPLE = 4  # requests reported before the offset replaces 0
 # The curve stops at the first bin fewer requests were seen to reach: beyond it the mass is the
 # unknown tail. Running requests report their bins at heartbeats, so the first outputs to end
 # may be all that reached a bin yet: one request that ended at 147 tokens, its 16 siblings
@@ -75,11 +78,11 @@ class Survival:
     s: tuple[float, ...] = (1.0,)
     ended: int = 0  # requests that ended (the sample behind the curve)
     running: int = 0  # requests seen running and not ended (censored)
-    prompt_scale: float = 1.0  # the server's KV prompt tokens per estimated token
+    prompt_offset: float = 0.0  # the server's KV prompt tokens less the estimate, a request's mean
 
     @classmethod
     def from_counts(
-        cls, reached_n: Mapping[int, int], ended_n: Mapping[int, int], prompt_scale: float = 1.0
+        cls, reached_n: Mapping[int, int], ended_n: Mapping[int, int], prompt_offset: float = 0.0
     ) -> Survival:
         """The curve from per-bin counts of requests that reached and that ended in each bin."""
         s = [1.0]
@@ -89,11 +92,11 @@ class Survival:
             s.append(s[-1] * max(0.0, 1.0 - d / max(n, d)))
             b += 1
         ended = sum(ended_n.values())
-        return cls(tuple(s), ended, max(0, reached_n.get(0, 0) - ended), prompt_scale)
+        return cls(tuple(s), ended, max(0, reached_n.get(0, 0) - ended), prompt_offset)
 
     def prompt(self, estimate: int) -> int:
         """A prompt's projected KV tokens from tokenmill's estimate of it."""
-        return estimate if self.prompt_scale == 1.0 else int(estimate * self.prompt_scale + 0.999)
+        return estimate if not self.prompt_offset else max(1, int(estimate + self.prompt_offset + 0.999))
 
     @property
     def tail(self) -> float:
@@ -143,7 +146,7 @@ def parse_counts(
     raw: Mapping[bytes | str, bytes | str | int],
 ) -> tuple[dict[int, int], dict[int, int], float]:
     """(reached, ended) per bin from the run's lengths hash (fields ``r<bin>`` and ``e<bin>``), and
-    the prompt scale (1 until ``MIN_PROMPT_SAMPLE`` requests reported their prompts)."""
+    the prompt offset (0 until ``MIN_PROMPT_SAMPLE`` requests reported their prompts)."""
     reached_n: dict[int, int] = {}
     ended_n: dict[int, int] = {}
     prompts: dict[str, int] = {}
@@ -154,10 +157,10 @@ def parse_counts(
             target[int(name[1:])] = int(v)
         elif name in (PROMPTS, PROMPT_ESTIMATED, PROMPT_KV):
             prompts[name] = int(v)
-    scale = 1.0
-    if prompts.get(PROMPTS, 0) >= MIN_PROMPT_SAMPLE and prompts.get(PROMPT_ESTIMATED, 0) > 0:
-        scale = prompts.get(PROMPT_KV, 0) / prompts[PROMPT_ESTIMATED]
-    return reached_n, ended_n, scale
+    offset = 0.0
+    if prompts.get(PROMPTS, 0) >= MIN_PROMPT_SAMPLE:
+        offset = (prompts.get(PROMPT_KV, 0) - prompts.get(PROMPT_ESTIMATED, 0)) / prompts[PROMPTS]
+    return reached_n, ended_n, offset
 
 
 def reached_field(b: int) -> str:
