@@ -23,7 +23,7 @@ from tokenmill import keys, outputs
 from tokenmill.bulk import EnqueueStream
 from tokenmill.counts import run_counts
 from tokenmill.jobspec import JobSpec
-from tokenmill.lengths import ended_field, reached_field
+from tokenmill.lengths import ended_field, prompt_fields, reached_field
 from tokenmill.messages import task_message
 
 SCRIPT_NAMES = (
@@ -540,8 +540,9 @@ def commit_call(
     ]
     if lengths is not None:
         script_keys.append(k.lengths())
-        estimated, kv = lengths.prompt or (0, 0)
-        args += [estimated, kv, ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        raised = [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        pairs = [(field, 1) for field in raised] + (prompt_fields(*lengths.prompt) if lengths.prompt else [])
+        args += [x for pair in pairs for x in pair]
     if release_slot and claim.slot is not None:
         slots_key, used_key, member = claim.slot
         return "finish", [*script_keys, slots_key, used_key], [*args, member]

@@ -163,6 +163,11 @@ def parse_counts(
     return reached_n, ended_n, offset
 
 
+def prompt_fields(estimated: int, kv: int) -> list[tuple[str, int]]:
+    """The lengths-hash fields one request's prompt raises, and by how much (the offset's sample)."""
+    return [(PROMPTS, 1), (PROMPT_ESTIMATED, estimated), (PROMPT_KV, kv)]
+
+
 def reached_field(b: int) -> str:
     """The lengths-hash field counting requests that reached bin ``b``."""
     return f"{_REACHED}{b}"

@@ -7,18 +7,15 @@
 --       tokens away counts them. The run's outputs hash counts one more of ARGV 10, 11 and 12
 --       (finish reason, completion-length bin, reasoning-length bin when known); the job is the
 --       newest of its partition's recent list, which keeps ARGV 13 ids. With KEYS 9, the run's
---       lengths hash counts one more request ended in ARGV 16's bin and reached ARGV 17...'s, and
---       when ARGV 14 > 0 one more prompt (`pn`) of ARGV 14 estimated tokens (`pe`) that held ARGV 15
---       in the server's KV pool (`pk`).
+--       lengths hash has each field of ARGV 14... raised by the amount after it (the bins the
+--       request reached and ended in, and its prompt's sample: tokenmill/lengths.py names them).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), 7 outputs,
 --       8 recent(partition), [9 run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
 --       9 checkpoint tokens thrown away (a restart), 10 outputs field of the finish reason,
 --       11 outputs field of the completion length, 12 of the reasoning length (or ''),
---       13 recent ids kept, [14 the prompt's estimated tokens (0: not reported), 15 its tokens
---       in the server's KV pool, 16 lengths field ended in (e<bin>), 17... lengths fields reached
---       (r<bin>)].
+--       13 recent ids kept, [14... lengths field, amount, field, amount, ...].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
 if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
@@ -52,12 +49,7 @@ end
 redis.call('LPUSH', KEYS[8], ARGV[1])
 redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[13]) - 1)
 if KEYS[9] then
-  if tonumber(ARGV[14]) > 0 then
-    redis.call('HINCRBY', KEYS[9], 'pn', 1)
-    redis.call('HINCRBY', KEYS[9], 'pe', ARGV[14])
-    redis.call('HINCRBY', KEYS[9], 'pk', ARGV[15])
-  end
-  for i = 16, #ARGV do redis.call('HINCRBY', KEYS[9], ARGV[i], 1) end
+  for i = 14, #ARGV - 1, 2 do redis.call('HINCRBY', KEYS[9], ARGV[i], ARGV[i + 1]) end
 end
 local n = tonumber(ARGV[7])
 if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end
