@@ -40,12 +40,22 @@ CHAOS_SIM = ("--sim-step-ms", "20")
 # when it holds non-ASCII characters, measured on a tool call's argument)
 LONG_TEXT = {"type": "string", "pattern": "^([a-z]{3,8} ){15}[a-z]{3,8}$"}
 NOTES = {"type": "array", "items": LONG_TEXT, "minItems": 3, "maxItems": 3}
-SCHEMA = {
-    "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 12}, "body": NOTES},
-    "required": ["title", "body"],
-    "additionalProperties": False,
-}
+
+
+def note_schema(notes: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 12}, "body": notes},
+        "required": ["title", "body"],
+        "additionalProperties": False,
+    }
+
+
+SCHEMA = note_schema(NOTES)
+# The kill test's JSON rows: ~530 tokens on the real server, ~6 s here. With 3 notes (~120
+# tokens) a faster machine ended them before the watchdog's first checkpoint tick (1 s), and the
+# test never saw every kind of job mid-stream at once.
+LONG_SCHEMA = note_schema({**NOTES, "minItems": 16, "maxItems": 16})
 REGEX = r"(yes|no):(( [a-z]{2,6}){40}){2}\."
 TOOL = {
     "type": "function",
@@ -74,7 +84,7 @@ def mixed_rows() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for i in range(2):
         seeded = {"temperature": 1.0, "seed": 100 + i}
-        fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": SCHEMA}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": LONG_SCHEMA}}
         rows += [
             {"id": f"json{i}", "prompt": prompt(i), "response_format": fmt, **seeded},
             {"id": f"regex{i}", "prompt": prompt(i + 10), "regex": REGEX, **seeded},
@@ -101,21 +111,26 @@ def kind_of(row_id: str) -> str:
     return row_id.rstrip("0123456789")
 
 
+def ascii_only(text: str) -> str:
+    return text.encode("ascii", "ignore").decode()
+
+
 def check_row(row: dict[str, Any], engine: str) -> None:
     """The exported row's output is what its options asked for. The random model of the real
-    tier never closes a tool call (SGLang's argument grammar allows any whitespace): there a
-    call must be cut (``length``) and any call kept must parse; the sim closes its calls."""
+    tier seldom closes a tool call (SGLang's argument grammar allows any whitespace; within 300
+    tokens it never did, within 700 one was seen to): there a call is cut (``length``) or closed,
+    and any call kept must parse; the sim closes its calls."""
     kind, message, usage = kind_of(row["id"]), row["messages"][-1], row["usage"]
     content = message["content"]
     if kind == "json":
         assert row["finish_reason"] == "stop", row
         # (strict=False: SGLang's JSON grammar was seen to let a raw control character into a
         # string on the random model, which strict JSON forbids; the sim never writes one)
-        jsonschema.validate(json.loads(content, strict=engine == "sim"), SCHEMA)
+        jsonschema.validate(json.loads(content, strict=engine == "sim"), LONG_SCHEMA)
     elif kind == "regex":
         assert row["finish_reason"] == "stop" and re.fullmatch(REGEX, content), row
     elif kind == "tool":
-        assert row["finish_reason"] == ("tool_calls" if engine == "sim" else "length"), row
+        assert row["finish_reason"] in (("tool_calls",) if engine == "sim" else ("tool_calls", "length")), row
         for call in message.get("tool_calls") or []:
             assert call["type"] == "function" and call["function"]["name"] == "write_note"
             arguments = json.loads(call["function"]["arguments"])
@@ -131,8 +146,11 @@ def check_row(row: dict[str, Any], engine: str) -> None:
     elif kind == "lp":
         entries = row["logprobs"]["content"]
         assert len(entries) == usage["completion_tokens"], (len(entries), usage)
-        # (a special token's entry holds its text, which the content skips: seen on real SGLang)
-        assert re.sub(r"<\|[a-z_]+\|>", "", "".join(e["token"] for e in entries)) == content
+        # (seen on real SGLang: a special token's entry holds its text, which the content skips;
+        # the tiny model's are <|...|>, <think> and </think>. A character split across tokens can
+        # read as one character in the entries and as two U+FFFD in the content: compared in ASCII)
+        text = re.sub(r"<\|[a-z_]+\|>|</?think>", "", "".join(e["token"] for e in entries))
+        assert ascii_only(text) == ascii_only(content)
         assert all(len(e["top_logprobs"]) == 2 for e in entries)
     elif kind == "ids":
         assert len(row["output_token_ids"]) == usage["completion_tokens"], usage
@@ -164,7 +182,7 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         rows = mixed_rows()
         env = worker_env(redis_url, engine.url)
         cli("enqueue", str(write_jsonl(tmp_path / "O.jsonl", rows)), "--run", "opts", "--temperature", "0",
-            "--short-max-tokens", "300", env=env)  # fmt: skip
+            "--short-max-tokens", "700", env=env)  # fmt: skip
         procs.append(start_worker(tmp_path, "short", env, concurrency=len(rows)))
 
         def cut_kinds() -> set[str]:
