@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, LOWER_FRACTION, RAISE_FRACTION, RESTART, Crash, classify
 from server_mgr.logparse import LiveFigures, LogTail, capacity_line, launch_fraction, parse_batch_line
 from server_mgr.policy import FAIL, RELAUNCH, RestartPolicy
 from server_mgr.process import gpu_holders
-from tokenmill.server_report import CAPACITY_METRIC, parse_metrics
+from tokenmill.server_report import CAPACITY_METRIC, METRIC_NAMES, parse_metrics
 
 
 def test_prefill_line_of_0_5_23_is_read_by_field_name() -> None:
@@ -164,6 +165,41 @@ def test_the_routers_engine_metrics_sum_its_workers_into_one_load() -> None:
     assert figures == pytest.approx(
         {"running_req": 8, "queue_req": 1, "num_used_tokens": 300, CAPACITY_METRIC: 40000, "token_usage": 0.2}
     )
+
+
+def test_a_page_of_many_families_gives_the_figures_the_whole_page_parsed_gives() -> None:
+    # SGLang's /metrics is ~600 lines, mostly histograms; only a few gauges and one counter are
+    # read. Families whose names extend a read one, labels holding spaces and braces, a counter
+    # typed under its family name, and comments must not change a figure.
+    lines = [
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{model_name="a {b} c",tp_rank="0"} 5.0',
+        'sglang:num_running_reqs{model_name="a {b} c",tp_rank="1"} 5.0',
+        "# TYPE sglang:num_running_reqs_histogram histogram",
+        *(f'sglang:num_running_reqs_histogram_bucket{{le="{b}",tp_rank="0"}} {b}' for b in (1, 2, 4, "+Inf")),
+        "sglang:num_running_reqs_histogram_count 9",
+        "# TYPE sglang:num_retracted_requests counter",
+        'sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 3.0',
+        'sglang:num_retracted_requests_created{model_name="m",tp_rank="0"} 1.7e9',
+        "# TYPE sglang:token_usage gauge",
+        "sglang:token_usage 0.25 1700000000000",
+        "# TYPE sglang:e2e_request_latency_seconds histogram",
+        *(f'sglang:e2e_request_latency_seconds_bucket{{le="{b}"}} 1' for b in range(300)),
+        f"{CAPACITY_METRIC} 20000",
+    ]
+    page = "\n".join(lines) + "\n"
+    figures = parse_metrics(page, extra=(CAPACITY_METRIC,))
+    assert figures == pytest.approx(
+        {"running_req": 5.0, "retractions": 3.0, "token_usage": 0.25, CAPACITY_METRIC: 20000}
+    )
+    whole: dict[str, float] = {}  # the library over the whole page, as parse_metrics read it before
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            name = sample.name if sample.name == CAPACITY_METRIC else METRIC_NAMES.get(sample.name)
+            if name is not None and sample.labels.get("tp_rank", "0") == "0":
+                whole[name] = whole.get(name, 0.0) + sample.value
+    assert figures == pytest.approx(whole)
 
 
 # --- crash classes (contract §5.4, §6.4) ---------------------------------------------------------

@@ -110,7 +110,7 @@ def parse_metrics(text: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
     """The scheduler gauges of a Prometheus page, by live name (``extra`` Prometheus names kept
     as they are, summed); TP rank 0 only, summed over DP ranks and over a router's workers."""
     values: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_samples_of(text, (*METRIC_NAMES, *extra))):
         for sample in family.samples:
             prom = sample.name
             if prom.startswith(ROUTER_PREFIX):
@@ -121,6 +121,21 @@ def parse_metrics(text: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
             values.setdefault(name, []).append(float(sample.value))
     summed = _SUMMED.union(extra)
     return {name: sum(v) if name in summed else sum(v) / len(v) for name, v in values.items()}
+
+
+def _samples_of(text: str, names: tuple[str, ...]) -> str:
+    """The page's sample lines of ``names`` (as SGLang or the router spells them), without its
+    other families and its comments: the parser then reads a few lines, not the whole page (on
+    SGLang 0.5.23 ~600 lines of histograms, which cost ~19 ms of CPU to parse, twice a second in
+    the load watch). Samples parse the same without their ``# TYPE`` line."""
+    wanted = {*names, *(ROUTER_PREFIX + n.removeprefix("sglang:") for n in names)}
+    prefixes = tuple(wanted)
+    kept = [
+        line
+        for line in text.splitlines()
+        if line.startswith(prefixes) and line.split("{", 1)[0].split(" ", 1)[0] in wanted
+    ]
+    return "\n".join(kept) + "\n"
 
 
 def _text(url: str, api_key: str | None, timeout_s: float) -> str:
