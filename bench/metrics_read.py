@@ -1,0 +1,96 @@
+"""The load watch's read of a server's ``/metrics``: the CPU it costs the worker.
+
+The admission's load watch reads ``/v1/loads`` and, for the retraction counter, ``/metrics``
+twice a second (``admission_poll_s``). Real SGLang 0.5.23 (the tiny CPU model of ``make
+sglang-env``, with ``--enable-metrics``) serves a page of ~600 lines, mostly histograms, once it
+has answered a few requests. Measured side by side, interleaved round by round on the same
+page: ``prometheus_client``'s parser over the whole page (what ``parse_metrics`` did before),
+``parse_metrics`` (the same parser over the sample lines of the figures it keeps), and the
+whole read (HTTP GET plus ``parse_metrics``), each the median CPU (user + system) of a round of
+``--calls`` calls.
+
+    .venv/bin/python bench/metrics_read.py [--rounds 5] [--calls 50] [--lock /tmp/tokenmill-heavy.lock]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import urllib.request
+from collections.abc import Callable
+
+from _common import (
+    Children,
+    exit_on_sigterm,
+    heavy,
+    machine,
+    median,
+    pin_clients,
+    start_sglang,
+    table,
+    workdir,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill import server_report
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def per_call_ms(fn: Callable[[], object], calls: int) -> float:
+    start = cpu_s()
+    for _ in range(calls):
+        fn()
+    return (cpu_s() - start) / calls * 1000
+
+
+def whole_page(text: str) -> int:
+    return sum(len(f.samples) for f in text_string_to_metric_families(text))
+
+
+def warm_up(url: str) -> None:
+    """A few requests, so that the page holds the histograms a working server shows."""
+    body = b'{"model": "default", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}'
+    for _ in range(4):
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--lock", default=None, help="a file to flock around the run (shared CPU)")
+    args = ap.parse_args()
+    exit_on_sigterm()
+    print(f"machine: {machine()}")
+    print(f"cores: {pin_clients()}")
+    with heavy(args.lock), workdir(prefix="tm-bench-metrics-") as work, Children() as children:
+        _, url = start_sglang(children, work, "--enable-metrics")
+        warm_up(url)
+        text = server_report._text(url + "/metrics", None, 10.0)
+        print(f"page: {len(text):,} bytes, {text.count(chr(10))} lines, {whole_page(text)} samples")
+        ways: dict[str, Callable[[], object]] = {
+            "the library over the whole page (before)": lambda: whole_page(text),
+            "parse_metrics (the kept samples only)": lambda: server_report.parse_metrics(text),
+            "read: GET /metrics + parse_metrics": lambda: server_report.metrics(url, 10.0),
+        }
+        got: dict[str, list[float]] = {name: [] for name in ways}
+        for _ in range(args.rounds):
+            for name, fn in ways.items():
+                got[name].append(per_call_ms(fn, args.calls))
+    before = median(got["the library over the whole page (before)"])
+    rows = [
+        [name, f"{median(v):.2f}", ", ".join(f"{x:.2f}" for x in v), f"{median(v) / before:.3f}"]
+        for name, v in got.items()
+    ]
+    print(table(["CPU a call", "ms (median)", "rounds", "/ before"], rows))
+
+
+if __name__ == "__main__":
+    main()
