@@ -52,9 +52,9 @@ def note_schema(notes: dict[str, Any]) -> dict[str, Any]:
 
 
 SCHEMA = note_schema(NOTES)
-# The kill test's JSON rows: ~530 tokens on the real server, ~6 s here. With 3 notes (~120
-# tokens) a faster machine ended them before the watchdog's first checkpoint tick (1 s), and the
-# test never saw every kind of job mid-stream at once.
+# The kill test's JSON rows: 503-506 tokens on the real server, 7.4 s beside the run's 12 other
+# streams here. With 3 notes (110-130 tokens, 1.5-2.2 s) a faster machine ended them before the
+# watchdog's first checkpoint tick (1 s), and the test never saw every kind mid-stream at once.
 LONG_SCHEMA = note_schema({**NOTES, "minItems": 16, "maxItems": 16})
 REGEX = r"(yes|no):(( [a-z]{2,6}){40}){2}\."
 TOOL = {
