@@ -33,6 +33,7 @@ from _common import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import server_report
+from tokenmill.capacity import get_bytes
 
 
 def cpu_s() -> float:
@@ -73,7 +74,7 @@ def main() -> None:
     with heavy(args.lock), workdir(prefix="tm-bench-metrics-") as work, Children() as children:
         _, url = start_sglang(children, work, "--enable-metrics")
         warm_up(url)
-        text = server_report._text(url + "/metrics", None, 10.0)
+        text = get_bytes(url + "/metrics", None, 10.0).decode()
         print(f"page: {len(text):,} bytes, {text.count(chr(10))} lines, {whole_page(text)} samples")
         ways: dict[str, Callable[[], object]] = {
             "the library over the whole page (before)": lambda: whole_page(text),
