@@ -27,6 +27,7 @@ from tests.faultproxy import FaultProxy
 from tests.pipeline import cli
 from tests.procs import Proc, RedisServer, free_port, spawn, start_sim, wait_for, worker_env
 from tests.test_sealing_chaos import aof_file
+from tokenmill import keys
 from workers.job import ABANDON_AFTER_S
 from workers.task import STOP_SLACK_S
 
@@ -160,6 +161,12 @@ def test_the_servers_host_vanishing_mid_stream_ends_streams_by_their_stall_deadl
     # host that never answers): the stalled streams are released by their workers, not requeued
     # by the reaper
     c.settings.update(stall_timeout_s=3, lease_ttl_s=40)
+    # and a server that runs 12 requests at a time: of the 16 in flight, some wait in its queue,
+    # sent and answered with headers but with no first token yet when the host vanishes
+    assert c.sim is not None
+    c.sim.kill()
+    c.sim_flags, c.sim_port = (*c.sim_flags, "--max-running-requests", "12"), 0
+    c.start_sim()
     wl = streams(run, 40)
     with FaultProxy(c.sim_port) as proxy:
         c.server_via = f"http://{proxy.address()}"
@@ -170,14 +177,29 @@ def test_the_servers_host_vanishing_mid_stream_ends_streams_by_their_stall_deadl
         # When the server's host vanishes mid-stream
         proxy.vanish()
 
-        # Then the streams in flight end by their stall deadline, checkpointed and released
-        def ended() -> bool:
-            views = chaos.job_views(c.client, run, hit)
-            return all(v.state != "running" or v.token > hit[j].token for j, v in views.items())
+        # Then the streams in flight end by their stall deadline, checkpointed and released, and
+        # the requests queued on the server as soon as the server fails its health check (at the
+        # first stall's probe, up to 25 s against a host that never answers), not after
+        # first_token_timeout_s (an hour); each seen ended once suffices: a released job may be
+        # claimed again, and stall again, before the others are released
+        seen_ended: set[str] = set()
 
-        wait_for(ended, 3 + 1 + 5 + 25 + 5, "the streams in flight to end by their stall deadline", 0.2)
+        def ended() -> bool:
+            views = chaos.job_views(c.client, run, set(hit) - seen_ended)
+            seen_ended.update(j for j, v in views.items() if v.state != "running" or v.token > hit[j].token)
+            return seen_ended == set(hit)
+
+        try:
+            wait_for(ended, 3 + 1 + 5 + 25 + 5, "the streams in flight to end by their stall deadline", 0.1)
+        except AssertionError as exc:
+            left = chaos.job_views(c.client, run, set(hit) - seen_ended)
+            logs = "\n".join(w.output()[-3000:] for w in c.workers)
+            raise AssertionError(f"{exc}; never seen ended: {left}\n{logs}") from None
         stalled = {j for j, v in chaos.job_views(c.client, run, hit).items() if v.last_error_class == "stall"}
         assert stalled, chaos.job_views(c.client, run, hit)
+        why = {c.client.hget(keys.RunKeys(run).job(j), "last_error") for j in stalled}
+        assert any(b"no chunk for" in w for w in why if w), why
+        assert any(b"no first token" in w and b"health check" in w for w in why if w), why
 
         # When a replacement server comes up at the same address
         c.generated_by_dead_sims += int(c.sim_stats()["generated_total"])

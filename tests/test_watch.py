@@ -24,6 +24,7 @@ from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
 
 RUN = "watch"
+URL = "http://127.0.0.1:30000"
 SETTINGS = Settings.load(env={}, checkpoint_every_s=5.0, checkpoint_every_tokens=256, stall_timeout_s=30.0)
 
 
@@ -73,7 +74,7 @@ def test_the_due_heartbeats_of_all_streams_go_in_one_batch(ledger: Ledger, redis
         streams = [loop.create_future() for _ in claims]
         # three streams are due a checkpoint (5 s passed), the fourth started just now
         ws = [
-            watch.add(c, _streaming(10 + i, t0), f, t0)
+            watch.add(c, _streaming(10 + i, t0), f, t0, URL)
             for i, (c, f) in enumerate(zip(claims, streams, strict=True))
         ]
         ws[3].started = ws[3].last_renew = ws[3].last_ckpt_at = t0 + 5.5
@@ -111,11 +112,11 @@ def test_a_stale_claim_and_cancel_now_stop_only_their_own_streams(
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         for name, c in (("stale", stale), ("cancelled", cancelled)):
-            outcome[name] = watch.add(c, _streaming(3, t0), loop.create_future(), t0)
+            outcome[name] = watch.add(c, _streaming(3, t0), loop.create_future(), t0, URL)
         watch.tick(t0 + 6)
         await outcome["stale"].beat  # type: ignore[misc]
         rclient.hdel(ledger.k.job(alive.job_id), "cancel")
-        outcome["alive"] = watch.add(alive, _streaming(3, t0), loop.create_future(), t0)
+        outcome["alive"] = watch.add(alive, _streaming(3, t0), loop.create_future(), t0, URL)
         watch.tick(t0 + 12)
         await outcome["alive"].beat  # type: ignore[misc]
 
@@ -136,7 +137,7 @@ def test_deadlines_hold_while_a_heartbeat_hangs(ledger: Ledger, rclient: redis.R
         watch = Watch(SETTINGS, hb, stopping)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        w = watch.add(c, _streaming(3, t0), loop.create_future(), t0)
+        w = watch.add(c, _streaming(3, t0), loop.create_future(), t0, URL)
         rclient.client_pause(3000)  # Redis holds every client's commands: the heartbeat hangs
         watch.tick(t0 + 6)
         beat = w.beat
@@ -161,7 +162,7 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
         watch = Watch(SETTINGS, hb, stopping)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        watched.extend(watch.add(c, _streaming(1, t0), loop.create_future(), t0) for c in claims)
+        watched.extend(watch.add(c, _streaming(1, t0), loop.create_future(), t0, URL) for c in claims)
         watch.tick(t0 + 0.5)
         assert not any(w.error for w in watched)
         stopping.set()
@@ -169,6 +170,41 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
 
     run_on_worker_loop(_watch(redis_url, body))
     assert all(isinstance(w.error, errors.ShutdownError) and w.stream.cancelled() for w in watched)
+
+
+def test_a_request_with_no_first_token_is_cut_once_its_server_fails_its_health_check(
+    ledger: Ledger, redis_url: str
+) -> None:
+    queued, elsewhere, young = _claims(ledger, 3)
+    other = "http://127.0.0.1:30001"
+    down: set[str] = set()
+    watched: dict[str, Watched] = {}
+
+    async def body(hb: CountingHeartbeat) -> None:
+        watch = Watch(SETTINGS, hb, threading.Event(), down.__contains__)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for name, c, server, at in (("queued", queued, URL, t0), ("elsewhere", elsewhere, other, t0)):
+            state = AttemptState(base=Checkpoint(), progress=Progress())  # no chunk yet
+            watched[name] = watch.add(c, state, loop.create_future(), at, server)
+        late = t0 + SETTINGS.stall_timeout_s  # sent just before the check below: not yet silent long
+        watched["young"] = watch.add(
+            young, AttemptState(Checkpoint(), Progress()), loop.create_future(), late, URL
+        )
+        # no first token for longer than the stall timeout is no fault while the server is healthy
+        # (a request queued behind others waits for first_token_timeout_s)
+        watch.tick(t0 + SETTINGS.stall_timeout_s + 1)
+        assert not any(w.error for w in watched.values())
+        # once its server fails its health check, the request silent that long is cut
+        down.add(URL)
+        watch.tick(t0 + SETTINGS.stall_timeout_s + 2)
+
+    run_on_worker_loop(_watch(redis_url, body))
+    assert isinstance(watched["queued"].error, errors.StreamStalledError)
+    assert "health check" in str(watched["queued"].error)
+    assert watched["queued"].stream.cancelled()
+    assert watched["elsewhere"].error is None, "a stream to a healthy server is left alone"
+    assert watched["young"].error is None, "a request sent less than stall_timeout_s ago is left alone"
 
 
 def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledger, redis_url: str) -> None:
@@ -184,8 +220,8 @@ def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledge
         t0 = loop.time()
         bad = _streaming(3, t0)
         bad.slot_update = unreachable
-        watched.append(watch.add(broken, bad, loop.create_future(), t0))
-        watched.append(watch.add(fine, _streaming(4, t0), loop.create_future(), t0))
+        watched.append(watch.add(broken, bad, loop.create_future(), t0, URL))
+        watched.append(watch.add(fine, _streaming(4, t0), loop.create_future(), t0, URL))
         watch.tick(t0 + 6)
         assert watched[0].beat is None
         await watched[1].beat  # type: ignore[misc]

@@ -197,7 +197,7 @@ async def run_attempt(
     state.progress.whole = answered_whole(request)
     send = whole_chat if state.progress.whole else stream_chat
     stream = asyncio.ensure_future(send(client, request, extra, state.progress))
-    watched = watch.add(claim, state, stream, started)
+    watched = watch.add(claim, state, stream, started, client.server)
     try:
         await stream
     except asyncio.CancelledError:

@@ -171,6 +171,9 @@ class ServerPool:
         Its own ``/health`` answers first (a manager may not have noticed a crash yet); a managed
         server that answers is still down unless its manager says ``ready``.
         """
+        found = self._suspect.get(url)
+        if found is not None and time.monotonic() - found < HEALTH_TIMEOUT_S:
+            return True  # another stream's probe found it down just now: a probe would wait as long
         ok, reason = probe_health(url)
         if ok:
             self._suspect.pop(url, None)
@@ -181,6 +184,10 @@ class ServerPool:
             log.warning("server %s is down or not SGLang: GET /health %s; its jobs wait for it", url, reason)
         self._suspect[url] = time.monotonic()
         return True
+
+    def found_down(self, url: str) -> bool:
+        """Whether ``url`` failed its health check and has not answered since (any thread)."""
+        return url in self._suspect
 
     def _probe_suspects(self) -> None:
         with self._lock:

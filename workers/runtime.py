@@ -44,7 +44,9 @@ class Runtime:
         self._loop_ledgers: dict[str, LoopLedger] = {}
         self._clients: dict[str, StreamClient] = {}
         self._lock = threading.Lock()
-        self.watch = Watch(settings, self.loop.run(self._make_heartbeat()), self.abort_streams)
+        self.watch = Watch(
+            settings, self.loop.run(self._make_heartbeat()), self.abort_streams, self.pool.found_down
+        )
         for url in settings.server_urls:  # built now, not on the loop under the first job
             self.client(url)
         self.inflight = 0

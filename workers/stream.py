@@ -73,7 +73,8 @@ class StreamClient:
         connect_timeout_s: float = 10.0,
         answer_timeout_s: float | None = None,
     ) -> None:
-        parts = urlsplit(f"{url.rstrip('/')}/v1/chat/completions")
+        self.server = url.rstrip("/")  # its root, as the pool names it
+        parts = urlsplit(f"{self.server}/v1/chat/completions")
         # without any user:password@ (the key goes in its own header)
         self.url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         self.http = HttpClient(connect_timeout_s, answer_timeout_s)

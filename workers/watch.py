@@ -77,6 +77,7 @@ class Watched:
     state: AttemptState
     stream: asyncio.Future[Progress]
     started: float
+    server: str  # the root URL it streams from
     last_renew: float
     last_ckpt_at: float
     last_ckpt_tokens: int = 0
@@ -87,17 +88,24 @@ class Watched:
 class Watch:
     """The process's watchdog; its task starts with the first stream."""
 
-    def __init__(self, settings: Settings, heartbeat: AsyncHeartbeat, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        heartbeat: AsyncHeartbeat,
+        stopping: threading.Event,
+        found_down: Callable[[str], bool] = lambda server: False,
+    ) -> None:
         self.settings = settings
         self.heartbeat = heartbeat
         self.stopping = stopping  # the shutdown's grace is over: checkpoint and release
+        self.found_down = found_down  # a server failed its health check (workers.pool)
         self.watched: set[Watched] = set()
         self._task: asyncio.Task[None] | None = None
 
     def add(
-        self, claim: Claim, state: AttemptState, stream: asyncio.Future[Progress], started: float
+        self, claim: Claim, state: AttemptState, stream: asyncio.Future[Progress], started: float, server: str
     ) -> Watched:
-        w = Watched(claim, state, stream, started, last_renew=started, last_ckpt_at=started)
+        w = Watched(claim, state, stream, started, server, last_renew=started, last_ckpt_at=started)
         self.watched.add(w)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
@@ -125,7 +133,9 @@ class Watch:
         for w in list(self.watched):  # stop() drops from the set
             if w.stream.done():
                 continue
-            problem = _deadline_problem(s, w.state.progress, now, w.started, self.stopping)
+            p = w.state.progress
+            down = not p.first_chunk_at and now - w.started > s.stall_timeout_s and self.found_down(w.server)
+            problem = _deadline_problem(s, p, now, w.started, self.stopping, down)
             if problem is not None:
                 self.stop(w, problem)
                 continue
@@ -193,8 +203,12 @@ class Watch:
 
 
 def _deadline_problem(
-    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event
+    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event, down: bool = False
 ) -> errors.GenerationError | None:
+    """Why the stream is to be cut now, if it is. ``down``: no first token for ``stall_timeout_s``
+    and its server has since failed its health check (its host vanished with the connection left
+    open, or it wedged): a request queued on a server that is gone would otherwise wait out
+    ``first_token_timeout_s``."""
     if stopping.is_set():
         return errors.ShutdownError("the worker is shutting down; checkpointed and released")
     if now - started > s.total_timeout_s:
@@ -205,6 +219,10 @@ def _deadline_problem(
         if now - started > s.first_token_timeout_s:
             return errors.StreamStalledError(
                 f"no first token within first_token_timeout_s={s.first_token_timeout_s}"
+            )
+        if down:
+            return errors.StreamStalledError(
+                f"no first token in {now - started:.0f}s, and the server fails its health check"
             )
     elif now - p.last_chunk_at > s.stall_timeout_s:
         return errors.StreamStalledError(f"no chunk for stall_timeout_s={s.stall_timeout_s}")
