@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from server_mgr import process
+from tests.faultproxy import FaultProxy
 from tests.procs import PortTaken, http_status, wait_for
 from tokenmill.local_redis import free_port
 
@@ -453,3 +454,60 @@ def running_engine(
         yield engine
     finally:
         _stop_checked(engine)
+
+
+class SparedEngine:
+    """An engine that a test kills, with its replacement started beside it from the start,
+    both behind one loopback proxy (:class:`tests.faultproxy.FaultProxy`): the workers know the
+    proxy's address, and :meth:`replace` points it at the replacement, as a server restarted at
+    the same address. SGLang takes 20-25 s of one core to start (more on a busy machine): started
+    one after the other the two starts cost a test that long again; started side by side they
+    share the two cores, and the replacement waits idle (``--sleep-on-idle``) for the kill."""
+
+    def __init__(self, kind: str, workdir: Path, *flags: str, sim_flags: tuple[str, ...] = ()) -> None:
+        self._start = (kind, workdir, flags, sim_flags)
+        self.spare: Engine | None = start_engine(kind, workdir, *flags, sim_flags=sim_flags, wait_ready=False)
+        try:
+            self.engine = start_engine(kind, workdir, *flags, sim_flags=sim_flags)
+            self.proxy = FaultProxy(self.engine.port).start()
+        except BaseException:
+            self.spare.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.proxy.address()}"
+
+    def replace(self) -> Engine:
+        """The killed engine stopped (nothing of it left); the proxy carries new connections to
+        the replacement, once it is ready."""
+        assert self.spare is not None, "one replacement only"
+        kind, workdir, flags, sim_flags = self._start
+        self.engine.stop()
+        spare, self.spare = self.spare, None
+        try:
+            wait_healthy(spare)
+        except PortTaken:  # another program bound its free port first: once more, elsewhere
+            spare.stop()
+            spare = start_engine(kind, workdir, *flags, sim_flags=sim_flags)
+        self.engine = spare
+        self.proxy.replace(spare.port)
+        return spare
+
+    def close(self) -> None:
+        self.proxy.close()
+        for engine in (self.engine, self.spare):
+            if engine is not None:
+                engine.stop()
+
+
+@contextmanager
+def spared_engine(
+    kind: str, workdir: Path, *flags: str, sim_flags: tuple[str, ...] = ()
+) -> Iterator[SparedEngine]:
+    """A :class:`SparedEngine` for the duration of a block; every engine stopped afterwards."""
+    spared = SparedEngine(kind, workdir, *flags, sim_flags=sim_flags)
+    try:
+        yield spared
+    finally:
+        spared.close()

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from tests.chaos import all_job_ids, results, running_jobs, state_counts, wait_finished
-from tests.engines import ENGINE_PARAMS, TOOLS_FLAGS, Engine, start_engine
+from tests.engines import ENGINE_PARAMS, TOOLS_FLAGS, Engine, spared_engine
 from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tests.sglang_client import post_json
@@ -170,17 +170,16 @@ def checkpoints(client: redis.Redis, run: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.mark.timeout(900)  # two SGLang starts and ~5,000 tokens on a 2-core CPU
+@pytest.mark.timeout(900)  # two SGLang starts (side by side) and ~5,000 tokens on a 2-core CPU
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)
 def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_valid(
     kind: str, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given a worker streaming a run that mixes every kind of option (long enough outputs that
     # the streams are cut mid-way)
-    engine = start_engine(kind, tmp_path, *PARSER, sim_flags=CHAOS_SIM)
-    try:
+    with spared_engine(kind, tmp_path, *PARSER, sim_flags=CHAOS_SIM) as server:
         rows = mixed_rows()
-        env = worker_env(redis_url, engine.url)
+        env = worker_env(redis_url, server.url)
         cli("enqueue", str(write_jsonl(tmp_path / "O.jsonl", rows)), "--run", "opts", "--temperature", "0",
             "--short-max-tokens", "700", env=env)  # fmt: skip
         procs.append(start_worker(tmp_path, "short", env, concurrency=len(rows)))
@@ -192,12 +191,11 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         wait_for(lambda: {"json", "tool", "ids", "think"} <= cut_kinds(), 180,
                  "constrained, token-id and plain jobs mid-stream with a checkpoint", 0.05)  # fmt: skip
 
-        # When the whole server is SIGKILLed and started again on its port
-        os.killpg(engine.proc.pgid, signal.SIGKILL)
+        # When the whole server is SIGKILLed and another comes up at its address
+        os.killpg(server.engine.proc.pgid, signal.SIGKILL)
         wait_for(lambda: not running_jobs(rclient, "opts"), 60, "the cut streams to be released")
         held = checkpoints(rclient, "opts")
-        engine.stop()
-        engine = start_engine(kind, tmp_path, *PARSER, sim_flags=CHAOS_SIM, port=engine.port)
+        server.replace()
         wait_finished(rclient, "opts", len(rows), 400)
 
         # Then every row is done once, and its output is valid for its options
@@ -223,8 +221,6 @@ def test_a_run_of_every_option_with_its_server_killed_exports_each_row_once_and_
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.RunKeys("opts").stats()).items()}
         assert stats["restarted_jobs"] == len(restarted)
         assert stats["discarded_tokens"] == sum(held[j]["tokens"] for j in restarted)
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from producer.status import run_status
 from tests.chaos import all_job_ids, running_jobs, state_counts, wait_finished
 from tests.continued import assert_exact_after_cuts
 from tests.continued import checkpoints as job_checkpoints
-from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, start_engine
+from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, spared_engine
 from tests.keyspace import key_events
 from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
@@ -111,13 +111,12 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
     kind: str, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:
     # Given a worker streaming 16 greedy prompts of MAX_TOKENS tokens from an engine
-    engine = start_engine(kind, tmp_path, sim_flags=CHAOS_SIM)
-    try:
+    with spared_engine(kind, tmp_path, sim_flags=CHAOS_SIM) as server:
         rows = [
             {"prompt": f"chaos {i}: " + " ".join(WORDS[(i + j) % 8] for j in range(i % 5 + 2))}
             for i in range(16)
         ]
-        env = worker_env(redis_url, engine.url)
+        env = worker_env(redis_url, server.url)
         cli("enqueue", str(write_jsonl(tmp_path / "C.jsonl", rows)), "--run", "chaos", "--temperature", "0",
             "--short-max-tokens", str(MAX_TOKENS), env=env)  # fmt: skip
         procs.append(start_worker(tmp_path, "short", env, concurrency=8))
@@ -125,13 +124,12 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
                  "three jobs mid-stream with a checkpoint", 0.05)  # fmt: skip
 
         # When the whole server is SIGKILLed, its streams are released with their checkpoints,
-        # and it is started again on the same port
-        os.killpg(engine.proc.pgid, signal.SIGKILL)
+        # and another comes up at its address
+        os.killpg(server.engine.proc.pgid, signal.SIGKILL)
         wait_for(lambda: not running_jobs(rclient, "chaos"), 60, "the cut streams to be released")
         checkpoints = job_checkpoints(rclient, "chaos")
         assert len(checkpoints) >= 3, checkpoints
-        engine.stop()
-        engine = start_engine(kind, tmp_path, sim_flags=CHAOS_SIM, port=engine.port)
+        engine = server.replace()
         wait_finished(rclient, "chaos", 16, 300)
 
         # Then every prompt is done once, none failed, no retry was burned by the outage, and
@@ -150,8 +148,6 @@ def test_a_server_killed_mid_run_and_restarted_loses_nothing_and_continues_from_
         ids = all_job_ids(rclient, "chaos")
         assert all(int(rclient.hget(keys.RunKeys("chaos").job(j), "retries") or 0) == 0 for j in ids)
         assert continued >= 3
-    finally:
-        engine.stop()
 
 
 def _hold_while_alone(client: redis.Redis, run: str, passes: int) -> list[dict[str, int]]:
