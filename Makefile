@@ -13,8 +13,8 @@ TOKENMILL_SGLANG_HOME ?= $(HOME)/.cache/tokenmill/sglang-$(SGLANG_VERSION)
 export TOKENMILL_SGLANG_HOME
 
 # `make test` runs the suite in three steps, each printing its ten slowest tests: the tests that
-# do not run real SGLang on three pytest-xdist workers (many wait on a fault's timer: two workers
-# kept these two cores 47% busy); then the real-SGLang tier alone, one test at a time (SGLang on
+# do not run real SGLang on four pytest-xdist workers (many wait on a fault's timer: on these two
+# cores three workers took 351 s at 1.29 cores busy, four 298 s at 1.55; 2026-12-03); then the real-SGLang tier alone, one test at a time (SGLang on
 # these two cores slowed beside the other worker's tests ~3.5x: a 79 s test took 280 s), its
 # shared engines started side by side at its start (tests/engines.py, EnginePool); then alone the
 # tests marked `alone`, which bound in seconds how soon a fault is recovered from.
@@ -49,7 +49,7 @@ demo: $(STAMP)
 test: $(STAMP) sglang-env browser-env
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest $(PYTEST_FLAGS) -n 3 --dist loadscope -m "not sglang and not alone"
+	$(BIN)/pytest $(PYTEST_FLAGS) -n 4 --dist loadscope -m "not sglang and not alone"
 	$(BIN)/pytest $(PYTEST_FLAGS) -m "sglang and not alone"
 	$(BIN)/pytest $(PYTEST_FLAGS) -m alone
 
