@@ -175,7 +175,7 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
 def test_a_request_with_no_first_token_is_cut_once_its_server_fails_its_health_check(
     ledger: Ledger, redis_url: str
 ) -> None:
-    queued, elsewhere, young = _claims(ledger, 3)
+    queued, whole, elsewhere, young = _claims(ledger, 4)
     other = "http://127.0.0.1:30001"
     down: set[str] = set()
     watched: dict[str, Watched] = {}
@@ -184,9 +184,13 @@ def test_a_request_with_no_first_token_is_cut_once_its_server_fails_its_health_c
         watch = Watch(SETTINGS, hb, threading.Event(), down.__contains__)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        for name, c, server, at in (("queued", queued, URL, t0), ("elsewhere", elsewhere, other, t0)):
-            state = AttemptState(base=Checkpoint(), progress=Progress())  # no chunk yet
-            watched[name] = watch.add(c, state, loop.create_future(), at, server)
+        for name, c, server in (
+            ("queued", queued, URL),
+            ("whole", whole, URL),
+            ("elsewhere", elsewhere, other),
+        ):
+            state = AttemptState(base=Checkpoint(), progress=Progress(whole=name == "whole"))  # no chunk yet
+            watched[name] = watch.add(c, state, loop.create_future(), t0, server)
         late = t0 + SETTINGS.stall_timeout_s  # sent just before the check below: not yet silent long
         watched["young"] = watch.add(
             young, AttemptState(Checkpoint(), Progress()), loop.create_future(), late, URL
@@ -200,9 +204,10 @@ def test_a_request_with_no_first_token_is_cut_once_its_server_fails_its_health_c
         watch.tick(t0 + SETTINGS.stall_timeout_s + 2)
 
     run_on_worker_loop(_watch(redis_url, body))
-    assert isinstance(watched["queued"].error, errors.StreamStalledError)
-    assert "health check" in str(watched["queued"].error)
-    assert watched["queued"].stream.cancelled()
+    for name in ("queued", "whole"):  # an unstreamed request would wait out total_timeout_s
+        assert isinstance(watched[name].error, errors.StreamStalledError), name
+        assert "health check" in str(watched[name].error)
+        assert watched[name].stream.cancelled()
     assert watched["elsewhere"].error is None, "a stream to a healthy server is left alone"
     assert watched["young"].error is None, "a request sent less than stall_timeout_s ago is left alone"
 

@@ -205,24 +205,26 @@ class Watch:
 def _deadline_problem(
     s: Settings, p: Progress, now: float, started: float, stopping: threading.Event, down: bool = False
 ) -> errors.GenerationError | None:
-    """Why the stream is to be cut now, if it is. ``down``: no first token for ``stall_timeout_s``
-    and its server has since failed its health check (its host vanished with the connection left
-    open, or it wedged): a request queued on a server that is gone would otherwise wait out
-    ``first_token_timeout_s``."""
+    """Why the stream is to be cut now, if it is. ``down``: nothing received for
+    ``stall_timeout_s`` (no first token; an unstreamed request, no answer) and its server has
+    since failed its health check (its host vanished with the connection left open, or it
+    wedged): a request queued on a server that is gone would otherwise wait out
+    ``first_token_timeout_s`` (an unstreamed one, ``total_timeout_s``)."""
     if stopping.is_set():
         return errors.ShutdownError("the worker is shutting down; checkpointed and released")
     if now - started > s.total_timeout_s:
         return errors.RequestTimeoutError(f"the request ran past total_timeout_s={s.total_timeout_s}")
+    if down:
+        what = "no answer" if p.whole else "no first token"
+        return errors.StreamStalledError(
+            f"{what} in {now - started:.0f}s, and the server fails its health check"
+        )
     if p.whole:
         return None  # an unstreamed answer sends nothing before the end: only its total deadline
     if not p.first_chunk_at:
         if now - started > s.first_token_timeout_s:
             return errors.StreamStalledError(
                 f"no first token within first_token_timeout_s={s.first_token_timeout_s}"
-            )
-        if down:
-            return errors.StreamStalledError(
-                f"no first token in {now - started:.0f}s, and the server fails its health check"
             )
     elif now - p.last_chunk_at > s.stall_timeout_s:
         return errors.StreamStalledError(f"no chunk for stall_timeout_s={s.stall_timeout_s}")
