@@ -397,7 +397,7 @@ async def _stream_path(
     import aiohttp
 
     from tokenmill.settings import Settings
-    from workers.stream import STREAM_OPTIONS, Progress, StreamClient, _Lines, stream_chat
+    from workers.stream import STREAM_OPTIONS, Progress, StreamClient, _Lines, handler_for, stream_chat
 
     sem = asyncio.Semaphore(concurrency)
     s = Settings.load(server_url=url)
@@ -416,7 +416,7 @@ async def _stream_path(
             {**item["request"], "rid": item["id"], "stream": True, "stream_options": STREAM_OPTIONS}
         )
         p = Progress()
-        lines = _Lines(p, loop)
+        lines = _Lines(p, loop, handler_for(item["request"], p))
         async with sem, session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
