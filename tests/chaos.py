@@ -312,6 +312,15 @@ class Cluster:
         self.sim_port = int(url.rsplit(":", 1)[1])
         self.procs.append(self.sim)
 
+    def replace_sim(self, *extra_flags: str) -> None:
+        """Kill the sim and start another on a new port, with ``extra_flags`` from now on; the
+        tokens the killed one generated stay counted."""
+        assert self.sim is not None
+        self.generated_by_dead_sims += int(self.sim_stats()["generated_total"])
+        self.sim.kill()
+        self.sim_flags, self.sim_port = (*self.sim_flags, *extra_flags), 0
+        self.start_sim()
+
     def start_workers(self, n: int = 1, concurrency: int = 8, queue: str = "short") -> list[Proc]:
         """``n`` real ``tokenmill worker`` processes, started side by side, each ready to consume."""
         started = []

@@ -15,7 +15,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +313,17 @@ def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
 SIM_ONLY_PATH = "/_sim/stats"  # the sim's own test hook (server_mgr/sim/app.py), open without a key
 
 
+def ready_or_again(engine: Engine, again: Callable[[], Engine]) -> Engine:
+    """``engine`` (launched without waiting) once ready; if another program bound its free port
+    first, the one ``again`` starts elsewhere. Fails with the engine's output if it died starting."""
+    try:
+        wait_healthy(engine)
+        return engine
+    except PortTaken:
+        engine.stop()
+        return again()
+
+
 def assert_not_the_sim(engine: Engine) -> None:
     """Fail loudly unless the engine is real SGLang: the sim answers ``GET /_sim/stats`` 200 (with
     or without a key); SGLang, past its key check, has no such route (404). A real-SGLang test
@@ -405,12 +416,10 @@ class EnginePool:
         """The shared engine ``name`` of ``kind``, ready."""
         engine = self.launch(kind, name)
         if (kind, name) not in self._ready:
-            try:
-                wait_healthy(engine)  # fails with the engine's output if it died starting
-            except PortTaken:  # another program bound its free port first: once more, elsewhere
-                engine.stop()
-                flags, api_key = SHARED_ENGINES[name]
-                engine = self.engines[kind, name] = start_engine(kind, self.workdir, *flags, api_key=api_key)
+            flags, api_key = SHARED_ENGINES[name]
+            engine = self.engines[kind, name] = ready_or_again(
+                engine, lambda: start_engine(kind, self.workdir, *flags, api_key=api_key)
+            )
             self._ready.add((kind, name))
         elif not engine.alive():
             raise AssertionError(
@@ -485,11 +494,7 @@ class SparedEngine:
         kind, workdir, flags, sim_flags = self._start
         self.engine.stop()
         spare, self.spare = self.spare, None
-        try:
-            wait_healthy(spare)
-        except PortTaken:  # another program bound its free port first: once more, elsewhere
-            spare.stop()
-            spare = start_engine(kind, workdir, *flags, sim_flags=sim_flags)
+        spare = ready_or_again(spare, lambda: start_engine(kind, workdir, *flags, sim_flags=sim_flags))
         self.engine = spare
         self.proxy.replace(spare.port)
         return spare

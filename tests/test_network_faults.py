@@ -163,10 +163,7 @@ def test_the_servers_host_vanishing_mid_stream_ends_streams_by_their_stall_deadl
     c.settings.update(stall_timeout_s=3, lease_ttl_s=40)
     # and a server that runs 12 requests at a time: of the 16 in flight, some wait in its queue,
     # sent and answered with headers but with no first token yet when the host vanishes
-    assert c.sim is not None
-    c.sim.kill()
-    c.sim_flags, c.sim_port = (*c.sim_flags, "--max-running-requests", "12"), 0
-    c.start_sim()
+    c.replace_sim("--max-running-requests", "12")
     wl = streams(run, 40)
     with FaultProxy(c.sim_port) as proxy:
         c.server_via = f"http://{proxy.address()}"
@@ -202,11 +199,7 @@ def test_the_servers_host_vanishing_mid_stream_ends_streams_by_their_stall_deadl
         assert any(b"no first token" in w and b"health check" in w for w in why if w), why
 
         # When a replacement server comes up at the same address
-        c.generated_by_dead_sims += int(c.sim_stats()["generated_total"])
-        assert c.sim is not None
-        c.sim.kill()
-        c.sim_port = 0
-        c.start_sim()
+        c.replace_sim()
         proxy.replace(c.sim_port)
         replaced_at = time.monotonic()
         done_then = done_count(c, run)

@@ -133,9 +133,8 @@ class Watch:
         for w in list(self.watched):  # stop() drops from the set
             if w.stream.done():
                 continue
-            p = w.state.progress
-            down = not p.first_chunk_at and now - w.started > s.stall_timeout_s and self.found_down(w.server)
-            problem = _deadline_problem(s, p, now, w.started, self.stopping, down)
+            down = self.found_down(w.server)
+            problem = _deadline_problem(s, w.state.progress, now, w.started, self.stopping, down)
             if problem is not None:
                 self.stop(w, problem)
                 continue
@@ -205,16 +204,15 @@ class Watch:
 def _deadline_problem(
     s: Settings, p: Progress, now: float, started: float, stopping: threading.Event, down: bool = False
 ) -> errors.GenerationError | None:
-    """Why the stream is to be cut now, if it is. ``down``: nothing received for
-    ``stall_timeout_s`` (no first token; an unstreamed request, no answer) and its server has
-    since failed its health check (its host vanished with the connection left open, or it
-    wedged): a request queued on a server that is gone would otherwise wait out
-    ``first_token_timeout_s`` (an unstreamed one, ``total_timeout_s``)."""
+    """Why the stream is to be cut now, if it is. ``down``: its server failed its health check
+    (its host vanished with the connection left open, or it wedged); a request that received
+    nothing for ``stall_timeout_s`` (no first token; unstreamed, no answer) is then cut, where it
+    would otherwise wait out ``first_token_timeout_s`` (unstreamed, ``total_timeout_s``)."""
     if stopping.is_set():
         return errors.ShutdownError("the worker is shutting down; checkpointed and released")
     if now - started > s.total_timeout_s:
         return errors.RequestTimeoutError(f"the request ran past total_timeout_s={s.total_timeout_s}")
-    if down:
+    if down and not p.first_chunk_at and now - started > s.stall_timeout_s:
         what = "no answer" if p.whole else "no first token"
         return errors.StreamStalledError(
             f"{what} in {now - started:.0f}s, and the server fails its health check"
