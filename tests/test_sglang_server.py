@@ -78,11 +78,15 @@ def test_server_up_publishes_real_capacity_and_live_figures_and_stop_leaves_noth
         assert busy["graph"] == 0.0, busy  # "cpu graph: False" read like "cuda graph"
 
         # And from /metrics, retractions included (a count the log and /metrics both keep)
-        live = up.wait_state(
-            servers.READY, timeout_s=30, where=lambda r: r.live.get("retractions", 0) >= 1
-        ).live
-        assert "kv_available_tokens" in live and "num_used_tokens" in live, live  # /metrics
         log = Path(table["log_dir"]) / "s1.log"
+        try:
+            live = up.wait_state(
+                servers.READY, timeout_s=30, where=lambda r: r.live.get("retractions", 0) >= 1
+            ).live
+        except AssertionError as exc:  # say whether the server retracted, and what was published
+            retracts = [x for x in log.read_text().splitlines() if "Retract requests" in x]
+            raise AssertionError(f"{exc}; record {up.record()}; the server's log: {retracts[:3]}") from None
+        assert "kv_available_tokens" in live and "num_used_tokens" in live, live  # /metrics
         assert "KV cache pool is full. Retract requests." in log.read_text()
 
         # And `server stop` drains it and leaves no process of it
