@@ -172,14 +172,14 @@ class Sampler(threading.Thread):
         while not self.stop.wait(0.25):
             try:
                 running, queued, used = self.server.load()
-                f = self.client.hmget(used_key, "total", "n", "window", "rule")
+                f = self.client.hmget(used_key, "total", "n", "window", "rule", "pace_ms")
             except Exception:
                 continue
             self.running.append(running)
-            held, n, window, rule = (x.decode() if x else "-" for x in f)
+            held, n, window, rule, pace = (x.decode() if x else "-" for x in f)
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
-                f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6}"
+                f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
             )
 
     def mean_running(self) -> float:
@@ -187,9 +187,12 @@ class Sampler(threading.Thread):
         return round(statistics.fmean(busy), 1) if busy else 0.0
 
 
-def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission: bool, threads: int) -> dict:
+def run_tokenmill(
+    work: Path, data: Path, args: argparse.Namespace, *, admission: bool, threads: int, paced: bool = True
+) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
-    ``threads`` each), after a warm-up run of the dataset under another run id when ``args.warm``."""
+    ``threads`` each; ``paced``: admission_pacing), after a warm-up run of the dataset under
+    another run id when ``args.warm``."""
     with Children() as children:
         rds = children.redis(work / f"redis-{time.monotonic_ns()}")
         server = Server(children, work, args)
@@ -197,6 +200,7 @@ def run_tokenmill(work: Path, data: Path, args: argparse.Namespace, *, admission
             "TOKENMILL_REDIS_URL": rds.url,
             "TOKENMILL_SERVER_URL": server.url,
             "TOKENMILL_ADMISSION": "true" if admission else "false",
+            "TOKENMILL_ADMISSION_PACING": "true" if paced else "false",
         }
         each = threads if admission else max(1, threads // args.workers)
         workers = [start_worker(children, work, "short", each, env) for _ in range(args.workers)]
@@ -324,6 +328,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     for name in (n.strip() for n in args.only.split(",")):
         if name == "admission":
             out.append((f"admission (threads {args.high}, no tuning)", "admission", args.high))
+        elif name == "unpaced":
+            out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
         elif name in named:
             out.append((f"fixed {named[name]} ({name})", "fixed", named[name]))
         elif m := re.fullmatch(r"(fixed|direct)(\d+)", name):
@@ -331,7 +337,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
             raise SystemExit(
-                f"--only: unknown variant {name!r} (low, tuned, high, admission, fixedN, directN)"
+                f"--only: unknown variant {name!r} (low, tuned, high, admission, unpaced, fixedN, directN)"
             )
     return out
 
@@ -458,7 +464,10 @@ def measure(
                 if kind == "direct":
                     r = run_direct(work, data, args, concurrency=n)
                 else:
-                    r = run_tokenmill(work, data, args, admission=kind == "admission", threads=n)
+                    r = run_tokenmill(
+                        work, data, args, admission=kind in ("admission", "unpaced"), threads=n,
+                        paced=kind != "unpaced",
+                    )  # fmt: skip
             results[label].append(r)
             print(f"  {cell or ''} {label}: {r}", flush=True)
             if json_out:
@@ -494,7 +503,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             ["variant", "wall s (rounds)", "retractions (rounds)", "mean running", "vs fastest fixed"], rows
         )
     )
-    adm = next((n for n in results if n.startswith("admission")), None)
+    adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
 

@@ -11,7 +11,7 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
-from tokenmill.admission import Admission, LengthTracker, Slot
+from tokenmill.admission import PACE_GROUP, Admission, LengthTracker, Slot
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.lengths import (
     MIN_AT_RISK,
@@ -108,16 +108,18 @@ def test_a_stale_window_starts_again_from_what_is_in_flight(rclient: redis.Redis
     a = adm(rclient, admission_queue_target=3)
     client_stale = 1_000  # a window stamped long ago: the token budget decided since
     rclient.hset(USED, mapping={"window": 40, "window_ms": client_stale})
-    assert a.adapt("srv", load(0), None) == 2  # nothing in flight: small again
+    assert a.adapt("srv", load(0), None) == 2  # nothing in flight: no window, the guard decides
+    assert admit_all(a, 5, tokens=100) and admission_view(rclient, "srv")["rule"] == "budget"
 
 
 def test_the_first_figures_start_from_what_is_in_flight_and_may_grow_at_once(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
     # Given 5 requests the token budget let in, each projected to peak at 400 tokens
     assert all(a.try_admit("srv", 10_000, 400, "short") for _ in range(5))
-    # When the server first reports them (100 tokens each so far), the window starts at 5 and
-    # grows by half the 18 more that fit below the ceiling at 400 each
-    assert a.adapt("srv", load(5, used=500), None) == 5 + 9
+    # When the server first reports them (100 tokens each so far), the window starts at as many
+    # as the guard lets in at 400 each, whether or not they asked yet: 23 below the ceiling (the
+    # lower of it and the guard's budget)
+    assert a.adapt("srv", load(5, used=500), None) == 23
 
 
 def admit_all(a: Admission, n: int, queue: str = "short", tokens: int = 10**6) -> list[Slot]:
@@ -133,7 +135,7 @@ def admit_all(a: Admission, n: int, queue: str = "short", tokens: int = 10**6) -
 
 def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    assert a.adapt("srv", load(0), None) == 2  # the first figures start it small
+    set_window(rclient, 2)
     slots = admit_all(a, 10)  # each asks far more tokens than the budget: the window decides
     assert len(slots) == 2 and admission_view(rclient, "srv")["rule"] == "window"
     a.release(slots[0])
@@ -142,7 +144,7 @@ def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis
 
 def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
-    a.adapt("srv", load(0), None)
+    set_window(rclient, 2)
     held = admit_all(a, 3, tokens=500)  # two fit, the third is refused: the window is what limits
     # 2 running use 1,000 (500 each): 19 fit below 9,500, half the 17 more
     assert a.adapt("srv", load(2, used=1000), None) == 2 + 8
@@ -256,8 +258,12 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
     rclient: redis.Redis,
 ) -> None:
     # Given a cold start: before the first figures the token guard let 16 in, each held at its
-    # projected peak (prompt + max_tokens: 223 tokens) against 0.9 of a 4,000-token pool
-    a = adm(rclient, admission_fraction=0.9, admission_queue_target=3, admission_reserve=0.6)
+    # projected peak (prompt + max_tokens: 223 tokens) against 0.9 of a 4,000-token pool (not
+    # paced: the slots below live a few milliseconds)
+    a = adm(
+        rclient, admission_fraction=0.9, admission_queue_target=3, admission_reserve=0.6,
+        admission_pacing=False,
+    )  # fmt: skip
     slots = [a.try_admit("srv", 4000, 223, "short") for _ in range(17)]
     assert slots.count(None) == 1  # the 17th was refused: the budget is what limits
     # When the first figures show them young (60 tokens each), none ended
@@ -306,6 +312,89 @@ def test_a_deep_server_queue_shrinks_the_window_to_running_plus_the_target(rclie
     assert a.adapt("srv", load(100, waiting=30, used=9000), None) == 24  # target: 10% of running
 
 
+def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: redis.Redis) -> None:
+    # Given a fresh window of 10 with room, and requests known to live 10 s give or take 1 s: one
+    # start a second
+    a = adm(rclient, admission_queue_target=3)
+    set_window(rclient, 10, life_ms=10_000, life_dev=1_000, bound=1)
+    # When 10 ask at once, then a group of PACE_GROUP starts, and the rest wait their turn,
+    # refused as paced, not as refused by the window (which would grow it)
+    assert len(admit_all(a, 10)) == PACE_GROUP
+    assert rclient.hmget(USED, "paced", "refused") == [b"1", None]
+    # And they all start at once when lifetimes differ by a quarter of their mean or more
+    # (requests started together end apart), or with pacing off
+    for fields, pacing in (({"life_dev": 2_500}, True), ({}, False)):
+        rclient.delete(USED, keys.admission("srv"))
+        set_window(rclient, 10, **{"life_ms": 10_000, "life_dev": 1_000, "bound": 1, **fields})
+        assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pacing=pacing), 10)) == 10
+
+
+def test_a_slots_lifetime_and_its_spread_are_measured_and_pace_the_window(rclient: redis.Redis) -> None:
+    # Given requests that held their slots 200 ms, 200 ms and 400 ms (their admission time set back)
+    a = adm(rclient, admission_queue_target=3)
+    slots = [a.try_admit("srv", 10_000, 100, "short") for _ in range(3)]
+    seconds, micros = rclient.time()
+    now_ms = seconds * 1000 + micros // 1000
+    lives = []
+    for slot, held_ms in zip(slots, (200, 200, 400), strict=True):
+        assert slot is not None
+        rclient.hset(USED, f"at:{slot.member}", now_ms - held_ms)
+        a.release(slot)
+        lives.append(float(rclient.hget(USED, "life_ms") or 0))
+    # Then the lifetime is a moving mean (the first taken whole), its spread a moving mean
+    # deviation (0, then 0, then 0.1 of the 400 ms one's 200 off the mean)
+    assert 200 <= lives[0] < 220 and lives[1] < 225 and 220 <= lives[2] < 250
+    dev = float(rclient.hget(USED, "life_dev") or 0)
+    assert 15 < dev < 25
+    # And while the pool binds (4 in flight at 3,000 tokens each on a 10,000-token pool: a fifth
+    # would not fit), the window's requests start a lifetime / window apart
+    set_window(rclient, 4, life_dev=10, n=4, total=4 * 3_000)
+    window = a.adapt("srv", load(0), None)
+    assert int(rclient.hget(USED, "pace_ms") or 0) == int(lives[2] // window)
+    # And once the pool has bound, pacing stays (as requests end and in flight fall below the
+    # fit, it must not flap); a window that never saw it bind (room for more at their peaks)
+    # does not pace
+    rclient.hset(USED, "total", 4 * 1_000)
+    a.adapt("srv", load(0), None)
+    assert rclient.hmget(USED, "bound") == [b"1"]
+    rclient.hdel(USED, "bound")
+    a.adapt("srv", load(0), None)
+    assert rclient.hmget(USED, "pace_ms", "bound") == [b"0", b"0"]
+
+
+def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_together(
+    rclient: redis.Redis,
+) -> None:
+    # Given a cold start's 17 requests of ~23-token prompts that all run to max_tokens 200
+    # (223-token projected peaks: 17 fit below 3,800), started together (unpaced), seen at 60,
+    # 120 and 180 tokens each as they grew together
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    set_window(rclient, 17, n=17, admitted=17, total=17 * 223, refused=1, unpaced=17)
+    for each in (60, 120, 180):
+        assert a.adapt("srv", load(17, used=17 * each, capacity=4000), None) == 17
+    # When they have ended together, as long as each other (1.2 s, give or take 10 ms), and their
+    # successors are starting paced, young (25 tokens each)
+    lives = {"life_ms": 1_200, "life_dev": 10, "admitted": 21, "n": 4, "total": 4 * 223}
+    rclient.hset(USED, mapping={**lives, "unpaced": 0})
+    # Then the window is as many as fit at what they hold on average over a lifetime: halfway
+    # between their young size (60, the least seen) and their projected peak (223), or the mean
+    # seen over time (120) if more, with room for a group at its peak: (3,800 - 2 * 223) / 141.5
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 23
+    # And not while one that started unpaced (with others, maybe) is in flight, nor when
+    # lifetimes differ by a quarter of their mean: successors that start together end apart
+    for fields in ({"unpaced": 1}, {"life_dev": 300}):
+        rclient.hset(USED, mapping={**lives, "unpaced": 0, "window": 17, **fields})
+        assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 17
+    # And once the server retracted paced requests (their stages were less spread than sized),
+    # the window backs off and the pacing rule never takes it past where it backed off to
+    rclient.hset(USED, mapping={**lives, "unpaced": 0, "window": 23, "n": 23, "total": 23 * 223})
+    a.adapt("srv", load(22, waiting=1, used=3900, capacity=4000), 0)
+    backed = a.adapt("srv", load(22, waiting=1, used=3900, capacity=4000), 2)
+    assert backed == 17  # what fits at the projected peaks (0.75 of the 23 on the server: 17)
+    rclient.hset(USED, mapping={"hold_until": 0, "n": 4, "total": 4 * 223})
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), 2) == 17
+
+
 def test_a_retraction_shrinks_the_window_and_holds_it_there(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_backoff=0.5)
     set_window(rclient, 20, n=20)
@@ -318,7 +407,7 @@ def test_a_retraction_shrinks_the_window_and_holds_it_there(rclient: redis.Redis
 
 def test_a_stale_window_leaves_the_decision_to_the_token_budget(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_poll_s=0.02)  # fresh for 6 polls: 120 ms
-    a.adapt("srv", load(0), None)
+    set_window(rclient, 2)
     assert len(admit_all(a, 5, tokens=100)) == 2
     wait_for(lambda: a.try_admit("srv", 1000, 100, "short"), 5, "the window to go stale")
     assert admission_view(rclient, "srv")["rule"] == "budget"

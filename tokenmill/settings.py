@@ -78,6 +78,9 @@ class Settings:
     # lower lets requests at different stages share the headroom, as SGLang's scheduler does
     # (it reserves 0.7 of what remains, decaying), and a rare retraction backs the window off
     admission_reserve: float = 0.6
+    # the closed loop starts a window's requests spread over a request's lifetime, a few at a
+    # time, so their peaks do not coincide (off: as soon as the window has room)
+    admission_pacing: bool = True
     # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
     # tokenmill/affinity.py), the rest least full first; off: least full first
     server_affinity: bool = True

@@ -41,15 +41,25 @@
 --          flight would fill it at that size (by the queue target while nothing sizes a request
 --          yet); too much growth is cheap: the server queues what it cannot start and rule 2
 --          takes it back;
---       the window never goes below ARGV 10. The first figures start it at what is in flight and
---       let rule 3 apply at once (until then the token budget decided, not a window).
+--       3'. paced (admit.lua starts requests spread over a lifetime while the pool binds and
+--          lifetimes agree, see there) and every request in flight started paced (`unpaced` is
+--          0): instead of rule 3, and without waiting for a refusal, the window becomes at least
+--          as many as fit below the ceiling, less room for a group (ARGV 15) at its projected
+--          peak, at the mean use per request the server reported over time while most of the
+--          window ran (`use_sum` / `use_n`: requests spread over their lifetimes hold about that
+--          on average), or at their present mean use if more;
+--       the window never goes below ARGV 10. The first figures start it at what is in flight, and
+--       at least at what the guard lets in at the projected peak, and let rule 3 apply at once
+--       (until then the token budget decided, not a window); with nothing in flight they start
+--       no window and the guard keeps deciding.
 -- KEYS: 1 used hash (as admit.lua).
 -- ARGV: 1 running, 2 waiting, 3 KV tokens used, 4 KV capacity, 5 queue target (requests),
 --       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
 --       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown),
 --       12 how long a window stays fresh (ms; admit.lua's ARGV 9), 13 the share of the projected
 --       growth a request is sized by (1: its whole projected peak), 14 the guard's budget (a
---       fraction of the pool).
+--       fraction of the pool), 15 the pacing group (admit.lua's ARGV 10; 0: not paced).
+-- Also sets `pace_ms` (for status) and `bound` (1: the pool binds; admit.lua paces only then).
 -- Returns the new window.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -59,20 +69,37 @@ local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])
 local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
-  'start_n', 'srv_running', 'srv_used', 'seen_rise')
+  'start_n', 'srv_running', 'srv_used', 'seen_rise', 'life_ms', 'life_dev', 'use_sum', 'use_n',
+  'unpaced', 'use_min', 'paced_cap', 'bound')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
 local limiting = refused > tonumber(f[6] or '0')
 local window = tonumber(f[2] or '0')
-if window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12]) then
+local first = window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12])
+if first and n == 0 then
+  -- nothing in flight to start a window from: the guard decides until something is (a window
+  -- started at the smallest would hold back a cold start the guard lets in at once)
+  redis.call('HSET', KEYS[1], 'srv_running', running, 'srv_waiting', waiting, 'srv_used', used,
+    'srv_cap', capacity, 'srv_retractions', retractions)
+  return smallest
+end
+if first then
   -- first figures (or the first after the window went stale and the budget decided): from what
   -- is in flight, free to grow at once
   window = math.max(smallest, n)
   limiting = limiting or n > 0
   f[10], f[16] = false, false  -- and what the requests were seen to hold starts again
   f[12], f[13] = admitted, n  -- as does the count of requests ended under this window
+  f[19], f[20], f[22], f[23], f[24] = false, false, false, false, false  -- and what was learned
 end
+-- paced (admit.lua's rule): requests live about as long as each other, so those that start
+-- together end together and their successors start together again; admission starts them
+-- spread over a lifetime instead, at most a group (ARGV 15) at a time
+local group, life = tonumber(ARGV[15]), tonumber(f[17] or '0')
+local paced = group > 0 and life > 0 and tonumber(f[18] or '0') * 4 < life
+local use_sum, use_n = tonumber(f[19] or '0'), tonumber(f[20] or '0')
+local use_min, paced_cap = tonumber(f[22] or '0'), tonumber(f[23] or '0')
 -- requests ended since the window started: those in flight then plus those admitted since, less
 -- those in flight now (a slot given back, or expired)
 local ended = tonumber(f[13] or '0') + admitted - tonumber(f[12] or '0') - n
@@ -81,7 +108,16 @@ local present = 0  -- the running requests' mean use now, and the highest seen s
 if running > 0 then present = used / running end
 local peak = 0  -- the requests in flight's mean projected peak
 if n > 0 then peak = tonumber(f[8] or '0') / n end
+if first and peak > 0 then
+  -- at least as many as the guard lets in at that size: it may not have had them asking yet
+  -- (workers still starting)
+  window = math.max(window, math.floor(math.min(ceiling, tonumber(ARGV[14]) * capacity) / peak))
+end
 local seen, seen_rise = tonumber(f[10] or '0'), tonumber(f[16] or '0')
+-- pacing is for a pool that binds: since the window started, one more request at its projected
+-- peak would not have fit the guard's budget (ARGV 14); on a roomy pool it would only delay starts
+local bound = f[24] == '1' or (peak > 0 and (n + 1) * peak > tonumber(ARGV[14]) * capacity)
+paced = paced and bound
 -- only while most of the window runs: a few stragglers alone say nothing of requests together
 if running * 2 >= window then
   seen = math.max(seen, present)
@@ -91,6 +127,10 @@ if running * 2 >= window then
   local rise = 0
   if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
   seen_rise = math.max(seen_rise, present + rise)
+  -- the mean over time of what a request holds: what each holds on average when they are
+  -- spread over their lifetimes
+  use_sum, use_n = use_sum + present, use_n + 1
+  if use_min <= 0 or present < use_min then use_min = present end
 end
 -- the rise is a projection: never above what the requests in flight are projected to hold now
 local held_each = math.max(seen, math.min(seen_rise, peak))
@@ -101,19 +141,37 @@ if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions
     local backed = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
     if peak > 0 then backed = math.max(backed, math.min(window, math.floor(ceiling / peak))) end
     window = backed
+    -- a retraction of paced requests: their stages were less spread than their sizing assumed
+    if paced then paced_cap = backed end
     redis.call('HSET', KEYS[1], 'hold_until', now_ms + tonumber(ARGV[8]))
     redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
   end
 elseif not holding then
   if waiting > target and tonumber(f[7] or '0') > target then
     window = math.min(window, running + target)
+  elseif paced and tonumber(f[21] or '0') <= 0 then
+    -- every request in flight started paced: spread over their lifetimes, they hold about
+    -- their mean use over time, as those ending make room for those growing: as many as fit at
+    -- that size (or what they hold now, if more), with room kept for a group at its projected
+    -- peak; pacing fills it gradually
+    local each = math.max(present, use_n > 0 and use_sum / use_n or 0)
+    -- outputs of one length grow linearly: on average over a lifetime a request holds halfway
+    -- between its young size (the least mean use seen) and its projected peak
+    if use_min > 0 then each = math.max(each, (use_min + peak) / 2) end
+    if waiting <= target and used < ceiling and each > 0 and peak > 0 then
+      local fit = math.floor((ceiling - group * peak) / each)
+      if paced_cap > 0 then fit = math.min(fit, paced_cap) end  -- since a retraction, no more
+      window = math.max(window, fit)
+    end
   elseif waiting == 0 and limiting and capacity > 0 and used < ceiling then
     -- present use plus ARGV 13 of the growth projected beyond it, at least the highest seen
     -- until as many requests ended as half of those in flight, most of those in flight may have
     -- started together (a cold start's first batch) and will peak together: each is sized at its
     -- whole projected peak
     local share, limit = tonumber(ARGV[13]), ceiling
-    if ended * 2 < n then share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity) end
+    if ended * 2 < n then
+      share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity)
+    end
     local each = math.max(held_each, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(limit / each) - math.max(n, window)
@@ -124,6 +182,10 @@ elseif not holding then
   end
 end
 window = math.max(smallest, window)
+local pace = 0
+if paced then pace = math.floor(life / window) end
+redis.call('HSET', KEYS[1], 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'bound',
+  bound and 1 or 0, 'use_min', use_min, 'paced_cap', paced_cap)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
   'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,

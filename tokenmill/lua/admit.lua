@@ -9,24 +9,31 @@
 --         and a queue at most ARGV 8 (its share) of them while the other queue is active;
 --       * guard (no fresh window: the first seconds of a run, a silent watcher): the tokens held
 --         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
+--       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
+--         requests' lifetimes agree (`life_dev` under a quarter of `life_ms`, unadmit.lua), a
+--         request starts every `life_ms` / window ms, at most ARGV 10 at once (GCRA: `pace_tat`);
+--         a paced refusal counts in `paced`, not in `refused`. A slot admitted unpaced is marked
+--         (`up:<member>`) and counted in `unpaced` until released.
 --       Either way, with nothing admitted one request is always let in, so a request bigger
 --       than the budget cannot starve. The figures behind the decision are recorded for status.
 -- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, n, n:<queue>,
---       slot:<member> -> tokens, slotq:<member> -> queue, window, window_ms, ...).
+--       slot:<member> -> tokens, slotq:<member> -> queue, at:<member> -> admitted ms, window,
+--       window_ms, ...).
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
---       8 queue share (0-1], 9 window freshness ms.
+--       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced).
 -- Returns 1 admitted, 0 no room.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
-  local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m)
+  local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m)
+  if held[3] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
   if held[1] then
     redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
     redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
     redis.call('HINCRBY', KEYS[2], 'n', -1)
     redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
   end
-  redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m)
+  redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m)
   redis.call('ZREM', KEYS[1], m)
 end
 local member, tokens, queue = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -39,16 +46,31 @@ end
 -- within the last 2 s): an idle queue's share is not wasted.
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
-  'wanted:' .. other, 'window', 'window_ms')
+  'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound')
 local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
 local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
 local window, window_ms = tonumber(f[7] or '0'), tonumber(f[8] or '0')
 local room
+local pace, tat = 0, now_ms
 if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   local qcap = other_active and math.max(1, math.floor(window * tonumber(ARGV[8]))) or window
   room = n == 0 or (n < window and nq < qcap)
   redis.call('HSET', KEYS[2], 'rule', 'window', 'cap:' .. queue, qcap)
+  -- paced while the pool binds (adapt.lua's `bound`) and requests live about as long as each
+  -- other (those started together would end together, their successors start together again):
+  -- a request every lifetime / window, at most ARGV 10 at once
+  local life, dev = tonumber(f[9] or '0'), tonumber(f[10] or '0')
+  if tonumber(ARGV[10]) > 0 and f[12] == '1' and life > 0 and dev * 4 < life then
+    pace = life / window
+  end
+  tat = math.max(now_ms, tonumber(f[11] or '0'))
+  if room and n > 0 and pace > 0 and tat - now_ms > (tonumber(ARGV[10]) - 1) * pace then
+    -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
+    redis.call('HINCRBY', KEYS[2], 'paced', 1)
+    redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
+    return 0
+  end
 else
   if not other_active then cap = budget end
   room = total == 0 or (total + tokens <= budget and inq + tokens <= cap)
@@ -61,7 +83,13 @@ if not room then
   return 0
 end
 redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
-redis.call('HSET', KEYS[2], 'slot:' .. member, tokens, 'slotq:' .. member, queue)
+redis.call('HSET', KEYS[2], 'slot:' .. member, tokens, 'slotq:' .. member, queue, 'at:' .. member, now_ms)
+if pace > 0 then
+  redis.call('HSET', KEYS[2], 'pace_tat', tat + pace)
+else  -- started unpaced: it may have started together with others (adapt.lua counts them)
+  redis.call('HSET', KEYS[2], 'up:' .. member, 1)
+  redis.call('HINCRBY', KEYS[2], 'unpaced', 1)
+end
 redis.call('HINCRBY', KEYS[2], 'total', tokens)
 redis.call('HINCRBY', KEYS[2], queue, tokens)
 redis.call('HINCRBY', KEYS[2], 'n', 1)

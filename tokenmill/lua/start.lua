@@ -8,7 +8,7 @@
 --       when there is no room, nothing is claimed (admit.lua records the refusal, as it does).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed (claim.lua's), 5 waiting zset,
 --       6 admission slots, 7 admission used (admit.lua's).
--- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's nine ARGV.
+-- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's ten ARGV.
 -- Returns claim.lua's reply, or {'full'} when the server has no room.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)

@@ -1,15 +1,31 @@
 -- unadmit: give an admission slot back.
 -- Pre:  nothing (an unknown or expired slot is a no-op).
 -- Post: the slot is gone; its tokens and its request are subtracted from the server's used
---       totals (`total`, `<queue>`, `n`, `n:<queue>`).
+--       totals (`total`, `<queue>`, `n`, `n:<queue>`, and `unpaced` if it started unpaced); how
+--       long it was held moves the moving mean lifetime (`life_ms`) and its mean deviation
+--       (`life_dev`), which pace admissions (admit.lua). An expired slot (admit.lua) does not.
 -- KEYS: 1 slots zset, 2 used hash.  ARGV: 1 member.
 -- Returns 1 when a slot was released, else 0.
-local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1])
+local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1],
+  'life_ms', 'life_dev', 'up:' .. ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
+if held[3] then
+  -- how long the request held its slot: the mean lifetime and its mean deviation (moving
+  -- averages) decide whether and how admit.lua paces starts
+  local t = redis.call('TIME')
+  local life = t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(held[3])
+  local mean, dev = tonumber(held[4] or '-1'), tonumber(held[5] or '0')
+  if mean >= 0 then
+    dev = dev + (math.abs(life - mean) - dev) * 0.1
+    life = mean + (life - mean) * 0.1
+  end
+  redis.call('HSET', KEYS[2], 'life_ms', life, 'life_dev', dev)
+end
 redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
 redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
 redis.call('HINCRBY', KEYS[2], 'n', -1)
 redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
-redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1])
+if held[6] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
+redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1], 'up:' .. ARGV[1])
 return 1
