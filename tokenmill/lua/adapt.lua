@@ -45,9 +45,11 @@
 --          lifetimes agree, see there) and every request in flight started paced (`unpaced` is
 --          0): instead of rule 3, and without waiting for a refusal, the window becomes at least
 --          as many as fit below the ceiling, less room for a group (ARGV 15) at its projected
---          peak, at the mean use per request the server reported over time while most of the
---          window ran (`use_sum` / `use_n`: requests spread over their lifetimes hold about that
---          on average), or at their present mean use if more;
+--          peak, at what a request holds on average over its lifetime: halfway between the
+--          least mean use reported while most of the window ran (`use_min`: young) and the
+--          projected peak, or the mean use reported over time (`use_sum` / `use_n`), or the
+--          present mean use, whichever is most; after a retraction of paced requests, never
+--          past the window it backed off to (`paced_cap`);
 --       the window never goes below ARGV 10. The first figures start it at what is in flight, and
 --       at least at what the guard lets in at the projected peak, and let rule 3 apply at once
 --       (until then the token budget decided, not a window); with nothing in flight they start
@@ -169,9 +171,7 @@ elseif not holding then
     -- started together (a cold start's first batch) and will peak together: each is sized at its
     -- whole projected peak
     local share, limit = tonumber(ARGV[13]), ceiling
-    if ended * 2 < n then
-      share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity)
-    end
+    if ended * 2 < n then share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity) end
     local each = math.max(held_each, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(limit / each) - math.max(n, window)
@@ -184,10 +184,9 @@ end
 window = math.max(smallest, window)
 local pace = 0
 if paced then pace = math.floor(life / window) end
-redis.call('HSET', KEYS[1], 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'bound',
-  bound and 1 or 0, 'use_min', use_min, 'paced_cap', paced_cap)
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
   'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,
-  'start_n', f[13] or n)
+  'start_n', f[13] or n, 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'use_min', use_min,
+  'paced_cap', paced_cap, 'bound', bound and 1 or 0)
 return window
