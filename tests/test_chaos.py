@@ -287,9 +287,12 @@ def test_workers_ride_through_a_redis_crash_and_every_job_ends_exactly_once(
     c.enqueue(wl)
     c.start_workers(2)
 
-    # When Redis is SIGKILLed mid-stream and restarted from its AOF 1.5 s later, twice
+    # When Redis is SIGKILLed mid-stream and restarted from its AOF 1.5 s later, twice. (The
+    # narrow pool keeps admission's window at 3-4 and the streams end at different times: 3 jobs
+    # past their first checkpoint at once showed in 14-26% of samples under load, and CI once
+    # waited 60 s for it in vain; 2 or more showed in over half.)
     for _ in range(2):
-        chaos.kill_redis(c, wl.run, min_jobs=3, down_s=1.5)
+        chaos.kill_redis(c, wl.run, min_jobs=2, down_s=1.5)
         chaos.wait_progress(c.client, wl.run)
 
     # Then no task died of the outage, and every job ends exactly once
