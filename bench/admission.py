@@ -496,7 +496,13 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         walls = ", ".join(f"{r['wall_s']:.1f}" for r in rs)
         retractions = ", ".join(str(r["retractions"]) for r in rs)
         rows.append(
-            [name, f"{med[name]:.1f} ({walls})", f"{retr[name]:g} ({retractions})", running, f"{ratio:.3f}"]
+            [
+                name,
+                f"{med[name]:.1f} ({walls})",
+                f"{retr[name]:g} ({retractions})",
+                f"{running:.1f}",
+                f"{ratio:.3f}",
+            ]
         )
     print(
         table(

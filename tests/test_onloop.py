@@ -214,3 +214,46 @@ def test_an_error_on_the_loop_is_settled_by_the_thread(
     assert outcome == "delayed"
     fields = rclient.hgetall(keys.RunKeys(RUN).job(job.job_id))
     assert fields[b"state"] == b"queued" and fields[b"last_error_class"] == b"stream_error"
+
+
+def test_a_paced_head_asks_again_when_the_next_start_is_due_not_at_its_poll(
+    redis_url: str, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    # Given a fresh window of 10 on a pool that binds, its requests living 2 s: admission starts
+    # one every 200 ms, two at once at most; the line's poll is 5 s, and the jobs (10 tokens at
+    # 300 ms) free no slot for 3 s
+    proc, sim = start_sim(tmp_path, "--sim-step-ms", "300")
+    rt = runtime(redis_url, sim, admission_wait_s=5.0, admission_poll_s=10.0)
+    jobs = enqueue(rclient, 4)
+    seconds, micros = rclient.time()
+    rclient.hset(
+        keys.admission_used(sim),
+        mapping={
+            "window": 10,
+            "window_ms": seconds * 1000 + micros // 1000,
+            "life_ms": 2000,
+            "life_dev": 0,
+            "bound": 1,
+        },
+    )
+    outcomes: list[str] = []
+    threads = [
+        threading.Thread(target=lambda j=j: outcomes.append(run_job(rt, RUN, j.job_id)), daemon=True)
+        for j in jobs
+    ]
+    try:
+        # When four jobs arrive at once
+        for thread in threads:
+            thread.start()
+        # Then two start, and the others as their starts come due, not after the line's poll
+        wait_for(lambda: Ledger(rclient, RUN).counts()["P"]["queued"] == 0, 1.5, "4 jobs started, paced")
+        assert int(rclient.hget(keys.admission_used(sim), "paced") or 0) >= 1  # they were paced
+        for thread in threads:
+            thread.join(30)
+    finally:
+        rt.stopping.set()  # (after a failed check, the jobs still in line give up)
+        for thread in threads:
+            thread.join(10)
+        rt.loop.stop()
+        proc.stop()
+    assert outcomes == ["done"] * 4

@@ -8,7 +8,7 @@ import redis
 from tests.test_ledger import counts, spec
 from tokenmill import keys
 from tokenmill.admission import Admission
-from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.ledger import Claim, Full, JobError, Ledger
 from tokenmill.settings import Settings
 
 RUN = "sf"
@@ -61,12 +61,39 @@ def test_start_without_room_claims_nothing_and_keeps_the_waiting_lease(rclient: 
     second = adm.request(SERVER, 1000, 500, "short")
     assert second is not None
 
-    assert ledger.start(b.job_id, "w1", 30, second) == "full"
+    assert ledger.start(b.job_id, "w1", 30, second) == Full(0.0)
 
     assert ledger.job(b.job_id)["state"] == "queued" and "token" not in ledger.job(b.job_id)
     assert counts(ledger)["queued"] == 1 and counts(ledger)["running"] == 1
     assert slots(rclient) == [first.args[0]] and used(rclient)["refused"] == "1"
     assert rclient.zscore(keys.RunKeys(RUN).waiting(), b.job_id) is not None
+
+
+def test_a_paced_refusal_says_when_the_next_start_is_due(rclient: redis.Redis) -> None:
+    # Given a fresh window of 10 on a pool that binds, its requests living 10 s: a start a second,
+    # two at once at most
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    jobs = [spec(i) for i in range(3)]
+    ledger.enqueue_batch("P", jobs, 100)
+    seconds, micros = rclient.time()
+    now_ms = seconds * 1000 + micros // 1000
+    rclient.hset(
+        keys.admission_used(SERVER),
+        mapping={"window": 10, "window_ms": now_ms, "life_ms": 10_000, "life_dev": 0, "bound": 1},
+    )
+
+    def start(job_id: str) -> Claim | Full | str:
+        req = adm.request(SERVER, 10_000, 100, "short")
+        assert req is not None
+        return ledger.start(job_id, "w1", 30, req)
+
+    # When three start one after the other
+    first, second, third = (start(job.job_id) for job in jobs)
+
+    # Then two are claimed, and the third is not, told that the next start is due in a second
+    assert isinstance(first, Claim) and isinstance(second, Claim)
+    assert isinstance(third, Full) and 0.9 < third.paced_s <= 1.0, third
+    assert ledger.job(jobs[2].job_id)["state"] == "queued" and used(rclient)["paced"] == "1"
 
 
 def test_start_on_a_job_that_cannot_be_claimed_admits_nothing(rclient: redis.Redis) -> None:

@@ -20,9 +20,9 @@ prompts cannot starve short ones or the reverse. Slots are leases renewed with t
 worker's slots expire.
 
 Jobs of one process that wait for room stand in a line (:mod:`tokenmill.waitline`): only the
-first asks Redis (at once when this process frees a slot, every ``admission_wait_s`` for slots
-freed elsewhere), so hundreds of waiting jobs cost one poll, not hundreds, and are served in
-order.
+first asks Redis (at once when this process frees a slot, when a paced start is due, every
+``admission_wait_s`` for slots freed elsewhere), so hundreds of waiting jobs cost one poll, not
+hundreds, and are served in order.
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ class Admission:
         req = self.request(server, capacity, tokens, queue)
         if req is None:
             return Slot(server, uuid.uuid4().hex, 0)  # no known capacity and no closed loop: not limited
-        ok = self._admit(list(req.keys), req.args)
-        return Slot(server, str(req.args[0]), tokens) if ok else None
+        admitted = self._admit(list(req.keys), req.args)  # 1; 0 no room; < 0 paced
+        return Slot(server, str(req.args[0]), tokens) if admitted == 1 else None
 
     def request(self, server: str, capacity: int | None, tokens: int, queue: str) -> AdmitRequest | None:
         """What ``admit.lua`` (alone, or inside ``start.lua`` with the claim) needs for a slot of

@@ -122,6 +122,13 @@ class AdmitRequest(NamedTuple):
         return self.keys[0], self.keys[1], str(self.args[0])
 
 
+@dataclass(frozen=True, slots=True)
+class Full:
+    """``start.lua``'s answer when the server had no room (nothing was claimed)."""
+
+    paced_s: float = 0.0  # > 0: admission paces starts, and the next is due in this many seconds
+
+
 class SlotUpdate(NamedTuple):
     """At a heartbeat: the tokens the admission slot holds now, and the length bins reached."""
 
@@ -196,9 +203,9 @@ class Ledger:
         lease_ttl_s: float,
         admit: AdmitRequest,
         spec: dict[str, Any] | None = None,
-    ) -> Claim | str:
+    ) -> Claim | Full | str:
         """Admission and claim in one round trip (``start.lua``): a :class:`Claim` holding the
-        admitted slot, ``full`` (no room: nothing claimed), or why the job cannot be claimed (as
+        admitted slot, :class:`Full` (no room: nothing claimed), or why the job cannot be claimed (as
         :meth:`claim`; nothing admitted). The job's waiting lease is dropped with the claim.
         ``spec``, when the caller already read it (it never changes), is not parsed again."""
         res = self._scripts["start"](*start_call(self.k, job_id, worker, lease_ttl_s, admit))
@@ -496,8 +503,10 @@ def claimed(run: str, job_id: str, res: list[Any], spec: dict[str, Any] | None =
 
 def started(
     run: str, job_id: str, res: list[Any], admit: AdmitRequest, spec: dict[str, Any] | None
-) -> Claim | str:
-    """``start.lua``'s reply: a claim holding the admitted slot, ``full``, or why not."""
+) -> Claim | Full | str:
+    """``start.lua``'s reply: a claim holding the admitted slot, :class:`Full`, or why not."""
+    if _s(res[0]) == "full":
+        return Full(int(res[1]) / 1000)
     claim = claimed(run, job_id, res, spec)
     if isinstance(claim, Claim):
         claim.slot = admit.slot_ref()

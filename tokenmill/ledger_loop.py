@@ -16,6 +16,7 @@ from tokenmill.ledger import (
     PEEK_FIELDS,
     AdmitRequest,
     Claim,
+    Full,
     LengthReport,
     Peek,
     _s,
@@ -54,7 +55,7 @@ class LoopLedger:
 
     async def start(
         self, job_id: str, worker: str, lease_ttl_s: float, admit: AdmitRequest, spec: dict[str, Any]
-    ) -> Claim | str:
+    ) -> Claim | Full | str:
         """As :meth:`Ledger.start <tokenmill.ledger.Ledger.start>`."""
         res = await self.r.evalsha(SCRIPTS["start"], *start_call(self.k, job_id, worker, lease_ttl_s, admit))
         return started(self.run, job_id, res, admit, spec)

@@ -26,7 +26,7 @@ import redis
 
 from tokenmill import affinity
 from tokenmill.admission import Slot
-from tokenmill.ledger import Claim, Peek
+from tokenmill.ledger import Claim, Full, Peek
 from tokenmill.ledger_loop import LoopLedger
 from workers.attempt import Attempted, attempt_job, committed
 from workers.durable import adurable
@@ -81,8 +81,9 @@ async def _admit(
     in the same round trip (``start.lua``). Returns the server, the slot and the claim; why the
     job could not be claimed (nothing admitted); or None when the worker stops first.
 
-    Only the head of the line asks Redis for room, at once when a slot is freed in this process
-    and every ``admission_wait_s`` for slots freed elsewhere. While it waits the job holds a
+    Only the head of the line asks Redis for room, at once when a slot is freed in this process,
+    when a paced server's next start is due (:class:`tokenmill.ledger.Full`), and every
+    ``admission_wait_s`` for slots freed elsewhere. While it waits the job holds a
     waiting lease, so that if this worker dies the job is republished at once instead of when
     the broker's visibility timeout restores the message; a job admitted at once never needs
     one, and the claim drops it (no Redis call of its own).
@@ -123,16 +124,16 @@ async def _admit(
                         claimed = isinstance(got, tuple) and got[2].slot is not None
                         return got
                     await hold()
-                    if got and aff.for_home and turn.step_back():
+                    if got is not None and aff.for_home and turn.step_back():
                         continue  # waiting for its home only: the jobs behind it may go elsewhere
                 except redis.RedisError as exc:
                     log.warning("Redis unavailable while waiting for admission (%s); retrying", exc)
                     await asyncio.sleep(WAIT_RETRY_S)
                     continue
-                if not said and not got:
+                if not said and got is None:
                     log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
                     said = True
-                await turn.wait(s.admission_wait_s * (0.5 + random.random()) if got else s.admission_wait_s)
+                await turn.wait(s.admission_wait_s if got is None else got)
             return None
     finally:
         if held_at and not claimed:
@@ -142,11 +143,13 @@ async def _admit(
 
 async def _try_servers(
     rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
-) -> tuple[ServerView, Slot, Claim] | str | bool:
+) -> tuple[ServerView, Slot, Claim] | str | float | None:
     """Admitted and claimed on a ready server: the one a sibling went to, or the one the job's
     prefix key prefers, else the least full (:func:`tokenmill.affinity.dispatch_order`; no key:
-    least full first); why the job cannot be claimed; or whether any server is ready (True:
-    ready but full, or left out for the job's prefix: its siblings' server, a cold one)."""
+    least full first); why the job cannot be claimed; when a server is ready but full (or left
+    out for the job's prefix: its siblings' server, a cold one), how long to wait before asking
+    again (``admission_wait_s``, jittered, or sooner when a paced server's next start is due
+    sooner); None when no server is ready."""
     adm, s = rt.admission, rt.settings
     views = rt.pool.ready_views_now()
     if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
@@ -155,7 +158,8 @@ async def _try_servers(
     if curve is None:
         curve = await asyncio.to_thread(adm.survival, ll.run)
     tokens = adm.held_on(curve, peeked.spec["request"])
-    home, aff.for_home, ready = None, False, bool(views)
+    home, aff.for_home = None, False
+    retry_s = s.admission_wait_s * (0.5 + random.random()) if views else None
     if len(views) > 1:
         names = [v.name for v in views]
         loads = await adm.loads(ll.r, names)
@@ -175,10 +179,12 @@ async def _try_servers(
             slot = Slot(view.name, "", 0)
         else:
             claim = await ll.start(job_id, rt.worker_id, s.lease_ttl_s, admit, peeked.spec)
-            if claim == "full":
+            if isinstance(claim, Full):
+                if claim.paced_s and retry_s is not None:
+                    retry_s = min(retry_s, claim.paced_s)
                 continue
             slot = Slot(view.name, str(admit.args[0]), tokens - shared, shared)
         if isinstance(claim, str):
             return claim
         return view, slot, claim
-    return ready
+    return retry_s

@@ -12,7 +12,7 @@
 --       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
 --         requests' lifetimes agree (`life_dev` under a quarter of `life_ms`, unadmit.lua), a
 --         request starts every `life_ms` / window ms, at most ARGV 10 at once (GCRA: `pace_tat`);
---         a paced refusal counts in `paced`, not in `refused`. A slot admitted unpaced is marked
+--         a paced refusal counts in `paced`, not in `refused`, and says when the next start is due. A slot admitted unpaced is marked
 --         (`up:<member>`) and counted in `unpaced` until released.
 --       Either way, with nothing admitted one request is always let in, so a request bigger
 --       than the budget cannot starve. The figures behind the decision are recorded for status.
@@ -21,7 +21,7 @@
 --       window_ms, ...).
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
 --       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced).
--- Returns 1 admitted, 0 no room.
+-- Returns 1 admitted, 0 no room, -ms paced: no start is due for that many ms (at least 1).
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
@@ -65,11 +65,12 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
     pace = life / window
   end
   tat = math.max(now_ms, tonumber(f[11] or '0'))
-  if room and n > 0 and pace > 0 and tat - now_ms > (tonumber(ARGV[10]) - 1) * pace then
+  local due = tat - (tonumber(ARGV[10]) - 1) * pace  -- when the next start is due
+  if room and n > 0 and pace > 0 and due > now_ms then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
-    return 0
+    return -math.max(1, math.ceil(due - now_ms))
   end
 else
   if not other_active then cap = budget end

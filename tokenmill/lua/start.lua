@@ -9,7 +9,8 @@
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed (claim.lua's), 5 waiting zset,
 --       6 admission slots, 7 admission used (admit.lua's).
 -- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's ten ARGV.
--- Returns claim.lua's reply, or {'full'} when the server has no room.
+-- Returns claim.lua's reply, or {'full', ms} when the server has no room (ms > 0: paced, no
+-- start is due for that many ms; 0: room comes when a slot is freed).
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'cancel')
@@ -21,6 +22,7 @@ if not state or state == 'done' or state == 'failed' or state == 'cancelled' or 
 end
 local aargv = {}
 for i = 4, #ARGV do aargv[#aargv + 1] = ARGV[i] end
-if admit({KEYS[6], KEYS[7]}, aargv) == 0 then return {'full'} end
+local admitted = admit({KEYS[6], KEYS[7]}, aargv)
+if admitted ~= 1 then return {'full', -admitted} end
 redis.call('ZREM', KEYS[5], ARGV[1])
 return claim({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {ARGV[1], ARGV[2], ARGV[3]})
