@@ -188,11 +188,18 @@ class Sampler(threading.Thread):
 
 
 def run_tokenmill(
-    work: Path, data: Path, args: argparse.Namespace, *, admission: bool, threads: int, paced: bool = True
+    work: Path,
+    data: Path,
+    args: argparse.Namespace,
+    *,
+    admission: bool,
+    threads: int,
+    paced: bool = True,
+    group: int | None = None,
 ) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
-    ``threads`` each; ``paced``: admission_pacing), after a warm-up run of the dataset under
-    another run id when ``args.warm``."""
+    ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group), after a
+    warm-up run of the dataset under another run id when ``args.warm``."""
     with Children() as children:
         rds = children.redis(work / f"redis-{time.monotonic_ns()}")
         server = Server(children, work, args)
@@ -202,6 +209,8 @@ def run_tokenmill(
             "TOKENMILL_ADMISSION": "true" if admission else "false",
             "TOKENMILL_ADMISSION_PACING": "true" if paced else "false",
         }
+        if group is not None:
+            env["TOKENMILL_ADMISSION_PACE_GROUP"] = str(group)
         each = threads if admission else max(1, threads // args.workers)
         workers = [start_worker(children, work, "short", each, env) for _ in range(args.workers)]
         client = redis.Redis.from_url(rds.url)
@@ -330,15 +339,16 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             out.append((f"admission (threads {args.high}, no tuning)", "admission", args.high))
         elif name == "unpaced":
             out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
+        elif m := re.fullmatch(r"paced(\d+)", name):
+            out.append((f"admission, paced {m[1]} at once (threads {args.high})", name, args.high))
         elif name in named:
             out.append((f"fixed {named[name]} ({name})", "fixed", named[name]))
         elif m := re.fullmatch(r"(fixed|direct)(\d+)", name):
             kind = m[1]
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
-            raise SystemExit(
-                f"--only: unknown variant {name!r} (low, tuned, high, admission, unpaced, fixedN, directN)"
-            )
+            known = "low, tuned, high, admission, unpaced, pacedN, fixedN, directN"
+            raise SystemExit(f"--only: unknown variant {name!r} ({known})")
     return out
 
 
@@ -464,9 +474,10 @@ def measure(
                 if kind == "direct":
                     r = run_direct(work, data, args, concurrency=n)
                 else:
+                    group = int(kind[5:]) if kind.startswith("paced") else None
                     r = run_tokenmill(
-                        work, data, args, admission=kind in ("admission", "unpaced"), threads=n,
-                        paced=kind != "unpaced",
+                        work, data, args, admission=kind != "fixed", threads=n,
+                        paced=kind != "unpaced", group=group,
                     )  # fmt: skip
             results[label].append(r)
             print(f"  {cell or ''} {label}: {r}", flush=True)

@@ -7,12 +7,14 @@ import contextlib
 import threading
 from collections import Counter
 
+import pytest
 import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
-from tokenmill.admission import PACE_GROUP, Admission, LengthTracker, Slot
+from tokenmill.admission import Admission, LengthTracker, Slot
 from tokenmill.admission_view import admission_view, length_view
+from tokenmill.errors import ConfigError
 from tokenmill.lengths import (
     MIN_AT_RISK,
     MIN_PROMPT_SAMPLE,
@@ -317,9 +319,9 @@ def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: 
     # start a second
     a = adm(rclient, admission_queue_target=3)
     set_window(rclient, 10, life_ms=10_000, life_dev=1_000, bound=1)
-    # When 10 ask at once, then a group of PACE_GROUP starts, and the rest wait their turn,
-    # refused as paced, not as refused by the window (which would grow it)
-    assert len(admit_all(a, 10)) == PACE_GROUP
+    # When 10 ask at once, then a group (admission_pace_group: 2) starts, and the rest wait their
+    # turn, refused as paced, not as refused by the window (which would grow it)
+    assert len(admit_all(a, 10)) == 2
     assert rclient.hmget(USED, "paced", "refused") == [b"1", None]
     # And they all start at once when lifetimes differ by a quarter of their mean or more
     # (requests started together end apart), or with pacing off
@@ -327,6 +329,15 @@ def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: 
         rclient.delete(USED, keys.admission("srv"))
         set_window(rclient, 10, **{"life_ms": 10_000, "life_dev": 1_000, "bound": 1, **fields})
         assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pacing=pacing), 10)) == 10
+    # And a larger group starts that many at once
+    rclient.delete(USED, keys.admission("srv"))
+    set_window(rclient, 10, life_ms=10_000, life_dev=1_000, bound=1)
+    assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pace_group=4), 10)) == 4
+
+
+def test_a_pace_group_under_one_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match="admission_pace_group must be at least 1, got 0"):
+        Settings.load(env={"TOKENMILL_ADMISSION_PACE_GROUP": "0"})
 
 
 def test_a_slots_lifetime_and_its_spread_are_measured_and_pace_the_window(rclient: redis.Redis) -> None:

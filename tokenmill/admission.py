@@ -50,9 +50,6 @@ STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
 WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
-# the closed loop starts requests spread over a request's lifetime at most this many at a time
-# (admission_pacing), so their peaks do not coincide
-PACE_GROUP = 2
 LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (admit.lua)
 
 
@@ -213,7 +210,7 @@ class Admission:
                 other,
                 s.admission_queue_share,
                 fresh_ms,
-                PACE_GROUP if s.admission_pacing else 0,
+                s.admission_pace_group if s.admission_pacing else 0,
             ],
         )
 
@@ -237,7 +234,7 @@ class Admission:
                 int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
                 s.admission_reserve,
                 s.admission_fraction,
-                PACE_GROUP if s.admission_pacing else 0,
+                s.admission_pace_group if s.admission_pacing else 0,
             ],
         )
         self.wake()  # a wider window: let the head of this process's line ask now

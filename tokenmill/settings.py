@@ -81,6 +81,9 @@ class Settings:
     # the closed loop starts a window's requests spread over a request's lifetime, a few at a
     # time, so their peaks do not coincide (off: as soon as the window has room)
     admission_pacing: bool = True
+    # paced, at most this many requests start at once: more means fewer prefill batches on the
+    # server (each stalls decoding), fewer a finer spread
+    admission_pace_group: int = 2
     # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
     # tokenmill/affinity.py), the rest least full first; off: least full first
     server_affinity: bool = True
@@ -185,6 +188,8 @@ class Settings:
             raise ConfigError(f"TOKENMILL_EVENT_LOOP={self.event_loop!r} must be one of {choices}")
         if self.admission_poll_s <= 0 or self.admission_queue_target < 1:
             raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
+        if self.admission_pace_group < 1:
+            raise ConfigError(f"admission_pace_group must be at least 1, got {self.admission_pace_group}")
 
 
 def _parse(f: dataclasses.Field[Any], raw: str, source: str) -> Any:
