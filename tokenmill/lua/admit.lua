@@ -12,8 +12,9 @@
 --       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
 --         requests' lifetimes agree (`life_dev` under a quarter of `life_ms`, unadmit.lua), a
 --         request starts every `life_ms` / window ms, at most ARGV 10 at once (GCRA: `pace_tat`);
---         a paced refusal counts in `paced`, not in `refused`, and says when the next start is due. A slot admitted unpaced is marked
---         (`up:<member>`) and counted in `unpaced` until released.
+--         a paced refusal counts in `paced`, not in `refused`, and says when the next start is
+--         due. A slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
+--         released.
 --       Either way, with nothing admitted one request is always let in, so a request bigger
 --       than the budget cannot starve. The figures behind the decision are recorded for status.
 -- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, n, n:<queue>,
