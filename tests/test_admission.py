@@ -335,6 +335,33 @@ def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: 
     assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pace_group=4), 10)) == 4
 
 
+def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together(
+    rclient: redis.Redis,
+) -> None:
+    # Given a window of 10 whose requests live 10 s (a start a second, groups of 2), whose first
+    # group just started
+    a = adm(rclient, admission_queue_target=3)
+    set_window(rclient, 10, life_ms=10_000, life_dev=1_000, bound=1)
+    assert len(admit_all(a, 10)) == 2
+    seconds, micros = rclient.time()
+    now_ms = seconds * 1000 + micros // 1000
+
+    def opened(ms_ago: int) -> None:  # the group opened that long ago; its starts gave 2 s credit
+        rclient.hset(USED, mapping={"pace_open": now_ms - ms_ago, "pace_tat": now_ms - ms_ago + 2_000})
+
+    # When one pace has passed since the group opened (one start is due, not the group's two)
+    opened(1_000)
+    # Then none starts: the group is spent, and the next opens when both its starts are due
+    assert admit_all(a, 10) == []
+    # (the refusal says so: the next group opens in a second)
+    req = a.request("srv", 1000, 10, "short")
+    assert req is not None
+    assert -1_000 <= a._admit(list(req.keys), req.args) < -900
+    # When both are due, the group opens and its two start together, and no third
+    opened(2_000)
+    assert len(admit_all(a, 10)) == 2
+
+
 def test_a_pace_group_under_one_is_refused_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match="admission_pace_group must be at least 1, got 0"):
         Settings.load(env={"TOKENMILL_ADMISSION_PACE_GROUP": "0"})

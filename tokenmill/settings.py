@@ -81,8 +81,8 @@ class Settings:
     # the closed loop starts a window's requests spread over a request's lifetime, a few at a
     # time, so their peaks do not coincide (off: as soon as the window has room)
     admission_pacing: bool = True
-    # paced, at most this many requests start at once (the burst a GCRA schedule allows after a
-    # pause; starts that fall due one by one still go one by one)
+    # paced, requests start in groups of this many: a group opens when all its starts are due,
+    # and they go at once, so the server prefills them in one batch
     admission_pace_group: int = 2
     # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
     # tokenmill/affinity.py), the rest least full first; off: least full first

@@ -11,9 +11,11 @@
 --         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
 --       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
 --         requests' lifetimes agree (`life_dev` under a quarter of `life_ms`, unadmit.lua), a
---         request starts every `life_ms` / window ms, at most ARGV 10 at once (GCRA: `pace_tat`);
---         a paced refusal counts in `paced`, not in `refused`, and says when the next start is
---         due. A slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
+--         request starts every `life_ms` / window ms on average, in groups of ARGV 10: a group
+--         opens when all its starts are due (GCRA: `pace_tat`), and for one pace after (from
+--         `pace_open`) its starts go at once, so the server prefills them together; a paced
+--         refusal counts in `paced`, not in `refused`, and says when the next group opens. A
+--         slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
 --         released.
 --       Either way, with nothing admitted one request is always let in, so a request bigger
 --       than the budget cannot starve. The figures behind the decision are recorded for status.
@@ -22,7 +24,7 @@
 --       window_ms, ...).
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
 --       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced).
--- Returns 1 admitted, 0 no room, -ms paced: no start is due for that many ms (at least 1).
+-- Returns 1 admitted, 0 no room, -ms paced: no group opens for that many ms (at least 1).
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
@@ -47,7 +49,8 @@ end
 -- within the last 2 s): an idle queue's share is not wasted.
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
-  'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound')
+  'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound',
+  'pace_open')
 local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
 local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
@@ -60,18 +63,23 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   redis.call('HSET', KEYS[2], 'rule', 'window', 'cap:' .. queue, qcap)
   -- paced while the pool binds (adapt.lua's `bound`) and requests live about as long as each
   -- other (those started together would end together, their successors start together again):
-  -- a request every lifetime / window, at most ARGV 10 at once
-  local life, dev = tonumber(f[9] or '0'), tonumber(f[10] or '0')
-  if tonumber(ARGV[10]) > 0 and f[12] == '1' and life > 0 and dev * 4 < life then
+  -- a request every lifetime / window, in groups of ARGV 10
+  local life, dev, group = tonumber(f[9] or '0'), tonumber(f[10] or '0'), tonumber(ARGV[10])
+  if group > 0 and f[12] == '1' and life > 0 and dev * 4 < life then
     pace = life / window
   end
   tat = math.max(now_ms, tonumber(f[11] or '0'))
-  local due = tat - (tonumber(ARGV[10]) - 1) * pace  -- when the next start is due
-  if room and n > 0 and pace > 0 and due > now_ms then
+  -- a group opens when all its starts are due (`pace_tat` reached); while it is open its starts
+  -- go at once, as far as the group's credit goes
+  local open = now_ms - tonumber(f[13] or '-1e15') < pace and tat - (group - 1) * pace <= now_ms
+  if room and n > 0 and pace > 0 and tat > now_ms and not open then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
-    return -math.max(1, math.ceil(due - now_ms))
+    return -math.max(1, math.ceil(tat - now_ms))
+  end
+  if room and pace > 0 and not open then  -- this start opens a group
+    redis.call('HSET', KEYS[2], 'pace_open', now_ms)
   end
 else
   if not other_active then cap = budget end
