@@ -463,13 +463,16 @@ def main() -> None:
 def measure(
     work: Path, args: argparse.Namespace, lock: str | None, json_out: str | None
 ) -> dict[str, list[dict]]:
-    """Each variant ``args.repeat`` times, in alternating rounds; the results by variant."""
+    """Each variant ``args.repeat`` times, in alternating rounds; the results by variant. Each
+    round starts one variant further along (round r runs variant r first): this machine drifts
+    within a round, so a variant always run last would pay for the drift."""
     chosen = variants(args)
     results: dict[str, list[dict]] = {label: [] for label, _, _ in chosen}
     data = make_dataset(work / f"{PARTITION}-{time.monotonic_ns()}.jsonl", args.prompts, args.prompt_style)
     cell = getattr(args, "cell", None)
     for round_no in range(args.repeat):
-        for label, kind, n in chosen:
+        turn = round_no % len(chosen)
+        for label, kind, n in chosen[turn:] + chosen[:turn]:
             with heavy(lock):
                 if kind == "direct":
                     r = run_direct(work, data, args, concurrency=n)
