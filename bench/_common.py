@@ -447,7 +447,8 @@ class SglangLog:
     prefill_seqs: list[int]  # ``#new-seq`` of each prefill batch
     new_tokens: int  # prompt tokens computed (``#new-token``, summed over the prefill batches)
     cached_tokens: int  # prompt tokens found in the prefix cache (``#cached-token``)
-    decode_running: list[int]  # ``#running-req`` of each logged decode step (every 40th)
+    decode_running: list[int]  # ``#running-req`` of each logged decode step (every 40th unless
+    # --decode-log-interval)
 
     @classmethod
     def parse(cls, text: str) -> SglangLog:

@@ -24,8 +24,10 @@ prints each variant's timeline: where the time goes.
 workload (96 short prompts, outputs that run to ``max_tokens`` 200, a 4,000-token KV pool, a cold
 start, one worker of 64 threads), and one cell per other value of each axis; each cell runs fixed
 8/16/32/64 and admission in alternating rounds (3 unless ``--repeat``) and prints a table with
-each one's median wall time, retractions and mean running requests (SGLang's logged decode steps;
-the sim sampled every 0.25 s), and the verdicts of the issue's item 2. ``--lock FILE`` holds a
+each one's median wall time, retractions and mean running requests (SGLang's decode steps;
+the sim sampled every 0.25 s), on SGLang its forward passes (decode steps + prefill batches, from
+its log: the server's work, which the host's speed does not move), and the verdicts of the issue's
+item 2. ``--lock FILE`` holds a
 flock around each run, for a machine that others share.
 
     python bench/admission.py --matrix all --lock /tmp/tokenmill-heavy.lock
@@ -102,7 +104,9 @@ class Server:
             # --enable-metrics: the closed loop reads the retractions from /metrics, as a managed
             # server's manager counts them from its log; --enable-cache-report: usage states the
             # prompt tokens served from the prefix cache, which admission's prompt offset nets
-            flags = ("--max-total-tokens", str(args.kv), "--enable-metrics")
+            # --decode-log-interval 1: a decode line every step, so the log counts the server's
+            # forward passes (decode steps + prefill batches), a figure the host's speed does not move
+            flags = ("--max-total-tokens", str(args.kv), "--enable-metrics", "--decode-log-interval", "1")
             if args.cache_report:
                 flags += ("--enable-cache-report",)
             engine, self.url = start_sglang(children, where, *flags, split=args.split)
@@ -130,8 +134,9 @@ class Server:
 
     def figures(self) -> dict[str, Any]:
         """What the server says of the run: its retractions and highest KV use; for SGLang (one
-        read of its log) also its prefill batches and the requests each took in, and the mean
-        running requests of the decode steps it logged (every 40th)."""
+        read of its log) also its prefill batches and the requests each took in, the mean running
+        requests of its decode steps, and its forward passes (decode steps + prefill batches: it
+        logs every step)."""
         if self.engine == "sim":
             st = get_json(f"{self.url}/_sim/stats")
             return {"retractions": int(st.get("retracted_total", 0)), "peak_kv": st.get("peak_used_tokens")}
@@ -143,6 +148,7 @@ class Server:
             "prefills": len(seqs),
             "per_prefill": round(sum(seqs) / len(seqs), 1) if seqs else 0.0,
             "decode_running": round(statistics.fmean(running), 1) if running else 0.0,
+            "passes": len(running) + len(seqs),
         }
 
 
@@ -503,26 +509,23 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     retr = {n: statistics.median(r["retractions"] for r in rs) for n, rs in results.items()}
     fixed = {n: v for n, v in med.items() if n.startswith("fixed")}
     best = min(fixed, key=lambda n: fixed[n]) if fixed else None
+    # SGLang's forward passes (its log's decode steps and prefill batches): the work the variant
+    # made the server do, which the host's speed, unlike the wall time, does not move
+    passes = {}
+    if all("passes" in r for rs in results.values() for r in rs):
+        passes = {n: statistics.median(r["passes"] for r in rs) for n, rs in results.items()}
     rows = []
     for name, rs in results.items():
         running = statistics.median(r.get("decode_running") or r["mean_running"] for r in rs)
         ratio = med[name] / fixed[best] if best else float("nan")
         walls = ", ".join(f"{r['wall_s']:.1f}" for r in rs)
         retractions = ", ".join(str(r["retractions"]) for r in rs)
-        rows.append(
-            [
-                name,
-                f"{med[name]:.1f} ({walls})",
-                f"{retr[name]:g} ({retractions})",
-                f"{running:.1f}",
-                f"{ratio:.3f}",
-            ]
-        )
-    print(
-        table(
-            ["variant", "wall s (rounds)", "retractions (rounds)", "mean running", "vs fastest fixed"], rows
-        )
-    )
+        row = [name, f"{med[name]:.1f} ({walls})", f"{retr[name]:g} ({retractions})", f"{running:.1f}"]
+        if passes:
+            row.append(f"{passes[name]:g} ({', '.join(str(r['passes']) for r in rs)})")
+        rows.append([*row, f"{ratio:.3f}"])
+    heads = ["variant", "wall s (rounds)", "retractions (rounds)", "mean running"]
+    print(table([*heads, *(["server passes (rounds)"] if passes else []), "vs fastest fixed"], rows))
     adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
