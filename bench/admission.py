@@ -529,6 +529,11 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
+        if passes:
+            # the same verdicts with the server's passes in place of the wall time: what the
+            # variant made the server do, on a host whose speed drifts between runs
+            by = {n: float(v) for n, v in passes.items()}
+            print("by the server's passes: " + verdicts(adm, min(fixed, key=lambda n: by[n]), by, retr))
 
 
 def verdicts(adm: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:
