@@ -362,6 +362,70 @@ def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together
     assert len(admit_all(a, 10)) == 2
 
 
+def spread_in_flight(client: redis.Redis, count: int = 10, life_s: int = 10, peak: int = 300) -> None:
+    """A paced window of ``count`` on "srv" with as many requests in flight, ``life_s`` seconds a
+    lifetime, started a second apart (ages 0 .. count - 1 s), each growing from 30 tokens to
+    ``peak``; the server just reported what they hold together."""
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    held = 0.0
+    for age in range(count):
+        member = f"m{age}"
+        client.zadd(keys.admission("srv"), {member: now_ms + 60_000})
+        client.hset(
+            USED,
+            mapping={f"slot:{member}": peak, f"slotq:{member}": "short", f"at:{member}": now_ms - age * 1000},
+        )
+        held += 30 + (peak - 30) * age / life_s
+    set_window(
+        client,
+        count,
+        n=count,
+        total=count * peak,
+        **{"n:short": count, "short": count * peak},
+        life_ms=life_s * 1000,
+        life_dev=100,
+        bound=1,
+        srv_used=round(held),
+    )
+
+
+def tail_admit(a: Admission, behind: int | None, tokens: int = 300) -> int:
+    """admit.lua on a 4,000-token pool for a request of ``tokens`` at its peak, told how many of
+    its run are still to start (``start.lua`` tells it; None: not told)."""
+    req = a.request("srv", 4000, tokens, "short")
+    assert req is not None
+    return int(a._admit(list(req.keys), [*req.args, *([] if behind is None else [behind])]))
+
+
+def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_end(
+    rclient: redis.Redis,
+) -> None:
+    # Given ten requests in flight spread over their 10 s lifetimes (the window is full), each
+    # growing from 30 tokens to 300 (the server reports their 1,515 tokens), on a 4,000 pool
+    a = adm(rclient, admission_queue_target=3)
+    spread_in_flight(rclient)
+    # When the run has 13 requests still to start: then none starts (in 10 s, when those 13 would
+    # peak, the youngest in flight would still hold its 300 besides their 3,900)
+    assert tail_admit(a, 13) == 0 and tail_admit(a, None) == 0
+    # When it has 12 left, all 12 start at once, past the full window and the pace
+    assert [tail_admit(a, left) for left in range(12, 0, -1)] == [1] * 12
+    u = rclient.hgetall(USED)
+    assert (u[b"n"], u[b"tail"], u[b"tailed"], u[b"unpaced"]) == (b"22", b"12", b"12", b"12")
+    # And while they are in flight, another request (another run's: not told how many are left)
+    # with room in the window starts only if the projection has room for it too
+    rclient.hset(USED, "window", 40)
+    assert tail_admit(a, None) == 0
+    assert tail_admit(a, None, tokens=30) == 1  # one that stays at 30 tokens fits
+    # And once they have ended, the window decides again
+    tail = [m.decode() for m in rclient.zrange(keys.admission("srv"), 0, -1) if not m.startswith(b"m")]
+    for member in tail[:13]:
+        a.release(Slot("srv", member, 300))
+    assert rclient.hget(USED, "tail") == b"0"
+    set_window(rclient, 40)
+    assert tail_admit(a, None) == 1
+
+
 def test_a_pace_group_under_one_is_refused_naming_the_setting() -> None:
     with pytest.raises(ConfigError, match="admission_pace_group must be at least 1, got 0"):
         Settings.load(env={"TOKENMILL_ADMISSION_PACE_GROUP": "0"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from tests.test_admission import spread_in_flight
 from tests.test_ledger import counts, spec
 from tokenmill import keys
 from tokenmill.admission import Admission
@@ -95,6 +96,30 @@ def test_a_paced_refusal_says_when_the_next_start_is_due(rclient: redis.Redis) -
     assert isinstance(first, Claim) and isinstance(second, Claim)
     assert isinstance(third, Full) and 1.9 < third.paced_s <= 2.0, third
     assert ledger.job(jobs[2].job_id)["state"] == "queued" and used(rclient)["paced"] == "1"
+
+
+def test_start_tells_admission_how_many_of_the_run_are_left_so_its_tail_starts_at_once(
+    rclient: redis.Redis,
+) -> None:
+    # Given a full paced window of ten requests spread over their lifetimes, on a pool where 12
+    # more would fit if they started together now (tests/test_admission.py's case)
+    ledger, adm = Ledger(rclient, RUN), admission(rclient)
+    spread_in_flight(rclient)
+
+    def start(run: Ledger, job_id: str) -> Claim | Full | str:
+        req = adm.request(SERVER, 4000, 300, "short")
+        assert req is not None
+        return run.start(job_id, "w1", 30, req)
+
+    # When a run has 13 jobs queued: then its first is not claimed
+    jobs = [spec(i) for i in range(13)]
+    ledger.enqueue_batch("P", jobs, 100)
+    assert isinstance(start(ledger, jobs[0].job_id), Full)
+    # When another has 12: then all twelve start, one after the other
+    other = Ledger(rclient, "sf2")
+    other.enqueue_batch("P", jobs[:12], 100)
+    assert all(isinstance(start(other, job.job_id), Claim) for job in jobs[:12])
+    assert used(rclient)["tail"] == "12"
 
 
 def test_start_on_a_job_that_cannot_be_claimed_admits_nothing(rclient: redis.Redis) -> None:

@@ -17,27 +17,75 @@
 --         refusal counts in `paced`, not in `refused`, and says when the next group opens. A
 --         slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
 --         released.
+--       * the tail (paced only): when the run's requests still to start (ARGV 11, this one
+--         included; start.lua counts them) could all start now without the pool overflowing at
+--         any moment until they end (`fits_together`: each request in flight grows linearly from
+--         a young size to its projected peak over a lifetime and then ends; the young size is
+--         what makes those figures match the KV use the server last reported), this one starts
+--         at once, past the pace and past the window: nothing queued behind it would start
+--         together with it later, and started now it ends sooner. Such a slot is marked
+--         (`tl:<member>`, counted in `tail`); while any is in flight, every other request
+--         (another run's) must pass the same projection, since the window was sized for
+--         requests spread over their lifetimes and these are not.
 --       Either way, with nothing admitted one request is always let in, so a request bigger
 --       than the budget cannot starve. The figures behind the decision are recorded for status.
 -- KEYS: 1 slots zset (member -> expiry ms), 2 used hash (total, <queue>, n, n:<queue>,
 --       slot:<member> -> tokens, slotq:<member> -> queue, at:<member> -> admitted ms, window,
 --       window_ms, ...).
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
---       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced).
+--       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced),
+--       11 the run's requests still to start, this one included (absent or -1: unknown).
 -- Returns 1 admitted, 0 no room, -ms paced: no group opens for that many ms (at least 1).
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
-  local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m)
+  local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m, 'tl:' .. m)
   if held[3] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
+  if held[4] then redis.call('HINCRBY', KEYS[2], 'tail', -1) end
   if held[1] then
     redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
     redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
     redis.call('HINCRBY', KEYS[2], 'n', -1)
     redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
   end
-  redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m)
+  redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m, 'tl:' .. m)
   redis.call('ZREM', KEYS[1], m)
+end
+-- Whether `count` requests of `peak` tokens each, started now beside those in flight, keep the
+-- pool within `budget` at every moment until they end, if every request lives `life` ms and
+-- grows linearly from a young size to its projected peak (its slot's tokens). The young size is
+-- the one that makes the requests admitted before the server's last figures (`used`, read
+-- `lag` ms ago) hold what it reported. The pool is fullest just before a request ends, or when
+-- the new ones peak: those moments are checked.
+local function fits_together(count, peak, budget, life, used, lag)
+  local ages, peaks = {}, {}
+  local held_at_peak, young_share = 0, 0  -- over the requests the figures saw
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local h = redis.call('HMGET', KEYS[2], 'at:' .. m, 'slot:' .. m)
+    if h[1] and h[2] then
+      local age, p = now_ms - tonumber(h[1]), tonumber(h[2])
+      ages[#ages + 1], peaks[#peaks + 1] = age, p
+      if age >= lag then
+        local grown = math.min(1, (age - lag) / life)
+        held_at_peak, young_share = held_at_peak + p * grown, young_share + 1 - grown
+      end
+    end
+  end
+  if young_share <= 0 then return false end  -- nothing the figures saw young: no young size
+  local young = math.max(0, math.min(peak, (used - held_at_peak) / young_share))
+  local function size(p, age)
+    return young + math.max(0, p - young) * math.min(1, age / life)
+  end
+  local moments = {life}
+  for i = 1, #ages do moments[#moments + 1] = math.max(0, life - ages[i]) end
+  for _, at in ipairs(moments) do
+    local sum = count * size(peak, at)
+    for i = 1, #ages do
+      if life - ages[i] >= at then sum = sum + size(peaks[i], ages[i] + at) end
+    end
+    if sum > budget then return false end
+  end
+  return true
 end
 local member, tokens, queue = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local budget, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -50,13 +98,14 @@ end
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
   'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound',
-  'pace_open')
+  'pace_open', 'tail', 'srv_used')
 local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
 local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
 local window, window_ms = tonumber(f[7] or '0'), tonumber(f[8] or '0')
 local room
 local pace, tat = 0, now_ms
+local tail = false  -- this one starts with the rest of the run (the tail rule)
 if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   local qcap = other_active and math.max(1, math.floor(window * tonumber(ARGV[8]))) or window
   room = n == 0 or (n < window and nq < qcap)
@@ -72,13 +121,25 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- a group opens when all its starts are due (`pace_tat` reached); while it is open its starts
   -- go at once, as far as the group's credit goes
   local open = now_ms - tonumber(f[13] or '-1e15') < pace and tat - (group - 1) * pace <= now_ms
-  if room and n > 0 and pace > 0 and tat > now_ms and not open then
+  local behind, life_ok = tonumber(ARGV[11] or '-1'), pace > 0
+  local used = tonumber(f[15] or '-1')
+  if life_ok and behind > 0 and not other_active and used >= 0 and n > 0
+    and (not room or (tat > now_ms and not open))
+    and fits_together(behind, tokens, budget, life, used, now_ms - window_ms) then
+    -- the tail: the rest of the run fits now, started together; nothing behind it to pace for
+    room, tail = true, true
+  elseif room and tonumber(f[14] or '0') > 0 and n > 0 and life > 0 and used >= 0
+    and not fits_together(1, tokens, budget, life, used, now_ms - window_ms) then
+    -- a tail is in flight: what the window was sized for (spread stages) does not hold
+    room = false
+  end
+  if room and not tail and n > 0 and pace > 0 and tat > now_ms and not open then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
     return -math.max(1, math.ceil(tat - now_ms))
   end
-  if room and pace > 0 and not open then  -- this start opens a group
+  if room and not tail and pace > 0 and not open then  -- this start opens a group
     redis.call('HSET', KEYS[2], 'pace_open', now_ms)
   end
 else
@@ -94,7 +155,12 @@ if not room then
 end
 redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
 redis.call('HSET', KEYS[2], 'slot:' .. member, tokens, 'slotq:' .. member, queue, 'at:' .. member, now_ms)
-if pace > 0 then
+if tail then  -- started together with the rest of the run
+  redis.call('HSET', KEYS[2], 'up:' .. member, 1, 'tl:' .. member, 1)
+  redis.call('HINCRBY', KEYS[2], 'unpaced', 1)
+  redis.call('HINCRBY', KEYS[2], 'tail', 1)
+  redis.call('HINCRBY', KEYS[2], 'tailed', 1)
+elseif pace > 0 then
   redis.call('HSET', KEYS[2], 'pace_tat', tat + pace)
 else  -- started unpaced: it may have started together with others (adapt.lua counts them)
   redis.call('HSET', KEYS[2], 'up:' .. member, 1)

@@ -8,7 +8,8 @@
 --       when there is no room, nothing is claimed (admit.lua records the refusal, as it does).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 delayed (claim.lua's), 5 waiting zset,
 --       6 admission slots, 7 admission used (admit.lua's).
--- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's ten ARGV.
+-- ARGV: 1 job id, 2 worker, 3 lease ttl ms (claim.lua's), 4... admit.lua's ten ARGV; to them
+--       is added its eleventh: the run's jobs still queued (this one included), from the counts.
 -- Returns claim.lua's reply, or {'full', ms} when the server has no room (ms > 0: paced, no
 -- start is due for that many ms; 0: room comes when a slot is freed).
 local t = redis.call('TIME')
@@ -22,6 +23,11 @@ if not state or state == 'done' or state == 'failed' or state == 'cancelled' or 
 end
 local aargv = {}
 for i = 4, #ARGV do aargv[#aargv + 1] = ARGV[i] end
+local counts, behind = redis.call('HGETALL', KEYS[2]), 0
+for i = 1, #counts, 2 do
+  if string.sub(counts[i], 1, 7) == 'queued|' then behind = behind + tonumber(counts[i + 1]) end
+end
+aargv[#aargv + 1] = behind
 local admitted = admit({KEYS[6], KEYS[7]}, aargv)
 if admitted ~= 1 then return {'full', -admitted} end
 redis.call('ZREM', KEYS[5], ARGV[1])

@@ -1,13 +1,14 @@
 -- unadmit: give an admission slot back.
 -- Pre:  nothing (an unknown or expired slot is a no-op).
 -- Post: the slot is gone; its tokens and its request are subtracted from the server's used
---       totals (`total`, `<queue>`, `n`, `n:<queue>`, and `unpaced` if it started unpaced); how
+--       totals (`total`, `<queue>`, `n`, `n:<queue>`, `unpaced` if it started unpaced, `tail` if
+--       it started with the run's tail); how
 --       long it was held moves the moving mean lifetime (`life_ms`) and its mean deviation
 --       (`life_dev`), which pace admissions (admit.lua). An expired slot (admit.lua) does not.
 -- KEYS: 1 slots zset, 2 used hash.  ARGV: 1 member.
 -- Returns 1 when a slot was released, else 0.
 local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1],
-  'life_ms', 'life_dev', 'up:' .. ARGV[1])
+  'life_ms', 'life_dev', 'up:' .. ARGV[1], 'tl:' .. ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
 if held[3] then
@@ -27,5 +28,7 @@ redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
 redis.call('HINCRBY', KEYS[2], 'n', -1)
 redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
 if held[6] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
-redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1], 'up:' .. ARGV[1])
+if held[7] then redis.call('HINCRBY', KEYS[2], 'tail', -1) end
+redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1], 'up:' .. ARGV[1],
+  'tl:' .. ARGV[1])
 return 1
