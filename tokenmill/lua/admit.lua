@@ -58,6 +58,9 @@ end
 -- `lag` ms ago) hold what it reported. The pool is fullest just before a request ends, or when
 -- the new ones peak: those moments are checked.
 local function fits_together(count, peak, budget, life, used, lag)
+  -- when they peak, those in flight may have ended, but these hold their peaks: a test that
+  -- spares the projection while much of the run is still queued
+  if count * peak > budget then return false end
   local ages, peaks = {}, {}
   local held_at_peak, young_share = 0, 0  -- over the requests the figures saw
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
