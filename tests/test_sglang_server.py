@@ -177,6 +177,8 @@ def test_check_quality_finds_bf16_and_fp32_diverge_and_passes_an_equal_server(
     )
 
     # Then the equal server passes with every output equal, and bfloat16 fails, diverging
+    for name, out in (("equal", same), ("bfloat16", bf16)):
+        assert out.stdout.strip(), f"{name}: no report (exit {out.returncode}): {out.stderr[-3000:]}"
     same_doc, bf16_doc = json.loads(same.stdout), json.loads(bf16.stdout)
     assert same.returncode == 0 and same_doc["passed"] and same_doc["exact_match_rate"] == 1.0, same.stdout
     assert bf16.returncode != 0 and not bf16_doc["passed"], bf16.stdout
