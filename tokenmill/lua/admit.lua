@@ -124,10 +124,10 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- a group opens when all its starts are due (`pace_tat` reached); while it is open its starts
   -- go at once, as far as the group's credit goes
   local open = now_ms - tonumber(f[13] or '-1e15') < pace and tat - (group - 1) * pace <= now_ms
-  local behind, life_ok = tonumber(ARGV[11] or '-1'), pace > 0
-  local used = tonumber(f[15] or '-1')
-  if life_ok and behind > 0 and not other_active and used >= 0 and n > 0
-    and (not room or (tat > now_ms and not open))
+  -- the pace holds this start back: no group is open and the next is not due
+  local held_back = pace > 0 and n > 0 and tat > now_ms and not open
+  local behind, used = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
+  if pace > 0 and behind > 0 and not other_active and used >= 0 and n > 0 and (not room or held_back)
     and fits_together(behind, tokens, budget, life, used, now_ms - window_ms) then
     -- the tail: the rest of the run fits now, started together; nothing behind it to pace for
     room, tail = true, true
@@ -136,7 +136,7 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
     -- a tail is in flight: what the window was sized for (spread stages) does not hold
     room = false
   end
-  if room and not tail and n > 0 and pace > 0 and tat > now_ms and not open then
+  if room and not tail and held_back then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
