@@ -37,6 +37,11 @@ class Crash:
         return f"{self.kind}: {self.detail}{code}"
 
 
+# uvicorn's error when another process holds the port. SGLang 0.5.23 does not exit on it: its
+# warmup thread goes on asking the port for /model_info (120 tries, each up to 6 s) before it
+# SIGKILLs itself, and SIGTERM does not end it meanwhile.
+_PORT_TAKEN_RE = re.compile(r"address already in use|Errno 98", re.I)
+
 # (kind, pattern, remedy, explanation prefix); the first match in the log wins.
 _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
     (
@@ -75,7 +80,7 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
         GIVE_UP,
         "SGLang refused its arguments",
     ),
-    ("port_in_use", re.compile(r"address already in use|Errno 98", re.I), RESTART, "the HTTP port is taken"),
+    ("port_in_use", _PORT_TAKEN_RE, RESTART, "the HTTP port is taken"),
     ("watchdog_timeout", re.compile(r"watchdog timeout", re.I), RESTART, "a forward step hung"),
     (
         "gpu_memory_unbalanced",
@@ -100,6 +105,12 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
 )
 _MIN_FRACTION_RE = re.compile(r"Raise --mem-fraction-static above ([0-9.]+)")
 _CUDA_OOM_RE = re.compile(r"(Prefill|Decode) out of memory|OutOfMemoryError|CUDA out of memory")
+
+
+def dooms_the_start(line: str) -> bool:
+    """A log line after which a starting server will never serve, though its process lives on:
+    the supervisor ends the start on it rather than wait for the process to die."""
+    return _PORT_TAKEN_RE.search(line) is not None
 
 
 def classify(log_text: str, returncode: int | None, *, first_prefill: bool) -> Crash:

@@ -20,7 +20,7 @@ from typing import Any
 from server_mgr import health, logparse, process
 from server_mgr.command import display_command, launch_argv, launch_env
 from server_mgr.config import ServerConfig
-from server_mgr.crash import GIVE_UP, RESTART, Crash, classify
+from server_mgr.crash import GIVE_UP, RESTART, Crash, classify, dooms_the_start
 from server_mgr.policy import FAIL, RestartPolicy
 from server_mgr.sink import Sink
 from tokenmill import capacity, server_report, servers
@@ -67,6 +67,7 @@ class Supervisor:
         self.changed = threading.Condition()
         self.live = logparse.LiveFigures()
         self._tail: logparse.LogTail | None = None
+        self._doomed = False  # the log said the starting server will never serve (crash.dooms_the_start)
         self._engine: process.Engine | None = None
         self._launched_fraction: float | None = config.mem_fraction_static
         self._stop: dict[str, Any] | None = None
@@ -160,6 +161,7 @@ class Supervisor:
         # The old figures read 0 until the new process logs its own (Redis keeps every field).
         self.live = logparse.LiveFigures(figures={k: 0.0 for k in self.record.live})
         self._tail = logparse.LogTail(c.log_path, engine.log_offset)
+        self._doomed = False
         extra = {
             "command": shown,
             "log_path": str(c.log_path),
@@ -181,7 +183,7 @@ class Supervisor:
         while True:
             self._read_log()
             code = engine.returncode()
-            if code is not None:
+            if code is not None or self._doomed:
                 return Outcome("crashed", self._classify(engine, code, first_prefill=True))
             if self._stop_wanted():
                 return Outcome("stopped")
@@ -292,6 +294,7 @@ class Supervisor:
         if self._tail is not None:
             for line in self._tail.read_lines():
                 self.live.feed(line)
+                self._doomed = self._doomed or dooms_the_start(line)
         self._report()
 
     def _report(self, force: bool = False) -> None:
@@ -396,7 +399,7 @@ class Supervisor:
 
     # --- reporting -----------------------------------------------------------------------------
 
-    def _classify(self, engine: process.Engine, code: int, *, first_prefill: bool) -> Crash:
+    def _classify(self, engine: process.Engine, code: int | None, *, first_prefill: bool) -> Crash:
         self._read_log()
         text = logparse.read_since(engine.log_path, engine.log_offset)
         # Unset in the config, the fraction SGLang resolved is in its log (for an OOM step).

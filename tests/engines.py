@@ -280,7 +280,7 @@ def start_engine(
             wait_healthy(engine)
             return engine
         except PortTaken:
-            engine.stop()
+            engine.stop(grace_s=1.0)
             port = None
         except BaseException:  # it died, never became healthy, or is not what it was started as
             engine.stop()
@@ -288,22 +288,29 @@ def start_engine(
     raise AssertionError(f"{kind}: another program took its port before it could bind")
 
 
+# What uvicorn logs when another program holds the port. SGLang does not exit then: its warmup
+# thread goes on asking the port for /model_info, 120 tries, before it SIGKILLs itself (minutes,
+# and SIGTERM does not end it), so the launch gives up on the port as soon as this is logged.
+BIND_FAILED = "address already in use"
+
+
 def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
     """Wait until /health answers 200 from a process of the engine's own."""
     timeout_s = timeout_s or (SGLANG_READY_S if engine.kind == "sglang" else 30.0)
 
     def healthy() -> bool:
-        if not engine.alive():
-            tail = engine.output()[-4000:]
-            if "address already in use" in tail:
-                raise PortTaken(engine.port)
-            raise AssertionError(f"{engine.kind} exited {engine.proc.returncode()}:\n{tail}")
-        if http_status(f"{engine.url}/health", timeout=25) != 200:
-            return False
-        owners = listeners(engine.port)
-        if owners and not owners & set(process.group_members(engine.proc.pgid)):
+        output = engine.output()
+        if BIND_FAILED in output:
             raise PortTaken(engine.port)
-        return True
+        if not engine.alive():
+            raise AssertionError(f"{engine.kind} exited {engine.proc.returncode()}:\n{output[-4000:]}")
+        # Whoever listens on the port must be the engine (a stranger may never answer /health)
+        owners = listeners(engine.port)
+        if owners is None:
+            return False
+        if not owners & set(process.group_members(engine.proc.pgid)):
+            raise PortTaken(engine.port)
+        return http_status(f"{engine.url}/health", timeout=25) == 200
 
     wait_for(healthy, timeout_s, f"{engine.kind} on {engine.url} to answer /health 200", every=0.2)
     if engine.kind == "sglang":
@@ -320,7 +327,7 @@ def ready_or_again(engine: Engine, again: Callable[[], Engine]) -> Engine:
         wait_healthy(engine)
         return engine
     except PortTaken:
-        engine.stop()
+        engine.stop(grace_s=1.0)
         return again()
 
 
@@ -343,9 +350,10 @@ def assert_not_the_sim(engine: Engine) -> None:
         )
 
 
-def listeners(port: int) -> set[int]:
-    """PIDs with a socket listening on TCP ``port`` (from /proc: sockets of other users are not
-    seen, so an empty set means unknown, not free)."""
+def listeners(port: int) -> set[int] | None:
+    """PIDs with a socket listening on TCP ``port``, None if none listens (from /proc: the
+    processes of other users are not seen, so an empty set means someone unknown). Cheap while
+    nothing listens there."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -356,6 +364,8 @@ def listeners(port: int) -> set[int]:
             fields = row.split()
             if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                 inodes.add(fields[9])
+    if not inodes:
+        return None
     pids = set()
     for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         try:

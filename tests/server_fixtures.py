@@ -154,3 +154,21 @@ class Up:
             if process.is_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
         self.client.close()
+
+
+def assert_the_start_ends_on_its_taken_port(up: Up, table: dict[str, Any], load_timeout_s: float) -> None:
+    """With ``table``'s server launched and its port then taken by another program: once the
+    server logs uvicorn's bind error, the start ends at once as ``port_in_use`` (with
+    ``max_restarts = 0``, failed) and nothing of the server is left. The server itself would
+    linger for minutes (SGLang 0.5.23's warmup goes on asking the port for /model_info), deaf
+    to SIGTERM, so a supervisor that waited for it to die fails the deadlines here."""
+    log = Path(table["log_dir"]) / f"{table['name']}.log"
+    pid = up.wait_state(servers.STARTING, table["name"]).pid
+    assert pid is not None
+    wait_for(lambda: "address already in use" in log.read_text(), load_timeout_s, "the bind error in its log")
+    group = {pid, *process.descendants(pid)}
+    failed = up.wait_state(servers.FAILED, table["name"], timeout_s=15)
+    assert "port_in_use: the HTTP port is taken" in failed.last_error, failed.last_error
+    address = f"('127.0.0.1', {table['port']})"
+    assert f"error while attempting to bind on address {address}: address already in use" in failed.last_error
+    wait_for(lambda: not any(process.is_alive(p) for p in group), 10, "every process of the server gone")

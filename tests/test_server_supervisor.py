@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import redis
 from server_mgr import process
 from server_mgr.consumers import paused_reason
 from tests.procs import wait_for
-from tests.server_fixtures import Up, sim_server, write_config
+from tests.server_fixtures import Up, assert_the_start_ends_on_its_taken_port, sim_server, write_config
 from tokenmill import keys, servers
 from tokenmill.local_redis import free_port
 
@@ -124,6 +125,18 @@ def test_a_sim_crashing_on_every_request_ends_failed_with_the_crash_class(
         failed = up.wait_state(servers.FAILED)
         assert failed.last_error.startswith("crash loop: 2 crashes within 600 s")
         assert "scheduler_exception: a scheduler raised: RuntimeError: CUDA error" in failed.last_error
+
+
+def test_a_port_taken_while_the_server_loads_ends_its_start_at_once(tmp_path: Path, redis_url: str) -> None:
+    # Given a server whose port is free at launch and taken while it loads: it then logs uvicorn's
+    # bind error and lingers, as SGLang does (tests/test_sglang_server.py: the same, on SGLang)
+    table = sim_server(tmp_path, max_restarts=0, sim={"startup_delay_s": 4.0})
+    config = write_config(tmp_path / "s.toml", table)
+    with Up(config, redis_url) as up:
+        up.wait_state(servers.STARTING)
+        with socket.create_server(("127.0.0.1", table["port"])):
+            # Then its start ends on that line, and nothing of it is left
+            assert_the_start_ends_on_its_taken_port(up, table, load_timeout_s=30)
 
 
 def test_startup_oom_steps_the_fraction_down_until_the_server_starts(tmp_path: Path, redis_url: str) -> None:

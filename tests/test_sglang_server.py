@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,10 @@ from typing import Any
 import pytest
 
 from server_mgr import process
-from tests.engines import API_KEY, CONTEXT_LEN, EnginePool, sglang_server
+from tests.engines import API_KEY, CONTEXT_LEN, SGLANG_READY_S, EnginePool, sglang_server
 from tests.pipeline import cli, write_jsonl
 from tests.procs import wait_for
-from tests.server_fixtures import Up, write_config
+from tests.server_fixtures import Up, assert_the_start_ends_on_its_taken_port, write_config
 from tokenmill import servers
 
 pytestmark = pytest.mark.sglang
@@ -134,6 +135,19 @@ def test_a_value_sglang_refuses_fails_at_once_naming_it(tmp_path: Path, redis_ur
         )
         assert "argument --schedule-policy: invalid choice: 'bogus'" in failed.last_error
         assert failed.restarts == 0
+
+
+def test_a_port_taken_while_sglang_loads_ends_its_start_at_once(tmp_path: Path, redis_url: str) -> None:
+    # Given SGLang launched on a free port that another program takes while SGLang loads (it binds
+    # its port only after the model is loaded; then uvicorn fails, but the process lives on for
+    # minutes, its warmup asking the taken port for /model_info, deaf to SIGTERM)
+    table = sglang_server(tmp_path, max_restarts=0, extra=["--max-total-tokens", "4000"])
+    config = write_config(tmp_path / "s.toml", table)
+    with Up(config, redis_url) as up:
+        up.wait_state(servers.STARTING, timeout_s=60)
+        with socket.create_server(("127.0.0.1", table["port"])):
+            # Then the manager ends the start on SGLang's bind error, and nothing of it is left
+            assert_the_start_ends_on_its_taken_port(up, table, load_timeout_s=SGLANG_READY_S)
 
 
 def test_a_kv_pool_that_cannot_exist_is_read_from_the_log_and_not_stepped_in_vain(

@@ -6,6 +6,10 @@
    /health, /health_generate and /ready answer 503.
 3. *Up*: after the warmup request, ``The server is fired up and ready to roll!``.
 
+A port another process holds when the sim binds: uvicorn's bind error, then the sim lingers as
+SGLang 0.5.23 does (its warmup asks the port for /model_info 120 times, SIGTERM ignored), then
+SIGKILLs itself (:func:`_warmup_unbound`).
+
 Children: ``sglang::scheduler`` and ``sglang::detokenizer`` stand-ins (:mod:`.children`); when
 one dies, /health hangs and streams stop for ``--sim-crash-diagnostics-s``, then the tree dies.
 
@@ -21,7 +25,9 @@ import contextlib
 import os
 import signal
 import traceback
+from typing import NoReturn
 
+import aiohttp
 from aiohttp import web
 
 from server_mgr.sim import children, faults, logs
@@ -70,6 +76,32 @@ async def _warmup(state: SimState) -> None:
         return
     state.status = "Up"
     log.info("The server is fired up and ready to roll!")
+
+
+WARMUP_TRIES = 120  # SGLang's warmup asks for /model_info this many times, a second apart
+
+
+async def _warmup_unbound(cfg: SimConfig, log: SimLog, kids: list[children.Child]) -> NoReturn:
+    """SGLang 0.5.23 when another process holds its port: uvicorn gives up, but the warmup
+    thread started with the app goes on asking that port for /model_info (each try up to 5 s)
+    and then SIGKILLs the tree, so the process lingers minutes; SIGTERM ends nothing meanwhile."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
+    url = f"http://{cfg.host}:{cfg.port}/model_info"
+    error = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        for _ in range(WARMUP_TRIES):
+            await asyncio.sleep(1.0)
+            try:
+                async with session.get(url) as resp:
+                    error = f"GET /model_info answered {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+    log.error(f"Initialization failed. warmup error: {error}")
+    children.kill(kids)
+    log.error(f"kill_process_tree called: parent_pid={os.getpid()}, include_parent=True, pid={os.getpid()}")
+    log.stream.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise SystemExit(137)  # not reached: SIGKILL cannot be caught
 
 
 async def _drain(state: SimState) -> None:
@@ -159,12 +191,17 @@ async def _serve(cfg: SimConfig, log: SimLog, kids: list[children.Child]) -> int
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
     except OSError as exc:
+        for line in logs.uvicorn_lines(cfg)[:3]:
+            log.info(line)
         log.error(
-            f"[Errno {exc.errno}] error while attempting to bind on address "
-            f"({cfg.host!r}, {cfg.port}): {(exc.strerror or str(exc)).lower()}"
+            f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+            f"({cfg.host!r}, {cfg.port}): {os.strerror(exc.errno or 0).lower()}"
         )
+        log.info("INFO:     Waiting for application shutdown.")
         await runner.cleanup()
-        return 1
+        if cfg.skip_server_warmup:
+            return 1
+        await _warmup_unbound(cfg, log, kids)
     for line in logs.uvicorn_lines(cfg):
         log.info(line)
     tasks: set[asyncio.Task[None]] = set()
