@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -107,7 +109,7 @@ def sglang_server(workdir: Path, name: str = "s1", **keys: object) -> dict[str, 
     return {
         "name": name,
         "engine": "sglang",
-        "port": free_port(),
+        "port": late_bound_port(),
         "model_path": str(env.model),
         "launcher": env.launcher(),
         "env": env.env(),
@@ -270,7 +272,7 @@ def start_engine(
     the model, so another program may take a free port meanwhile: then the launch is tried on
     another (never when ``port`` is given)."""
     for _ in range(1 if port else 3):
-        port = port or free_port()
+        port = port or late_bound_port()
         argv, env = engine_argv(kind, port, flags, api_key, sim_flags, cpus)
         proc = process.launch(argv, env, workdir / f"{kind}-{port}.log", banner=f"# {' '.join(argv)}")
         engine = Engine(kind, f"http://127.0.0.1:{port}", port, proc, api_key)
@@ -292,6 +294,21 @@ def start_engine(
 # thread goes on asking the port for /model_info, 120 tries, before it SIGKILLs itself (minutes,
 # and SIGTERM does not end it), so the launch gives up on the port as soon as this is logged.
 BIND_FAILED = "address already in use"
+
+
+def late_bound_port(low: int = 10000, high: int = 21999) -> int:
+    """A free port for a server that binds it only later (SGLang, once its model is loaded), taken
+    below the kernel's ephemeral range: there, no outgoing connection takes it as its own port
+    meanwhile, and no ``bind(0)``. SGLang keeps its own late-bound port below that range too (at
+    22000-29999); a port taken anyway is found by the launch, which tries another."""
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:

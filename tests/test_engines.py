@@ -34,7 +34,7 @@ def test_an_engine_whose_free_port_is_taken_while_it_loads_starts_again_on_anoth
     with socket.create_server(("127.0.0.1", 0)) as taker:
         taken = taker.getsockname()[1]
         ports = iter([taken, free_port()])
-        monkeypatch.setattr(engines, "free_port", lambda: next(ports))
+        monkeypatch.setattr(engines, "late_bound_port", lambda: next(ports))
 
         # When an engine is started (the first launch would log uvicorn's bind error and linger,
         # deaf to SIGTERM, as SGLang does; the stranger on its port never answers /health)
