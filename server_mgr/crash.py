@@ -108,7 +108,7 @@ _CUDA_OOM_RE = re.compile(r"(Prefill|Decode) out of memory|OutOfMemoryError|CUDA
 
 
 def dooms_the_start(line: str) -> bool:
-    """A log line after which a starting server will never serve, though its process lives on:
+    """A log line (or text) after which a starting server will never serve, though its process lives on:
     the supervisor ends the start on it rather than wait for the process to die."""
     return _PORT_TAKEN_RE.search(line) is not None
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from server_mgr import process
+from server_mgr.crash import dooms_the_start
 from tests.faultproxy import FaultProxy
 from tests.procs import PortTaken, http_status, wait_for
 from tokenmill.local_redis import free_port
@@ -290,12 +291,6 @@ def start_engine(
     raise AssertionError(f"{kind}: another program took its port before it could bind")
 
 
-# What uvicorn logs when another program holds the port. SGLang does not exit then: its warmup
-# thread goes on asking the port for /model_info, 120 tries, before it SIGKILLs itself (minutes,
-# and SIGTERM does not end it), so the launch gives up on the port as soon as this is logged.
-BIND_FAILED = "address already in use"
-
-
 def late_bound_port(low: int = 10000, high: int = 21999) -> int:
     """A free port for a server that binds it only later (SGLang, once its model is loaded), taken
     below the kernel's ephemeral range: there, no outgoing connection takes it as its own port
@@ -317,7 +312,7 @@ def wait_healthy(engine: Engine, timeout_s: float | None = None) -> None:
 
     def healthy() -> bool:
         output = engine.output()
-        if BIND_FAILED in output:
+        if dooms_the_start(output):  # uvicorn's bind error: SGLang lingers minutes after it
             raise PortTaken(engine.port)
         if not engine.alive():
             raise AssertionError(f"{engine.kind} exited {engine.proc.returncode()}:\n{output[-4000:]}")

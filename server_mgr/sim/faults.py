@@ -22,11 +22,16 @@ def die(log: SimLog, *, launching: bool = False) -> NoReturn:
     """The main process's SIGQUIT handler: log, then SIGKILL itself; the kernel SIGKILLs the
     children (they asked for it with PR_SET_PDEATHSIG, as SGLang's do). SGLang 0.5.23 has two
     handlers with two lines: one while launching, one once serving."""
-    pid = os.getpid()
     if launching:
         log.error("Received sigquit from a child process. It usually means the child failed.")
     else:
         log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
+    kill_tree(log)
+
+
+def kill_tree(log: SimLog) -> NoReturn:
+    """SGLang's ``kill_process_tree`` of its own process: logged, then SIGKILL."""
+    pid = os.getpid()
     log.error(f"kill_process_tree called: parent_pid={pid}, include_parent=True, pid={pid}")
     log.stream.flush()
     os.kill(pid, signal.SIGKILL)

@@ -98,10 +98,7 @@ async def _warmup_unbound(cfg: SimConfig, log: SimLog, kids: list[children.Child
                 error = f"{type(exc).__name__}: {exc}"
     log.error(f"Initialization failed. warmup error: {error}")
     children.kill(kids)
-    log.error(f"kill_process_tree called: parent_pid={os.getpid()}, include_parent=True, pid={os.getpid()}")
-    log.stream.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-    raise SystemExit(137)  # not reached: SIGKILL cannot be caught
+    faults.kill_tree(log)
 
 
 async def _drain(state: SimState) -> None:
