@@ -20,7 +20,8 @@ Named sets for the sim: ``low`` (fixed 8), ``tuned`` (capacity / (prompt + mean 
 ``--trace`` samples the server (running, queued, KV used) and the admission hash every 0.5 s and
 prints each variant's timeline: where the time goes.
 
-``--matrix`` runs the workload matrix of issue 26 (see ``CELLS``): a base cell, the issue's
+``--matrix`` runs the workload matrix of issue 26 (see ``CELLS``; on real SGLang the outputs of
+the early-stop and mixed-outputs cells end at stop tokens, see ``SGLANG_STOPS``): a base cell, the issue's
 workload (96 short prompts, outputs that run to ``max_tokens`` 200, a 4,000-token KV pool, a cold
 start, one worker of 64 threads), and one cell per other value of each axis; each cell runs fixed
 8/16/32/64 and admission in alternating rounds (3 unless ``--repeat``) and prints a table with
@@ -237,7 +238,7 @@ def run_tokenmill(
         figures = server.figures()
         return {
             "wall_s": round(wall, 2),
-            **job_timing(client),
+            **job_timing(client, args.max_tokens),
             "retractions": figures.pop("retractions") - retr0,
             "peak_kv": figures.pop("peak_kv"),
             "tokens": int(client.hget(keys.RunKeys(RUN).stats(), "completion_tokens") or 0),
@@ -248,16 +249,19 @@ def run_tokenmill(
         }
 
 
-def job_timing(client: redis.Redis) -> dict[str, float]:
+def job_timing(client: redis.Redis, max_tokens: int) -> dict[str, float]:
     """From the run's job hashes: the median gap between a job's claim and the last end before it
     (for jobs claimed after the first end: how long a freed place waited for its successor, the
-    worker's turnaround), and the median time to first token (the server's queue and prefill)."""
+    worker's turnaround), the median time to first token (the server's queue and prefill), the
+    mean output length and how many outputs reached ``max_tokens``."""
     run = keys.RunKeys(RUN)
     ids = [x.decode() for x in client.lrange(run.jobs(PARTITION), 0, -1)]
     pipe = client.pipeline(transaction=False)
     for job_id in ids:
         pipe.hmget(run.job(job_id), "claimed_ms", "done_ms", "result")
-    rows = [(int(c), int(d), orjson.loads(r).get("ttft_s")) for c, d, r in pipe.execute() if c and d and r]
+    results = [(int(c), int(d), orjson.loads(r)) for c, d, r in pipe.execute() if c and d and r]
+    rows = [(c, d, r.get("ttft_s")) for c, d, r in results]
+    lengths = [int(r["usage"]["completion_tokens"]) for _, _, r in results]
     ends = sorted(d for _, d, _ in rows)
     gaps = []
     for claimed, _, _ in rows:
@@ -268,18 +272,35 @@ def job_timing(client: redis.Redis) -> dict[str, float]:
     return {
         "refill_ms": round(statistics.median(gaps), 1) if gaps else 0.0,
         "ttft_ms": round(statistics.median(ttfts), 1) if ttfts else 0.0,
+        "mean_output": round(statistics.fmean(lengths), 1) if lengths else 0.0,
+        "at_max": sum(n >= max_tokens for n in lengths),
     }
 
 
+# Real SGLang's outputs for ``--outputs early`` and ``mix``: the tiny model's random weights
+# practically never end an output, so the run asks SGLang to stop at some of the tokens it emits
+# (greedy, so every variant gets the same lengths: measured the same at 8 and 64 at a time). For
+# the 96 short prompts of the matrix on the model of ``make sglang-env`` (``--random-seed 0``),
+# with ``max_tokens`` 200: ``early`` ends them at 21-200 tokens, mean 104, 10 of 96 at 200 (the
+# sim's: 25-175, mean 100); ``mix`` at 24-200, mean 157, 51 of 96 at 200 (the sim's: half at 200,
+# mean 162). Chosen from the outputs of a run without them (2026-12-04); what a run got is printed.
+SGLANG_STOPS: dict[str, dict[str, Any]] = {
+    "early": {"stop_token_ids": [2041, 1475], "min_tokens": 20},
+    "mix": {"stop_token_ids": [1387], "min_tokens": 20},
+}
+
+
 def routing_of(args: argparse.Namespace) -> Any:
-    """The run's routing: every prompt short, ``max_tokens`` as asked, greedy."""
+    """The run's routing: every prompt short, ``max_tokens`` as asked, greedy; on real SGLang,
+    the stop tokens that end its outputs early (``SGLANG_STOPS``)."""
     from producer.enqueue import Routing
 
+    stops = SGLANG_STOPS.get(args.outputs, {}) if args.engine == "sglang" else {}
     return Routing(
         model="default",
         short_max_tokens=args.max_tokens,
         long_prompt_tokens=100_000,
-        params={"temperature": 0.0},
+        params={"temperature": 0.0, **stops},
     )
 
 
@@ -405,7 +426,8 @@ def main() -> None:
     ap.add_argument("--prompt-style", choices=("long", "short"), default="long")
     ap.add_argument(
         "--outputs", choices=("max", "early", "mix"), default="max",
-        help="sim: outputs that run to max_tokens, stop early, or half and half (unless --mean-output)",
+        help="outputs that run to max_tokens, stop early, or half and half (the sim: unless "
+        "--mean-output; real SGLang: by stop tokens, see SGLANG_STOPS)",
     )  # fmt: skip
     ap.add_argument("--mean-output", type=int, default=None, help="the sim's mean output length (300)")
     ap.add_argument(
@@ -453,11 +475,6 @@ def main() -> None:
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
     load = MachineLoad()
     names = (list(CELLS) if args.matrix == "all" else args.matrix.split(",")) if matrix else [None]
-    if real and any(n and CELLS[n].get("outputs") for n in names):
-        # the tiny model's random weights practically never end an output: every one runs to
-        # max_tokens, so the output axis is the sim's alone
-        print("sglang: the early-stop and mixed-outputs cells are the sim's only; skipped")
-        names = [n for n in names if not CELLS[n].get("outputs")]
     cells = [cell_args(args, n) if n else args for n in names]
     with workdir(args.keep, prefix="tm-bench-adm-") as work:
         tables = [measure(work, cell, args.lock, args.json_out) for cell in cells]
@@ -524,6 +541,12 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         if passes:
             row.append(f"{passes[name]:g} ({', '.join(str(r['passes']) for r in rs)})")
         rows.append([*row, f"{ratio:.3f}"])
+    outputs_seen = sorted(
+        {(r["mean_output"], r["at_max"]) for rs in results.values() for r in rs if "at_max" in r}
+    )
+    if outputs_seen:  # every variant's, and every round's: the same lengths unless they differ
+        seen = "; ".join(f"mean {m:g} tokens, {n} at max_tokens" for m, n in outputs_seen)
+        print(f"outputs of {args.prompts}: {seen}")
     heads = ["variant", "wall s (rounds)", "retractions (rounds)", "mean running"]
     print(table([*heads, *(["server passes (rounds)"] if passes else []), "vs fastest fixed"], rows))
     adm = next((n for n in results if n.startswith("admission (")), None)
