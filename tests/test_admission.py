@@ -208,6 +208,30 @@ def test_requests_that_peaked_together_size_the_window_while_their_successors_ar
     assert a.adapt("srv", load(17, used=17 * 25, capacity=4000), None) == 17
 
 
+@pytest.mark.parametrize(("life_dev", "grown"), [(500, 17 + 1), (100, 17)], ids=["spread", "alike"])
+def test_the_use_seen_together_expires_a_lifetime_later_once_lifetimes_disagree(
+    rclient: redis.Redis, life_dev: int, grown: int
+) -> None:
+    # Given a cold start's 17 requests, which started together, seen at their peak together (214
+    # tokens each), and then as many ended as were in flight, living 1 s on average (pacing off:
+    # requests that live alike are paced otherwise, and sized by rule 3', not by what was seen)
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6, admission_pacing=False)
+    set_window(rclient, 17, n=17, total=17 * 223, refused=1, life_ms=1_000, life_dev=life_dev)
+    assert a.adapt("srv", load(17, used=17 * 214, capacity=4000), None) == 17
+    rclient.hset(USED, mapping={"refused": 2, "admitted": 34})
+    # When their successors, at 120 tokens each, are refused within a lifetime of that peak
+    assert a.adapt("srv", load(17, used=17 * 120, capacity=4000), None) == 17
+    # and again a lifetime later
+    seconds, micros = rclient.time()
+    rclient.hset(USED, mapping={"refused": 3, "seen_ms": seconds * 1000 + micros // 1000 - 1_100})
+    # Then where lifetimes disagree (deviation 500 ms: outputs end at different lengths, and the
+    # batch that started together no longer runs together) the peak seen no longer sizes the
+    # window: at 120 + 0.6 of the growth to 223 each, 20 fit, and it grows by half the 3 more
+    # (at least one); where they agree, the requests' successors start and peak together again,
+    # and the 214 each seen keeps the window at 17
+    assert a.adapt("srv", load(17, used=17 * 120, capacity=4000), None) == grown
+
+
 def test_requests_that_peak_between_two_figures_are_sized_by_the_rise_they_were_seen_on(
     rclient: redis.Redis,
 ) -> None:

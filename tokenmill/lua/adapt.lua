@@ -27,7 +27,11 @@
 --          window ran (`seen_each`, a fact), nor than the highest such mean plus its rise since
 --          the figures before (what the requests would hold by the next figures if none ended:
 --          `seen_rise`, a projection, so capped by the mean projected peak now, which falls as
---          the run learns that outputs end early): sharing the headroom bets that requests are
+--          the run learns that outputs end early; both start again from the next figures
+--          once they are a lifetime old (`seen_ms`) while lifetimes disagree, `life_dev` a
+--          quarter of `life_ms` or more: requests that end at different lengths desynchronise,
+--          and what was seen a lifetime ago was held by requests that have ended, such as a cold
+--          start's first batch): sharing the headroom bets that requests are
 --          at different stages, and requests that started together (a cold start's first batch;
 --          outputs that all run to max_tokens end together, so their successors start together
 --          too) reach their peaks together, which that highest mean shows once they have; until as many
@@ -72,7 +76,7 @@ local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
   'start_n', 'srv_running', 'srv_used', 'seen_rise', 'life_ms', 'life_dev', 'use_sum', 'use_n',
-  'unpaced', 'use_min', 'paced_cap', 'bound')
+  'unpaced', 'use_min', 'paced_cap', 'bound', 'seen_ms')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
@@ -116,13 +120,21 @@ if first and peak > 0 then
   window = math.max(window, math.floor(math.min(ceiling, tonumber(ARGV[14]) * capacity) / peak))
 end
 local seen, seen_rise = tonumber(f[10] or '0'), tonumber(f[16] or '0')
+local seen_ms = tonumber(f[25] or now_ms)
+-- outputs that end at different lengths (lifetimes disagree) desynchronise by themselves: the
+-- highest mean use seen, once it is a lifetime old, was held by requests that have ended (a cold
+-- start's first batch, which started together), not by those in flight, and starts again
+local spread = life > 0 and tonumber(f[18] or '0') * 4 >= life
+if first or (spread and now_ms - seen_ms > life) then
+  seen, seen_rise, seen_ms = 0, 0, now_ms
+end
 -- pacing is for a pool that binds: since the window started, one more request at its projected
 -- peak would not have fit the guard's budget (ARGV 14); on a roomy pool it would only delay starts
 local bound = f[24] == '1' or (peak > 0 and (n + 1) * peak > tonumber(ARGV[14]) * capacity)
 paced = paced and bound
 -- only while most of the window runs: a few stragglers alone say nothing of requests together
 if running * 2 >= window then
-  seen = math.max(seen, present)
+  if present >= seen then seen, seen_ms = present, now_ms end
   -- figures come every poll, and requests that peak together may end before the next: what they
   -- hold by then is taken as what they hold now plus the rise since the last figures
   local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
@@ -188,5 +200,5 @@ redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running'
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
   'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,
   'start_n', f[13] or n, 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'use_min', use_min,
-  'paced_cap', paced_cap, 'bound', bound and 1 or 0)
+  'paced_cap', paced_cap, 'bound', bound and 1 or 0, 'seen_ms', seen_ms)
 return window
