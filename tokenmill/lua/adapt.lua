@@ -103,7 +103,9 @@ end
 -- together end together and their successors start together again; admission starts them
 -- spread over a lifetime instead, at most a group (ARGV 15) at a time
 local group, life = tonumber(ARGV[15]), tonumber(f[17] or '0')
-local paced = group > 0 and life > 0 and tonumber(f[18] or '0') * 4 < life
+-- lifetimes agree: their moving deviation is under a quarter of their moving mean
+local alike = life > 0 and tonumber(f[18] or '0') * 4 < life
+local paced = group > 0 and alike
 local use_sum, use_n = tonumber(f[19] or '0'), tonumber(f[20] or '0')
 local use_min, paced_cap = tonumber(f[22] or '0'), tonumber(f[23] or '0')
 -- requests ended since the window started: those in flight then plus those admitted since, less
@@ -124,8 +126,7 @@ local seen_ms = tonumber(f[25] or now_ms)
 -- outputs that end at different lengths (lifetimes disagree) desynchronise by themselves: the
 -- highest mean use seen, once it is a lifetime old, was held by requests that have ended (a cold
 -- start's first batch, which started together), not by those in flight, and starts again
-local spread = life > 0 and tonumber(f[18] or '0') * 4 >= life
-if first or (spread and now_ms - seen_ms > life) then
+if first or (life > 0 and not alike and now_ms - seen_ms > life) then
   seen, seen_rise, seen_ms = 0, 0, now_ms
 end
 -- pacing is for a pool that binds: since the window started, one more request at its projected
