@@ -25,8 +25,9 @@ from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
 from tokenmill.errors import ExportError
-from tokenmill.ledger import Claim, Ledger
+from tokenmill.ledger import Claim, Ledger, register
 from tokenmill.results import ResultStore
+from tokenmill.sealing import new_shard_id
 
 SIZES = {"B1": 250, "B2": 150}
 
@@ -143,6 +144,34 @@ def test_a_partition_still_running_is_sealed_in_full_batches_then_once_its_oldes
     assert "sealed 0 result(s)" in sealing.seal(env)
     assert "sealed 30 result(s) into 1 shard(s)" in sealing.seal({**env, "TOKENMILL_SEAL_AFTER_S": "0"})
     assert sealing.job_states(rclient, "r") == {"sealed": 230, "queued": 20}
+
+
+def test_a_reserve_sent_again_after_redis_ran_it_returns_the_same_jobs_and_loses_none(
+    tmp_path: Path, rclient: redis.Redis, redis_url: str, store: Path
+) -> None:
+    # Given 250 done jobs, and a shard reserved once (Redis ran the call, then died before it
+    # answered: redis-py sends the call again, the same shard id, once Redis is back)
+    env = sealing.sealing_env(redis_url, store, seal_batch_jobs=100)
+    sealing.done_run(tmp_path, rclient, env, "r", {"P": 250})
+    k = keys.RunKeys("r")
+    reserve = register(rclient, "seal_reserve")
+    shard = new_shard_id()
+    call = (
+        [k.unsealed("P"), k.seal_since(), k.shard(shard), k.seals_pending(), k.results_store()],
+        [shard, "P", 100, 3_600_000, 0, str(store)],
+    )
+    first = reserve(*call)
+
+    # When the same call comes again
+    again = reserve(*call)
+
+    # Then it answers the jobs of the first and leaves the other 150 waiting
+    assert first[0] == again[0] == b"ok" and orjson.loads(again[1]) == orjson.loads(first[1])
+    assert len(orjson.loads(first[1])) == 100 and rclient.zcard(k.unsealed("P")) == 150
+    # and the sealer then seals every job once (the reserved shard completed as a pending one)
+    sealing.seal({**env, "TOKENMILL_SEAL_AFTER_S": "0"})
+    assert sealing.job_states(rclient, "r") == {"sealed": 250}
+    assert sealing.sealed_count(rclient, "r") == 250
 
 
 def test_an_export_of_a_half_sealed_run_equals_the_export_of_an_unsealed_one(

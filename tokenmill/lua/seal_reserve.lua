@@ -10,6 +10,16 @@
 -- ARGV: 1 shard id, 2 partition, 3 batch, 4 after ms, 5 force (0|1), 6 store url.
 -- Returns {'ok', job ids as a JSON array}, {'wait'}, {'empty'}, or {'store', recorded url} when
 -- the run's shards live in another store (nothing changes).
+-- Idempotent per shard id: a call whose manifest exists changes nothing and returns that
+-- manifest's jobs while it is `pending` ({'wait'} once it is further along). The client sends a
+-- call again after a connection error, and Redis may have run the first one before it died: a
+-- second pop into the same manifest would overwrite the first's list, and those jobs would
+-- leave the unsealed set for no shard (seen: a Redis SIGKILLed during a seal loop).
+local kept = redis.call('HMGET', KEYS[3], 'state', 'jobs')
+if kept[1] then
+  if kept[1] == 'pending' and kept[2] then return {'ok', kept[2]} end
+  return {'wait'}
+end
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local store = redis.call('GET', KEYS[5])
