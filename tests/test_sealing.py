@@ -25,9 +25,9 @@ from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
 from tokenmill.errors import ExportError
-from tokenmill.ledger import Claim, Ledger, register
+from tokenmill.ledger import Claim, Ledger
 from tokenmill.results import ResultStore
-from tokenmill.sealing import new_shard_id
+from tokenmill.sealing import Sealer, new_shard_id
 
 SIZES = {"B1": 250, "B2": 150}
 
@@ -154,16 +154,12 @@ def test_a_reserve_sent_again_after_redis_ran_it_returns_the_same_jobs_and_loses
     env = sealing.sealing_env(redis_url, store, seal_batch_jobs=100)
     sealing.done_run(tmp_path, rclient, env, "r", {"P": 250})
     k = keys.RunKeys("r")
-    reserve = register(rclient, "seal_reserve")
+    sealer = Sealer(rclient, ResultStore(str(store)), export_row, batch_jobs=100, after_s=3600)
     shard = new_shard_id()
-    call = (
-        [k.unsealed("P"), k.seal_since(), k.shard(shard), k.seals_pending(), k.results_store()],
-        [shard, "P", 100, 3_600_000, 0, str(store)],
-    )
-    first = reserve(*call)
+    first = sealer.reserve("r", "P", shard, force=False)
 
     # When the same call comes again
-    again = reserve(*call)
+    again = sealer.reserve("r", "P", shard, force=False)
 
     # Then it answers the jobs of the first and leaves the other 150 waiting
     assert first[0] == again[0] == b"ok" and orjson.loads(again[1]) == orjson.loads(first[1])

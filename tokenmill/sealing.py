@@ -154,19 +154,9 @@ class Sealer:
     def _seal_partition(self, run: str, partition: str, force: bool, report: SealReport) -> bool:
         """Seal the partition's due results, a shard at a time; False when the run's shards
         are in another store (nothing was done)."""
-        k = keys.RunKeys(run)
         while True:
             shard_id = new_shard_id()
-            reply = self._reserve(
-                [
-                    k.unsealed(partition),
-                    k.seal_since(),
-                    k.shard(shard_id),
-                    k.seals_pending(),
-                    k.results_store(),
-                ],
-                [shard_id, partition, self.batch_jobs, self.after_ms, int(force), self.store.url],
-            )
+            reply = self.reserve(run, partition, shard_id, force)
             verdict = reply[0].decode()
             if verdict == "store":
                 self._elsewhere(report, run, reply[1].decode())
@@ -179,6 +169,15 @@ class Sealer:
             report.jobs += rows
             report.bytes += nbytes
             self.on_shard()
+
+    def reserve(self, run: str, partition: str, shard_id: str, force: bool) -> list[Any]:
+        """Step 1 (``seal_reserve.lua``) for a new ``shard_id``: its reply. Sent again with the
+        same id (redis-py resends a call after a connection error) it answers the same jobs."""
+        k = keys.RunKeys(run)
+        return self._reserve(
+            [k.unsealed(partition), k.seal_since(), k.shard(shard_id), k.seals_pending(), k.results_store()],
+            [shard_id, partition, self.batch_jobs, self.after_ms, int(force), self.store.url],
+        )
 
     def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""

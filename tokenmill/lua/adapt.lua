@@ -95,7 +95,7 @@ if first then
   -- is in flight, free to grow at once
   window = math.max(smallest, n)
   limiting = limiting or n > 0
-  f[10], f[16] = false, false  -- and what the requests were seen to hold starts again
+  f[10], f[16], f[25] = false, false, false  -- and what the requests were seen to hold starts again
   f[12], f[13] = admitted, n  -- as does the count of requests ended under this window
   f[19], f[20], f[22], f[23], f[24] = false, false, false, false, false  -- and what was learned
 end
@@ -126,7 +126,7 @@ local seen_ms = tonumber(f[25] or now_ms)
 -- outputs that end at different lengths (lifetimes disagree) desynchronise by themselves: the
 -- highest mean use seen, once it is a lifetime old, was held by requests that have ended (a cold
 -- start's first batch, which started together), not by those in flight, and starts again
-if first or (life > 0 and not alike and now_ms - seen_ms > life) then
+if life > 0 and not alike and now_ms - seen_ms > life then
   seen, seen_rise, seen_ms = 0, 0, now_ms
 end
 -- pacing is for a pool that binds: since the window started, one more request at its projected
