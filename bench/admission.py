@@ -38,12 +38,14 @@ flock around each run, for a machine that others share.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -97,10 +99,12 @@ def make_dataset(path: Path, n: int, style: str = "long", lead: str = "") -> Pat
 
 
 class Server:
-    """The server of one variant, and what it reports."""
+    """The server of one variant (or, shared, of a cell's variants one after another), and what it
+    reports of the work since :meth:`begin`."""
 
     def __init__(self, children: Children, where: Path, args: argparse.Namespace) -> None:
         self.engine = args.engine
+        self.since = 0  # where in its log the variant's work starts
         if self.engine == "sglang":
             # --enable-metrics: the closed loop reads the retractions from /metrics, as a managed
             # server's manager counts them from its log; --enable-cache-report: usage states the
@@ -120,6 +124,37 @@ class Server:
             ]  # fmt: skip
             sim, self.url = start_sim(children, where, knobs)
             self.pid, self.log = sim.pid, sim.log
+
+    def begin(self, deadline_s: float = 60.0) -> None:
+        """Ready a shared SGLang for the next variant as a fresh one would be: idle, its prefix
+        cache flushed (``/flush_cache`` answers 400 while requests are in flight; an idle
+        scheduler also resets its new-token ratio by itself), its log read from here on."""
+        if self.engine != "sglang":
+            return
+        t_end = time.monotonic() + deadline_s
+        while True:
+            try:
+                req = urllib.request.Request(f"{self.url}/flush_cache", method="POST")
+                with urllib.request.urlopen(req, timeout=10):
+                    break
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > t_end:
+                    raise RuntimeError(f"{self.url}/flush_cache: {exc}") from exc
+                time.sleep(0.2)
+        self.since = self.log.stat().st_size
+
+    def warm_up(self) -> None:
+        """A few short requests, so that the first variant on a new server does not pay for its
+        first batches alone."""
+        body = json.dumps(
+            {"model": "default", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 32}
+        ).encode()
+        for _ in range(4):
+            req = urllib.request.Request(
+                f"{self.url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                resp.read()
 
     def load(self) -> tuple[int, int, int]:
         """(running, queued, KV tokens used) now."""
@@ -141,7 +176,7 @@ class Server:
         if self.engine == "sim":
             st = get_json(f"{self.url}/_sim/stats")
             return {"retractions": int(st.get("retracted_total", 0)), "peak_kv": st.get("peak_used_tokens")}
-        log = SglangLog.parse(self.log.read_text(errors="replace"))
+        log = SglangLog.since(self.log, self.since)
         seqs, running = log.prefill_seqs, log.decode_running
         return {
             "retractions": log.retractions,
@@ -203,13 +238,16 @@ def run_tokenmill(
     threads: int,
     paced: bool = True,
     group: int | None = None,
+    shared: Server | None = None,
 ) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
     ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group), after a
-    warm-up run of the dataset under another run id when ``args.warm``."""
+    warm-up run of the dataset under another run id when ``args.warm``; on ``shared`` if given,
+    else on a server of its own."""
     with Children() as children:
         rds = children.redis(work / f"redis-{time.monotonic_ns()}")
-        server = Server(children, work, args)
+        server = shared or Server(children, work, args)
+        server.begin()
         env = {
             "TOKENMILL_REDIS_URL": rds.url,
             "TOKENMILL_SERVER_URL": server.url,
@@ -321,8 +359,11 @@ def enqueue_and_wait(client: redis.Redis, data: Path, args: argparse.Namespace, 
     return time.monotonic() - t0
 
 
-def run_direct(work: Path, data: Path, args: argparse.Namespace, *, concurrency: int) -> dict:
-    """The direct asyncio client of bench/e2e.py at ``concurrency``, on a fresh server."""
+def run_direct(
+    work: Path, data: Path, args: argparse.Namespace, *, concurrency: int, shared: Server | None = None
+) -> dict:
+    """The direct asyncio client of bench/e2e.py at ``concurrency``, on ``shared`` or a fresh
+    server."""
     from producer.readers import iter_records
     from producer.rows import normalize_row
 
@@ -334,7 +375,8 @@ def run_direct(work: Path, data: Path, args: argparse.Namespace, *, concurrency:
     reqs_path, out = work / "direct-requests.json", work / f"direct-{time.monotonic_ns()}.json"
     reqs_path.write_bytes(orjson.dumps(reqs))
     with Children() as children:
-        server = Server(children, work, args)
+        server = shared or Server(children, work, args)
+        server.begin()
         e2e = str(Path(__file__).with_name("e2e.py"))
         argv = [sys.executable, e2e, "--direct-client", server.url, str(reqs_path), str(out),
                 "--short-concurrency", str(concurrency)]  # fmt: skip
@@ -419,6 +461,11 @@ def main() -> None:
         help="sglang: only the scheduler keeps its core; its front end and detokenizer share the "
         "clients' core (a diagnostic: the front end then competes with the client and sets the pace)",
     )
+    ap.add_argument(
+        "--server-per-run",
+        action="store_true",
+        help="sglang: a fresh server for every run (the default shares one per cell, flushed between runs)",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="default 400 (sim), 96 (sglang and --matrix)")
     ap.add_argument(
         "--kv", type=int, default=None, help="--max-total-tokens (default 24000 sim, 4000 sglang)"
@@ -488,28 +535,40 @@ def measure(
 ) -> dict[str, list[dict]]:
     """Each variant ``args.repeat`` times, in alternating rounds; the results by variant. Each
     round starts one variant further along (round r runs variant r first): this machine drifts
-    within a round, so a variant always run last would pay for the drift."""
+    within a round, so a variant always run last would pay for the drift.
+
+    Real SGLang is shared by the cell's runs unless ``--server-per-run`` (started once, warmed
+    up, flushed before each run, the lock held for the cell): a round then takes a fraction of
+    the time, so its variants run closer together in time, where this host's speed drifts
+    less."""
     chosen = variants(args)
     results: dict[str, list[dict]] = {label: [] for label, _, _ in chosen}
     data = make_dataset(work / f"{PARTITION}-{time.monotonic_ns()}.jsonl", args.prompts, args.prompt_style)
     cell = getattr(args, "cell", None)
-    for round_no in range(args.repeat):
-        turn = round_no % len(chosen)
-        for label, kind, n in chosen[turn:] + chosen[:turn]:
-            with heavy(lock):
-                if kind == "direct":
-                    r = run_direct(work, data, args, concurrency=n)
-                else:
-                    group = int(kind[5:]) if kind.startswith("paced") else None
-                    r = run_tokenmill(
-                        work, data, args, admission=kind != "fixed", threads=n,
-                        paced=kind != "unpaced", group=group,
-                    )  # fmt: skip
-            results[label].append(r)
-            print(f"  {cell or ''} {label}: {r}", flush=True)
-            if json_out:
-                with open(json_out, "a") as fh:
-                    fh.write(json.dumps({"cell": cell, "round": round_no, "variant": label, **r}) + "\n")
+    share = args.engine == "sglang" and not args.server_per_run
+    with contextlib.ExitStack() as stack:
+        shared = None
+        if share:
+            stack.enter_context(heavy(lock))
+            shared = Server(stack.enter_context(Children()), work, args)
+            shared.warm_up()
+        for round_no in range(args.repeat):
+            turn = round_no % len(chosen)
+            for label, kind, n in chosen[turn:] + chosen[:turn]:
+                with contextlib.nullcontext() if share else heavy(lock):
+                    if kind == "direct":
+                        r = run_direct(work, data, args, concurrency=n, shared=shared)
+                    else:
+                        group = int(kind[5:]) if kind.startswith("paced") else None
+                        r = run_tokenmill(
+                            work, data, args, admission=kind != "fixed", threads=n,
+                            paced=kind != "unpaced", group=group, shared=shared,
+                        )  # fmt: skip
+                results[label].append(r)
+                print(f"  {cell or ''} {label}: {r}", flush=True)
+                if json_out:
+                    with open(json_out, "a") as fh:
+                        fh.write(json.dumps({"cell": cell, "round": round_no, "variant": label, **r}) + "\n")
     return results
 
 
