@@ -1,9 +1,10 @@
 """Capacity-aware admission vs fixed concurrency, on a server whose KV capacity binds.
 
-For each variant: a fresh private redis-server, a fresh server (the sim, or real SGLang 0.5.23
-with ``--engine sglang``) with a small KV pool, one short worker started and ready, then the same
-dataset enqueued; the wall time from the enqueue to the last commit, the server's retractions and
-the highest KV it used. Variants:
+For each variant: a fresh private redis-server, a server with a small KV pool (a fresh sim; or
+real SGLang 0.5.23 with ``--engine sglang``, started once for all the runs of a cell and flushed
+between them, or fresh for each run with ``--server-per-run``), one short worker started and
+ready, then the same dataset enqueued; the wall time from the enqueue to the last commit, the
+server's retractions and the highest KV it used. Variants:
 
 - ``fixedN``: admission off, the worker's concurrency set to N by hand;
 - ``directN``: no tokenmill at all: the direct asyncio client of ``bench/e2e.py`` at N requests
@@ -141,7 +142,12 @@ class Server:
                 if exc.code != 400 or time.monotonic() > t_end:
                     raise RuntimeError(f"{self.url}/flush_cache: {exc}") from exc
                 time.sleep(0.2)
-        self.since = self.log.stat().st_size
+        self.mark()
+
+    def mark(self) -> None:
+        """What the server reports from here on (after a warm-up run: the measured run's work)."""
+        if self.engine == "sglang":
+            self.since = self.log.stat().st_size
 
     def warm_up(self) -> None:
         """A few short requests, so that the first variant on a new server does not pay for its
@@ -264,6 +270,7 @@ def run_tokenmill(
                 work / f"warm-{time.monotonic_ns()}.jsonl", args.prompts, args.prompt_style, "Earlier: "
             )
             enqueue_and_wait(client, warm, args, WARM_RUN)
+            server.mark()  # the passes and KV of the measured run alone
         sampler = Sampler(server, client)
         sampler.start()
         server0, worker0 = tree_cpu_s(server.pid), sum(proc_cpu_s(w.pid) for w in workers)
