@@ -511,14 +511,22 @@ def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_
     for fields in ({"unpaced": 1}, {"life_dev": 300}):
         rclient.hset(USED, mapping={**lives, "unpaced": 0, "window": 17, **fields})
         assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 17
-    # And once the server retracted paced requests (their stages were less spread than sized),
-    # the window backs off and the pacing rule never takes it past where it backed off to
+    # And once the server retracted paced requests (23 of them, at their stages, overflowed),
+    # the window backs off, and after the hold the pacing rule takes it back up to one fewer
+    # than were in flight (not to the 23 that fit by their sizing, and not only to where it
+    # backed off to, for the rest of the run); another retraction: one fewer again
     rclient.hset(USED, mapping={**lives, "unpaced": 0, "window": 23, "n": 23, "total": 23 * 223})
     a.adapt("srv", load(22, waiting=1, used=3900, capacity=4000), 0)
     backed = a.adapt("srv", load(22, waiting=1, used=3900, capacity=4000), 2)
     assert backed == 17  # what fits at the projected peaks (0.75 of the 23 on the server: 17)
+    rclient.hset(USED, mapping={"n": 4, "total": 4 * 223})
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), 2) == 17  # held still
+    rclient.hset(USED, "hold_until", 0)
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), 2) == 22
+    rclient.hset(USED, mapping={"n": 22, "total": 22 * 223})
+    assert a.adapt("srv", load(22, used=3900, capacity=4000), 3) == 17
     rclient.hset(USED, mapping={"hold_until": 0, "n": 4, "total": 4 * 223})
-    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), 2) == 17
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), 3) == 21
 
 
 def test_a_retraction_shrinks_the_window_and_holds_it_there(rclient: redis.Redis) -> None:

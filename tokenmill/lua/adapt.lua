@@ -53,7 +53,8 @@
 --          least mean use reported while most of the window ran (`use_min`: young) and the
 --          projected peak, or the mean use reported over time (`use_sum` / `use_n`), or the
 --          present mean use, whichever is most; after a retraction of paced requests, never
---          past the window it backed off to (`paced_cap`);
+--          past one fewer than were in flight when it came (`paced_cap`, one fewer again at each
+--          retraction);
 --       the window never goes below ARGV 10. The first figures start it at what is in flight, and
 --       at least at what the guard lets in at the projected peak, and let rule 3 apply at once
 --       (until then the token budget decided, not a window); with nothing in flight they start
@@ -155,9 +156,15 @@ if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions
   if not holding then
     local backed = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
     if peak > 0 then backed = math.max(backed, math.min(window, math.floor(ceiling / peak))) end
+    -- a retraction of paced requests: that many, at the stages they were at, overflow the pool;
+    -- the pacing rule may take the window back up to one fewer than were in flight (another
+    -- retraction: one fewer again), not keep it where it backed off to for the rest of the run
+    if paced then
+      local cap = math.max(smallest, math.min(window, n) - 1)
+      if paced_cap > 0 then cap = math.min(cap, paced_cap) end
+      paced_cap = cap
+    end
     window = backed
-    -- a retraction of paced requests: their stages were less spread than their sizing assumed
-    if paced then paced_cap = backed end
     redis.call('HSET', KEYS[1], 'hold_until', now_ms + tonumber(ARGV[8]))
     redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
   end
