@@ -30,7 +30,8 @@ each one's median wall time, retractions and mean running requests (SGLang's dec
 the sim sampled every 0.25 s), on SGLang its forward passes (decode steps + prefill batches, from
 its log: the server's work, which the host's speed does not move), and the verdicts of the issue's
 item 2. ``--lock FILE`` holds a
-flock around each run, for a machine that others share.
+flock around each run (around each cell while one real server serves it), for a machine that
+others share.
 
     python bench/admission.py --matrix all --lock /tmp/tokenmill-heavy.lock
     python bench/admission.py --engine sglang --matrix base,long-prompts,roomy-kv,warm,workers-2
