@@ -133,17 +133,19 @@ class Server:
         scheduler also resets its new-token ratio by itself), its log read from here on."""
         if self.engine != "sglang":
             return
-        t_end = time.monotonic() + deadline_s
-        while True:
-            try:
-                req = urllib.request.Request(f"{self.url}/flush_cache", method="POST")
-                with urllib.request.urlopen(req, timeout=10):
-                    break
-            except urllib.error.HTTPError as exc:
-                if exc.code != 400 or time.monotonic() > t_end:
-                    raise RuntimeError(f"{self.url}/flush_cache: {exc}") from exc
-                time.sleep(0.2)
+        wait_for(self._flushed, deadline_s, f"{self.url} to be idle and flush its cache", 0.2)
         self.mark()
+
+    def _flushed(self) -> bool:
+        """One ``/flush_cache``: True when done, False while requests are in flight (400)."""
+        try:
+            req = urllib.request.Request(f"{self.url}/flush_cache", method="POST")
+            with urllib.request.urlopen(req, timeout=10):
+                return True
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400:
+                raise
+            return False
 
     def mark(self) -> None:
         """What the server reports from here on (after a warm-up run: the measured run's work)."""
