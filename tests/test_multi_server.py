@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import orjson
@@ -35,16 +36,18 @@ def test_a_run_spreads_over_two_servers_and_survives_losing_one(
     procs.append(start_worker(tmp_path, "short", env, concurrency=12))
     procs.append(start_worker(tmp_path, "short", env, concurrency=12))
 
-    # When server A is killed while streams are running on it
-    def running_on_a() -> bool:
+    # When server A is killed after it finished jobs, while streams on it are past a checkpoint
+    def served_by_a() -> bool:
         return any(
-            rclient.hget(k, "state") == b"running" and int(rclient.hget(k, "ckpt_tokens") or 0) > 0
+            (raw := rclient.hget(k, "result")) and orjson.loads(raw)["server"] == url_a
             for k in rclient.scan_iter("tm:r:job:*")
         )
 
-    wait_for(
-        lambda: sum(1 for _ in rclient.scan_iter("tm:r:job:*")) and running_on_a(), 60, "streams mid-way"
-    )
+    def streams_past_a_checkpoint_on_a() -> bool:  # the workers checkpoint every 8 tokens
+        with urllib.request.urlopen(f"{url_a}/_sim/stats", timeout=5) as resp:
+            return any(g >= 16 for g in orjson.loads(resp.read())["running_generated"])
+
+    wait_for(lambda: served_by_a() and streams_past_a_checkpoint_on_a(), 60, "A served jobs, streams mid-way")
     done_before = int(rclient.hget("tm:r:counts", "done|P") or 0)
     sim_a.kill()
 

@@ -305,6 +305,7 @@ async def sim_stats(request: web.Request) -> web.Response:
             "used_tokens": s.used_tokens,
             "peak_used_tokens": s.peak_used_tokens,
             "running": len(s.running),
+            "running_generated": [r.generated for r in s.running],
             "queued": len(s.waiting),
             "retracted_total": s.retracted_total,
             "generated_total": s.generated_total,
