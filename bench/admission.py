@@ -621,6 +621,13 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
+        # each round's variants ran within a minute or two of each other: the ratio within a
+        # round leaves out the host's drift between rounds (not its jitter within one)
+        pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(results[adm], results[best], strict=True)]
+        print(
+            f"paired by round: admission / {best} in the same round = median "
+            f"{statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)})"
+        )
         if passes:
             # the same verdicts with the server's passes in place of the wall time: what the
             # variant made the server do, on a host whose speed drifts between runs
