@@ -206,6 +206,9 @@ def sim_output(args: argparse.Namespace) -> int:
     return {"max": 4 * args.max_tokens, "early": args.max_tokens // 2, "mix": args.max_tokens}[args.outputs]
 
 
+TRACED = ("total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev")  # of the admission hash
+
+
 class Sampler(threading.Thread):
     """Every 0.25 s: the server's running/queued/KV used and the admission window, for the mean
     running requests of a run and (``--trace``) its timeline, printed every other sample."""
@@ -223,14 +226,16 @@ class Sampler(threading.Thread):
         while not self.stop.wait(0.25):
             try:
                 running, queued, used = self.server.load()
-                f = self.client.hmget(used_key, "total", "n", "window", "rule", "pace_ms")
+                f = self.client.hmget(used_key, *TRACED)
             except Exception:
                 continue
             self.running.append(running)
-            held, n, window, rule, pace = (x.decode() if x else "-" for x in f)
+            held, n, window, rule, pace, life, dev = (x.decode() if x else "-" for x in f)
+            life, dev = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev))
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
+                f" life {life:>5} ± {dev:>4} ms"
             )
 
     def mean_running(self) -> float:
