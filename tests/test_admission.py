@@ -488,6 +488,34 @@ def test_a_slots_lifetime_and_its_spread_are_measured_and_pace_the_window(rclien
     assert rclient.hmget(USED, "pace_ms", "bound") == [b"0", b"0"]
 
 
+def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed_ones_are_not(
+    rclient: redis.Redis,
+) -> None:
+    # Given a bound window of 10 whose requests' lifetimes differ by more than a quarter (on a CPU
+    # a lifetime moves with the server's batch: a slow ramp's first requests lived 2/3 as long)
+    a = adm(rclient, admission_queue_target=3)
+    fields = {"life_ms": 10_000, "life_dev": 3_000, "bound": 1}
+    # When their outputs were all 200 tokens, then they are paced: a group starts, the rest wait
+    set_window(rclient, 10, **fields, len_mean=200, len_dev=0)
+    assert len(admit_all(a, 10)) == 2
+    a.adapt("srv", load(2), None)
+    assert int(rclient.hget(USED, "pace_ms") or 0) > 0
+    # And when outputs end at lengths apart (they desynchronise by themselves), they are not,
+    # even where lifetimes agree
+    rclient.delete(USED, keys.admission("srv"))
+    set_window(rclient, 10, **{**fields, "life_dev": 100}, len_mean=120, len_dev=60)
+    assert len(admit_all(a, 10)) == 10
+    a.adapt("srv", load(10), None)
+    assert rclient.hget(USED, "pace_ms") == b"0"
+    # And the lengths are measured at each release that says how many tokens the request made
+    rclient.delete(USED, keys.admission("srv"))
+    for out in (200, 100, 200):
+        slot = a.try_admit("srv", 10_000, 100, "short")
+        assert slot is not None
+        a._unadmit([keys.admission("srv"), USED], [slot.member, out])
+    assert rclient.hmget(USED, "len_mean", "len_dev") == [b"191", b"10"]
+
+
 def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_together(
     rclient: redis.Redis,
 ) -> None:

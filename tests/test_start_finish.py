@@ -155,16 +155,22 @@ def test_finish_commits_and_releases_the_slot_whatever_the_verdict(rclient: redi
         assert isinstance(claim, Claim)
         claims.append(claim)
     assert used(rclient)["n"] == "2"
+    # (the first continued a checkpoint of 6 tokens: its attempt generated 10 - 6)
+    first = {"content": "hi", "usage": {"completion_tokens": 10, "prompt_tokens": 5}, "continued_tokens": 6}
     result = {"content": "hi", "usage": {"completion_tokens": 2, "prompt_tokens": 5}}
 
-    assert ledger.commit(claims[0], result, 2, release_slot=True) == "ok"
+    assert ledger.commit(claims[0], first, 4, release_slot=True) == "ok"
     assert ledger.job(a.job_id)["state"] == "done"
     assert slots(rclient) == [claims[1].slot[2]]  # type: ignore[index]
     assert (used(rclient)["n"], used(rclient)["total"]) == ("1", "300")
+    # and the tokens its attempt generated are the first output length measured (admission paces
+    # outputs of about one length)
+    assert (used(rclient)["len_mean"], used(rclient)["len_dev"]) == ("4", "0")
 
     # a stale claim (another worker took the job over) commits nothing, but its slot is freed
     ledger.release(claims[1], JobError("x", "y"), delay_s=0, burn=False, max_attempts=8)
     assert ledger.commit(claims[1], result, 2, release_slot=True) == "stale"
     assert ledger.job(b.job_id)["state"] == "queued"
     assert slots(rclient) == [] and (used(rclient)["n"], used(rclient)["total"]) == ("0", "0")
+    assert (float(used(rclient)["len_mean"]), float(used(rclient)["len_dev"])) == (3.8, 0.2)
     assert counts(ledger) == {"queued": 1, "running": 0, "done": 1, "failed": 0}

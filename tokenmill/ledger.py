@@ -554,7 +554,8 @@ def commit_call(
         args += [x for pair in pairs for x in pair]
     if release_slot and claim.slot is not None:
         slots_key, used_key, member = claim.slot
-        return "finish", [*script_keys, slots_key, used_key], [*args, member]
+        generated = int(usage.get("completion_tokens") or 0) - int(result.get("continued_tokens") or 0)
+        return "finish", [*script_keys, slots_key, used_key], [*args, member, max(0, generated)]
     return "commit", script_keys, args
 
 

@@ -28,8 +28,9 @@
 --          the figures before (what the requests would hold by the next figures if none ended:
 --          `seen_rise`, a projection, so capped by the mean projected peak now, which falls as
 --          the run learns that outputs end early; both start again from the next figures
---          once they are a lifetime old (`seen_ms`) while lifetimes disagree, `life_dev` a
---          quarter of `life_ms` or more: requests that end at different lengths desynchronise,
+--          once they are a lifetime old (`seen_ms`) while outputs end at different lengths
+--          (`len_dev` a quarter of `len_mean` or more; before any is known, `life_dev` of
+--          `life_ms`): requests that end at different lengths desynchronise,
 --          and what was seen a lifetime ago was held by requests that have ended, such as a cold
 --          start's first batch): sharing the headroom bets that requests are
 --          at different stages, and requests that started together (a cold start's first batch;
@@ -77,7 +78,7 @@ local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
   'start_n', 'srv_running', 'srv_used', 'seen_rise', 'life_ms', 'life_dev', 'use_sum', 'use_n',
-  'unpaced', 'use_min', 'paced_cap', 'bound', 'seen_ms')
+  'unpaced', 'use_min', 'paced_cap', 'bound', 'seen_ms', 'len_mean', 'len_dev')
 local n = tonumber(f[1] or '0')
 local admitted = tonumber(f[11] or '0')
 local refused = tonumber(f[5] or '0')
@@ -104,8 +105,11 @@ end
 -- together end together and their successors start together again; admission starts them
 -- spread over a lifetime instead, at most a group (ARGV 15) at a time
 local group, life = tonumber(ARGV[15]), tonumber(f[17] or '0')
--- lifetimes agree: their moving deviation is under a quarter of their moving mean
+-- outputs of about one length: their moving mean deviation (unadmit.lua) is under a quarter of
+-- their moving mean; until one is known, lifetimes alike in the same way (admit.lua decides so)
 local alike = life > 0 and tonumber(f[18] or '0') * 4 < life
+local len = tonumber(f[26] or '0')
+if len > 0 then alike = tonumber(f[27] or '0') * 4 < len end
 local paced = group > 0 and alike
 local use_sum, use_n = tonumber(f[19] or '0'), tonumber(f[20] or '0')
 local use_min, paced_cap = tonumber(f[22] or '0'), tonumber(f[23] or '0')

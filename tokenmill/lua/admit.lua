@@ -10,7 +10,8 @@
 --       * guard (no fresh window: the first seconds of a run, a silent watcher): the tokens held
 --         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
 --       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
---         requests' lifetimes agree (`life_dev` under a quarter of `life_ms`, unadmit.lua), a
+--         requests' outputs are of about one length (`len_dev` under a quarter of `len_mean`,
+--         unadmit.lua; before any is known, their lifetimes: `life_dev`, `life_ms`), a
 --         request starts every `life_ms` / window ms on average, in groups of ARGV 10: a group
 --         opens when all its starts are due (GCRA: `pace_tat`), and for one pace after (from
 --         `pace_open`) its starts go at once, so the server prefills them together; a paced
@@ -101,7 +102,7 @@ end
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
   'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound',
-  'pace_open', 'tail', 'srv_used')
+  'pace_open', 'tail', 'srv_used', 'len_mean', 'len_dev')
 local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
 local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
@@ -117,7 +118,12 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- other (those started together would end together, their successors start together again):
   -- a request every lifetime / window, in groups of ARGV 10
   local life, dev, group = tonumber(f[9] or '0'), tonumber(f[10] or '0'), tonumber(ARGV[10])
-  if group > 0 and f[12] == '1' and life > 0 and dev * 4 < life then
+  -- outputs of about one length (their moving mean deviation under a quarter of their moving
+  -- mean; until one is known, lifetimes: adapt.lua decides alike the same way)
+  local len = tonumber(f[16] or '0')
+  local alike = life > 0 and dev * 4 < life
+  if len > 0 then alike = tonumber(f[17] or '0') * 4 < len end
+  if group > 0 and f[12] == '1' and life > 0 and alike then
     pace = life / window
   end
   tat = math.max(now_ms, tonumber(f[11] or '0'))

@@ -4,12 +4,12 @@
 -- Pre:  as commit.lua.
 -- Post: commit.lua's post; and whatever the commit's verdict, the slot is released (unadmit.lua).
 -- KEYS: commit.lua's (8 or 9), then 2 admission slots, 1 admission used (the last two).
--- ARGV: commit.lua's, then the slot member (the last).
+-- ARGV: commit.lua's, then the slot member and the tokens the attempt generated (the last two).
 -- Returns commit.lua's reply.
 local nk, na = #KEYS, #ARGV
 local ckeys, cargv = {}, {}
 for i = 1, nk - 2 do ckeys[i] = KEYS[i] end
-for i = 1, na - 1 do cargv[i] = ARGV[i] end
+for i = 1, na - 2 do cargv[i] = ARGV[i] end
 local verdict = commit(ckeys, cargv)
-unadmit({KEYS[nk - 1], KEYS[nk]}, {ARGV[na]})
+unadmit({KEYS[nk - 1], KEYS[nk]}, {ARGV[na - 1], ARGV[na]})
 return verdict

@@ -4,11 +4,15 @@
 --       totals (`total`, `<queue>`, `n`, `n:<queue>`, `unpaced` if it started unpaced, `tail` if
 --       it started with the run's tail); how
 --       long it was held moves the moving mean lifetime (`life_ms`) and its mean deviation
---       (`life_dev`), which pace admissions (admit.lua). An expired slot (admit.lua) does not.
--- KEYS: 1 slots zset, 2 used hash.  ARGV: 1 member.
+--       (`life_dev`), which pace admissions (admit.lua), and the tokens the request generated
+--       (ARGV 2, when given) move the moving mean output (`len_mean`) and its mean deviation
+--       (`len_dev`), which say whether admissions are paced. An expired slot (admit.lua) does
+--       not.
+-- KEYS: 1 slots zset, 2 used hash.  ARGV: 1 member, 2 the tokens the request generated while it
+--       held the slot (absent: not known, a slot given back without a result).
 -- Returns 1 when a slot was released, else 0.
 local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1],
-  'life_ms', 'life_dev', 'up:' .. ARGV[1], 'tl:' .. ARGV[1])
+  'life_ms', 'life_dev', 'up:' .. ARGV[1], 'tl:' .. ARGV[1], 'len_mean', 'len_dev')
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
 if held[3] then
@@ -22,6 +26,18 @@ if held[3] then
     life = mean + (life - mean) * 0.1
   end
   redis.call('HSET', KEYS[2], 'life_ms', life, 'life_dev', dev)
+  -- how many tokens it generated: outputs of one length are what pacing is for (their lifetimes
+  -- also agree, but a lifetime also moves with how full the server's batches are and how long a
+  -- request waited in its queue)
+  local out = tonumber(ARGV[2] or '-1')
+  if out >= 0 then
+    local len, len_dev = tonumber(held[8] or '-1'), tonumber(held[9] or '0')
+    if len >= 0 then
+      len_dev = len_dev + (math.abs(out - len) - len_dev) * 0.1
+      out = len + (out - len) * 0.1
+    end
+    redis.call('HSET', KEYS[2], 'len_mean', out, 'len_dev', len_dev)
+  end
 end
 redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
 redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
