@@ -15,29 +15,26 @@ local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1
   'life_ms', 'life_dev', 'up:' .. ARGV[1], 'tl:' .. ARGV[1], 'len_mean', 'len_dev')
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
-if held[3] then
-  -- how long the request held its slot: the mean lifetime and its mean deviation (moving
-  -- averages) decide whether and how admit.lua paces starts
-  local t = redis.call('TIME')
-  local life = t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(held[3])
-  local mean, dev = tonumber(held[4] or '-1'), tonumber(held[5] or '0')
+-- a moving mean (a tenth of the way to each value; the first taken whole) and the moving mean
+-- of the deviations from it
+local function moving(value, mean_field, dev_field, mean, dev)
+  mean, dev = tonumber(mean or '-1'), tonumber(dev or '0')
   if mean >= 0 then
-    dev = dev + (math.abs(life - mean) - dev) * 0.1
-    life = mean + (life - mean) * 0.1
+    dev = dev + (math.abs(value - mean) - dev) * 0.1
+    value = mean + (value - mean) * 0.1
   end
-  redis.call('HSET', KEYS[2], 'life_ms', life, 'life_dev', dev)
+  redis.call('HSET', KEYS[2], mean_field, value, dev_field, dev)
+end
+if held[3] then
+  -- how long the request held its slot: the mean lifetime and its mean deviation pace starts
+  -- (admit.lua)
+  local t = redis.call('TIME')
+  moving(t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(held[3]), 'life_ms', 'life_dev', held[4], held[5])
   -- how many tokens it generated: outputs of one length are what pacing is for (their lifetimes
   -- also agree, but a lifetime also moves with how full the server's batches are and how long a
   -- request waited in its queue)
   local out = tonumber(ARGV[2] or '-1')
-  if out >= 0 then
-    local len, len_dev = tonumber(held[8] or '-1'), tonumber(held[9] or '0')
-    if len >= 0 then
-      len_dev = len_dev + (math.abs(out - len) - len_dev) * 0.1
-      out = len + (out - len) * 0.1
-    end
-    redis.call('HSET', KEYS[2], 'len_mean', out, 'len_dev', len_dev)
-  end
+  if out >= 0 then moving(out, 'len_mean', 'len_dev', held[8], held[9]) end
 end
 redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
 redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
