@@ -7,7 +7,10 @@ has answered a few requests. Measured side by side, interleaved round by round o
 page: ``prometheus_client``'s parser over the whole page (what ``parse_metrics`` did before),
 ``parse_metrics`` (the same parser over the sample lines of the figures it keeps), and the
 whole read (HTTP GET plus ``parse_metrics``), each the median CPU (user + system) of a round of
-``--calls`` calls.
+``--calls`` calls. Then the other side of the reads: the CPU of SGLang's front end (its main
+process: HTTP and tokenizer manager; on this machine it shares the scheduler's core) for each
+``/metrics`` page and each ``/v1/loads``. (A page asked for named samples, ``?name[]=``, would be
+cheaper, but 0.5.23's multiprocess registry answers it with an empty page: seen.)
 
     .venv/bin/python bench/metrics_read.py [--rounds 5] [--calls 50] [--lock /tmp/tokenmill-heavy.lock]
 """
@@ -15,6 +18,7 @@ whole read (HTTP GET plus ``parse_metrics``), each the median CPU (user + system
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import urllib.request
 from collections.abc import Callable
@@ -48,6 +52,21 @@ def per_call_ms(fn: Callable[[], object], calls: int) -> float:
     return (cpu_s() - start) / calls * 1000
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU (user + system) so far, from ``/proc``."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served_ms(pid: int, url: str, calls: int) -> float:
+    """The CPU of process ``pid`` for each GET of ``url`` (the mean of ``calls``)."""
+    start = process_cpu_s(pid)
+    for _ in range(calls):
+        get_bytes(url, None, 10.0)
+    return (process_cpu_s(pid) - start) / calls * 1000
+
+
 def whole_page(text: str) -> int:
     return sum(len(f.samples) for f in text_string_to_metric_families(text))
 
@@ -72,7 +91,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"cores: {pin_clients()}")
     with heavy(args.lock), workdir(prefix="tm-bench-metrics-") as work, Children() as children:
-        _, url = start_sglang(children, work, "--enable-metrics")
+        engine, url = start_sglang(children, work, "--enable-metrics")
         warm_up(url)
         text = get_bytes(url + "/metrics", None, 10.0).decode()
         print(f"page: {len(text):,} bytes, {text.count(chr(10))} lines, {whole_page(text)} samples")
@@ -82,15 +101,21 @@ def main() -> None:
             "read: GET /metrics + parse_metrics": lambda: server_report.metrics(url, 10.0),
         }
         got: dict[str, list[float]] = {name: [] for name in ways}
+        pages = {"GET /metrics": url + "/metrics", "GET /v1/loads": url + "/v1/loads"}
+        served: dict[str, list[float]] = {name: [] for name in pages}
         for _ in range(args.rounds):
             for name, fn in ways.items():
                 got[name].append(per_call_ms(fn, args.calls))
+            for name, page in pages.items():
+                served[name].append(served_ms(engine.pid, page, args.calls))
     before = median(got["the library over the whole page (before)"])
     rows = [
         [name, f"{median(v):.2f}", ", ".join(f"{x:.2f}" for x in v), f"{median(v) / before:.3f}"]
         for name, v in got.items()
     ]
     print(table(["CPU a call", "ms (median)", "rounds", "/ before"], rows))
+    rows = [[name, f"{median(v):.2f}", ", ".join(f"{x:.2f}" for x in v)] for name, v in served.items()]
+    print(table(["SGLang front end's CPU a read", "ms (median)", "rounds"], rows))
 
 
 if __name__ == "__main__":
