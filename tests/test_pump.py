@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
+from tests.procs import wait_for
 from tests.test_ledger import spec
 from tokenmill.ledger import Claim, Ledger
 from tokenmill.settings import Settings
-from workers.pump import Reconciler, pump_once
+from workers.pump import Pump, Reconciler, pump_once
 
 
 def test_queued_jobs_that_lost_their_messages_are_republished(rclient: redis.Redis) -> None:
@@ -51,3 +54,30 @@ def test_the_feeder_keeps_the_broker_bounded(rclient: redis.Redis) -> None:
         rclient.rpop("short")  # a worker consumes
         pump_once(rclient, settings, Reconciler())
         assert rclient.llen("short") == 4
+
+
+def test_a_worker_killed_in_its_pass_holds_up_reaping_no_longer_than_a_lease(rclient: redis.Redis) -> None:
+    # Given a worker that took the pump's lock and died during its pass (it never releases it),
+    # and a job whose worker died too: its lease (2 s) runs out
+    settings = Settings.load(env={}, lease_ttl_s=2.0, reaper_period_s=0.2)
+    dead = Pump(rclient, settings)
+    assert dead.lock.acquire(blocking=False)
+    ledger = Ledger(rclient, "r1")
+    job = spec(1)
+    ledger.enqueue_batch("P", [job], 100)
+    rclient.delete("short")
+    assert isinstance(ledger.claim(job.job_id, "w", settings.lease_ttl_s), Claim)
+    started = time.monotonic()
+
+    # When another worker's pump runs
+    alive = Pump(rclient, settings)
+    alive.start()
+    try:
+        # Then the job is requeued within about a lease and a period, not when a longer lock
+        # would have expired (10 s before)
+        requeued = lambda: ledger.job(job.job_id)["state"] == "queued"  # noqa: E731
+        wait_for(requeued, 8, "the expired lease to be reaped", 0.05)
+    finally:
+        alive.stop()
+    took = time.monotonic() - started
+    assert took <= settings.lease_ttl_s + 2 * settings.reaper_period_s + 1.0, took
