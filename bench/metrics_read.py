@@ -18,7 +18,6 @@ cheaper, but 0.5.23's multiprocess registry answers it with an empty page: seen.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import urllib.request
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from _common import (
     machine,
     median,
     pin_clients,
+    proc_cpu_s,
     start_sglang,
     table,
     workdir,
@@ -52,19 +52,12 @@ def per_call_ms(fn: Callable[[], object], calls: int) -> float:
     return (cpu_s() - start) / calls * 1000
 
 
-def process_cpu_s(pid: int) -> float:
-    """A process's CPU (user + system) so far, from ``/proc``."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def served_ms(pid: int, url: str, calls: int) -> float:
     """The CPU of process ``pid`` for each GET of ``url`` (the mean of ``calls``)."""
-    start = process_cpu_s(pid)
+    start = proc_cpu_s(pid)
     for _ in range(calls):
         get_bytes(url, None, 10.0)
-    return (process_cpu_s(pid) - start) / calls * 1000
+    return (proc_cpu_s(pid) - start) / calls * 1000
 
 
 def whole_page(text: str) -> int:
