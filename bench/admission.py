@@ -9,7 +9,12 @@ server's retractions and the highest KV it used. Variants:
 - ``fixedN``: admission off, the worker's concurrency set to N by hand;
 - ``directN``: no tokenmill at all: the direct asyncio client of ``bench/e2e.py`` at N requests
   at a time (what the worker's own overhead costs, apart from any admission policy);
-- ``admission``: no concurrency set by hand (a large thread pool); admission decides.
+- ``admission``: no concurrency set by hand (a large thread pool); admission decides;
+- ``oracle``: admission told at the start what a cold start cannot know: the lifetime and the
+  highest window the cell's last ``admission`` run reached (written into the admission hash
+  before the enqueue, as if a watcher had just set them, the window also its cap), so it paces
+  from the first request. Not a product setting: an upper bound on what a better cold start
+  could gain (``--only`` must name ``admission`` before it).
 
 Named sets for the sim: ``low`` (fixed 8), ``tuned`` (capacity / (prompt + mean output)),
 ``high`` (fixed 256). Retractions come from the sim's counters, or from SGLang's own log
@@ -220,6 +225,8 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         self.running: list[int] = []
         self.rows: list[str] = []
+        self.windows: list[int] = []
+        self.life_ms = 0.0
 
     def run(self) -> None:
         used_key = keys.admission_used(self.server.url)  # an unmanaged server is keyed by its URL
@@ -231,12 +238,24 @@ class Sampler(threading.Thread):
                 continue
             self.running.append(running)
             held, n, window, rule, pace, life, dev = (x.decode() if x else "-" for x in f)
+            if window != "-" and rule == "window":
+                self.windows.append(int(window))
+            if life != "-":
+                self.life_ms = float(life)
             life, dev = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev))
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
                 f" life {life:>5} ± {dev:>4} ms"
             )
+
+    def admission(self) -> dict[str, Any]:
+        """What admission reached: its highest window and last lifetime (what ``oracle`` is told),
+        and the requests the tail rule started together with the rest of the run (admit.lua)."""
+        tailed = int(self.client.hget(keys.admission_used(self.server.url), "tailed") or 0)
+        if not self.windows:
+            return {"tailed": tailed}
+        return {"window_max": max(self.windows), "life_ms": round(self.life_ms), "tailed": tailed}
 
     def mean_running(self) -> float:
         busy = [r for r in self.running if r > 0]
@@ -253,11 +272,13 @@ def run_tokenmill(
     paced: bool = True,
     group: int | None = None,
     shared: Server | None = None,
+    oracle: tuple[int, float] | None = None,
 ) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
-    ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group), after a
-    warm-up run of the dataset under another run id when ``args.warm``; on ``shared`` if given,
-    else on a server of its own."""
+    ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group; ``oracle``:
+    the window and lifetime admission is told at the start), after a warm-up run of the dataset
+    under another run id when ``args.warm``; on ``shared`` if given, else on a server of its
+    own."""
     with Children() as children:
         rds = children.redis(work / f"redis-{time.monotonic_ns()}")
         server = shared or Server(children, work, args)
@@ -283,6 +304,8 @@ def run_tokenmill(
         sampler.start()
         server0, worker0 = tree_cpu_s(server.pid), sum(proc_cpu_s(w.pid) for w in workers)
         retr0 = server.figures()["retractions"]
+        if oracle:
+            tell(client, server.url, *oracle)
         wall = enqueue_and_wait(client, data, args, RUN)
         sampler.stop.set()
         sampler.join(5)
@@ -296,10 +319,30 @@ def run_tokenmill(
             "peak_kv": figures.pop("peak_kv"),
             "tokens": int(client.hget(keys.RunKeys(RUN).stats(), "completion_tokens") or 0),
             "mean_running": sampler.mean_running(),
+            **(sampler.admission() if admission else {}),
             "worker_cpu_s": round(sum(proc_cpu_s(w.pid) for w in workers) - worker0, 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
             **figures,
         }
+
+
+def tell(client: redis.Redis, url: str, window: int, life_ms: float) -> None:
+    """The ``oracle`` variant: a fresh window of ``window`` (also the pacing rule's cap) and a
+    lifetime of ``life_ms`` (of requests alike: spread 0) on the server's admission hash, the
+    pool taken as binding, as if its watcher had just set them; fresh for six polls, and kept
+    fresh by the watcher from its first figures on."""
+    seconds, micros = client.time()
+    client.hset(
+        keys.admission_used(url),
+        mapping={
+            "window": window,
+            "window_ms": seconds * 1000 + micros // 1000,
+            "paced_cap": window,
+            "life_ms": life_ms,
+            "life_dev": 0,
+            "bound": 1,
+        },
+    )
 
 
 def job_timing(client: redis.Redis, max_tokens: int) -> dict[str, float]:
@@ -421,6 +464,10 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     for name in (n.strip() for n in args.only.split(",")):
         if name == "admission":
             out.append((f"admission (threads {args.high}, no tuning)", "admission", args.high))
+        elif name == "oracle":
+            if "admission" not in [k for _, k, _ in out]:
+                raise SystemExit("--only: oracle takes its window from an admission run named before it")
+            out.append((f"admission told its window (oracle, threads {args.high})", "oracle", args.high))
         elif name == "unpaced":
             out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
         elif m := re.fullmatch(r"paced(\d+)", name):
@@ -431,7 +478,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             kind = m[1]
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
-            known = "low, tuned, high, admission, unpaced, pacedN, fixedN, directN"
+            known = "low, tuned, high, admission, oracle, unpaced, pacedN, fixedN, directN"
             raise SystemExit(f"--only: unknown variant {name!r} ({known})")
     return out
 
@@ -567,6 +614,9 @@ def measure(
             stack.enter_context(heavy(lock))
             shared = Server(stack.enter_context(Children()), work, args)
             shared.warm_up()
+        # the last admission run's highest window and lifetime, for oracle (round 0 runs in the
+        # order of --only, where admission comes first)
+        learned: tuple[int, float] | None = None
         for round_no in range(args.repeat):
             turn = round_no % len(chosen)
             for label, kind, n in chosen[turn:] + chosen[:turn]:
@@ -578,7 +628,10 @@ def measure(
                         r = run_tokenmill(
                             work, data, args, admission=kind != "fixed", threads=n,
                             paced=kind != "unpaced", group=group, shared=shared,
+                            oracle=learned if kind == "oracle" else None,
                         )  # fmt: skip
+                        if kind == "admission" and "window_max" in r:
+                            learned = (r["window_max"], r["life_ms"])
                 results[label].append(r)
                 print(f"  {cell or ''} {label}: {r}", flush=True)
                 if json_out:
