@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -12,7 +13,7 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
-from tokenmill.admission import Admission, LengthTracker, Slot
+from tokenmill.admission import YOUNG_CURVE_ENDED, YOUNG_CURVE_TTL_S, Admission, LengthTracker, Slot
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.errors import ConfigError
 from tokenmill.lengths import (
@@ -702,6 +703,28 @@ def test_prompts_are_projected_at_the_servers_size_once_enough_requests_reported
         expected = 104 if reported < MIN_PROMPT_SAMPLE else 156
         assert a.estimate("r3", request) == expected + 100, reported
     assert a.held("r3", request, 60) == 156 + 100
+
+
+def test_a_young_curve_is_read_again_sooner_than_a_settled_one(rclient: redis.Redis) -> None:
+    # Given a run in which nothing has ended yet (a cold start): every output projected to
+    # reach max_tokens, as this process read the curve
+    a = adm(rclient)
+    request = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 200}
+    cold = a.estimate("r4", request)
+    # When 16 of its requests have ended at 20 tokens
+    lengths = keys.RunKeys("r4").lengths()
+    for _ in range(16):
+        for b in reached(-1, 20):
+            rclient.hincrby(lengths, reached_field(b), 1)
+        rclient.hincrby(lengths, ended_field(bin_of(20)), 1)
+    # Then the process's projections follow within a fraction of a second, not only once its
+    # copy is STATS_TTL_S old: every request admitted meanwhile keeps its hold for its life
+    wait_for(lambda: a.estimate("r4", request) < cold, YOUNG_CURVE_TTL_S + 0.5, "the young curve read again")
+    # And a copy half a second old is stale while fewer than YOUNG_CURVE_ENDED have ended, fresh
+    # once as many have
+    for c, fresh in ((curve([20] * 16), False), (curve([20] * YOUNG_CURVE_ENDED), True)):
+        a._curves["r4"] = (time.monotonic() - 0.5, c)
+        assert (a.fresh_survival("r4") is c) is fresh
 
 
 def test_only_the_head_of_the_wait_line_asks_and_leaving_hands_over_the_turn(rclient: redis.Redis) -> None:

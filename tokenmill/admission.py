@@ -47,6 +47,10 @@ from tokenmill.tokens import estimate_prompt_tokens
 from tokenmill.waitline import WaitLine
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
+# ... while fewer than YOUNG_CURVE_ENDED of its requests have ended: each end then moves the
+# curve much, and every request admitted meanwhile is sized by the copy for its whole life
+YOUNG_CURVE_TTL_S = 0.2
+YOUNG_CURVE_ENDED = 32
 WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
@@ -140,7 +144,8 @@ class Admission:
         return curve.hold(curve.prompt(estimate_prompt_tokens(request["messages"])), max_tokens, generated)
 
     def survival(self, run: str) -> Survival:
-        """The run's completion-length curve (cached for ``STATS_TTL_S``)."""
+        """The run's completion-length curve (cached for ``STATS_TTL_S``, ``YOUNG_CURVE_TTL_S``
+        while it is young)."""
         curve = self.fresh_survival(run)
         if curve is None:
             curve = read_survival(self.r, run)
@@ -151,7 +156,10 @@ class Admission:
         """The run's curve if this process's copy is fresh; None when it would be read from Redis
         (on the event loop, nothing may wait for Redis)."""
         cached = self._curves.get(run)
-        return cached[1] if cached and time.monotonic() - cached[0] < STATS_TTL_S else None
+        if not cached:
+            return None
+        ttl = STATS_TTL_S if cached[1].ended >= YOUNG_CURVE_ENDED else YOUNG_CURVE_TTL_S
+        return cached[1] if time.monotonic() - cached[0] < ttl else None
 
     def tracker(self, run: str, request: dict[str, Any], base_tokens: int, shared: int = 0) -> LengthTracker:
         """What a running request reports at heartbeats and commit (hold, length bins reached);
