@@ -80,6 +80,7 @@ from _common import (
 )
 
 from tokenmill import keys
+from tokenmill.admission_view import admission_view
 
 RUN = "b"
 WARM_RUN = "w"  # the warm-up run of a warm start, in the same Redis and on the same server
@@ -252,7 +253,7 @@ class Sampler(threading.Thread):
     def admission(self) -> dict[str, Any]:
         """What admission reached: its highest window and last lifetime (what ``oracle`` is told),
         and the requests the tail rule started together with the rest of the run (admit.lua)."""
-        tailed = int(self.client.hget(keys.admission_used(self.server.url), "tailed") or 0)
+        tailed = int(admission_view(self.client, self.server.url).get("tailed", 0))
         if not self.windows:
             return {"tailed": tailed}
         return {"window_max": max(self.windows), "life_ms": round(self.life_ms), "tailed": tailed}
