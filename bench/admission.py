@@ -23,8 +23,9 @@ Named sets for the sim: ``low`` (fixed 8), ``tuned`` (capacity / (prompt + mean 
     python bench/admission.py [--prompts 400] [--kv 24000] [--repeat 1] [--only tuned,admission] [--trace]
     python bench/admission.py --engine sglang [--only fixed8,fixed16,fixed32,fixed64,admission]
 
-``--trace`` samples the server (running, queued, KV used) and the admission hash every 0.5 s and
-prints each variant's timeline: where the time goes.
+``--trace`` samples the server (running, queued, KV used) and the admission hash (window, pace,
+lifetime, the young size and mean use the pacing rule sizes requests by) every 0.5 s and prints
+each variant's timeline: where the time goes.
 
 ``--matrix`` runs the workload matrix of issue 26 (see ``CELLS``; on real SGLang the outputs of
 the early-stop and mixed-outputs cells end at stop tokens, see ``SGLANG_STOPS``): a base cell, the issue's
@@ -212,7 +213,18 @@ def sim_output(args: argparse.Namespace) -> int:
     return {"max": 4 * args.max_tokens, "early": args.max_tokens // 2, "mix": args.max_tokens}[args.outputs]
 
 
-TRACED = ("total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev")  # of the admission hash
+# of the admission hash
+TRACED = ("total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev", "use_min", "use_sum", "use_n")
+
+
+def young(use_min: str) -> str:
+    """The least mean use admission saw while most of its window ran (adapt.lua's ``use_min``)."""
+    return use_min if use_min == "-" else f"{float(use_min):.0f}"
+
+
+def mean_use(use_sum: str, use_n: str) -> str:
+    """The mean use over time admission saw (adapt.lua's ``use_sum`` / ``use_n``)."""
+    return "-" if "-" in (use_sum, use_n) or float(use_n) <= 0 else f"{float(use_sum) / float(use_n):.0f}"
 
 
 class Sampler(threading.Thread):
@@ -238,7 +250,9 @@ class Sampler(threading.Thread):
             except Exception:
                 continue
             self.running.append(running)
-            held, n, window, rule, pace, life, dev = (x.decode() if x else "-" for x in f)
+            held, n, window, rule, pace, life, dev, use_min, use_sum, use_n = (
+                x.decode() if x else "-" for x in f
+            )
             if window != "-" and rule == "window":
                 self.windows.append(int(window))
             if life != "-":
@@ -248,6 +262,7 @@ class Sampler(threading.Thread):
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
                 f" life {life:>5} ± {dev:>4} ms"
+                f" | young {young(use_min):>4} mean {mean_use(use_sum, use_n):>4}"
             )
 
     def admission(self) -> dict[str, Any]:

@@ -517,6 +517,24 @@ def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed
     assert rclient.hmget(USED, "len_mean", "len_dev") == [b"191", b"10"]
 
 
+def test_paced_requests_young_size_comes_from_their_length_and_the_window_follows_the_fit_down(
+    rclient: redis.Redis,
+) -> None:
+    # Given paced requests with 223-token projected peaks whose outputs are 120 tokens long
+    # (moving mean, alike), and a least mean use seen (20) from figures taken as a cold start's
+    # batch had barely started
+    a = adm(rclient, admission_queue_target=3, admission_reserve=0.6)
+    paced = {"life_ms": 1_200, "life_dev": 10, "len_mean": 120, "len_dev": 5, "unpaced": 0}
+    set_window(rclient, 17, n=4, admitted=40, total=4 * 223, bound=1, use_min=20, **paced)
+    # Then a request is young at its peak less its output (103), not at the 20 seen: halfway to
+    # its peak, 163 each, with room for a group's growth, (3,800 - 2 * 120) / 163
+    assert a.adapt("srv", load(4, used=4 * 110, capacity=4000), None) == 21
+    # And when the requests in flight are projected to hold more (the run learned its prompts
+    # are longer: 300-token peaks), the window comes down to what fits: (3,800 - 240) / 240
+    rclient.hset(USED, mapping={"n": 21, "total": 21 * 300})
+    assert a.adapt("srv", load(21, used=21 * 150, capacity=4000), None) == 14
+
+
 def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_together(
     rclient: redis.Redis,
 ) -> None:
@@ -533,8 +551,9 @@ def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_
     rclient.hset(USED, mapping={**lives, "unpaced": 0})
     # Then the window is as many as fit at what they hold on average over a lifetime: halfway
     # between their young size (60, the least seen) and their projected peak (223), or the mean
-    # seen over time (120) if more, with room for a group at its peak: (3,800 - 2 * 223) / 141.5
-    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 23
+    # seen over time (120) if more, with room for the spread's unevenness: a group's growth from
+    # young to peak, (3,800 - 2 * (223 - 60)) / 141.5
+    assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 24
     # And not while one that started unpaced (with others, maybe) is in flight, nor when
     # lifetimes differ by a quarter of their mean: successors that start together end apart
     for fields in ({"unpaced": 1}, {"life_dev": 300}):

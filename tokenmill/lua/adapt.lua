@@ -48,14 +48,16 @@
 --          takes it back;
 --       3'. paced (admit.lua starts requests spread over a lifetime while the pool binds and
 --          lifetimes agree, see there) and every request in flight started paced (`unpaced` is
---          0): instead of rule 3, and without waiting for a refusal, the window becomes at least
---          as many as fit below the ceiling, less room for a group (ARGV 15) at its projected
---          peak, at what a request holds on average over its lifetime: halfway between the
---          least mean use reported while most of the window ran (`use_min`: young) and the
---          projected peak, or the mean use reported over time (`use_sum` / `use_n`), or the
---          present mean use, whichever is most; after a retraction of paced requests, never
---          past one fewer than were in flight when it came (`paced_cap`, one fewer again at each
---          retraction);
+--          0): instead of rule 3, and without waiting for a refusal, the window becomes as
+--          many as fit below the ceiling (up or down), less room for a group's (ARGV 15)
+--          growth from young to peak (a group at its projected peak while no young size is
+--          known), at what a request holds on average over its lifetime: halfway between its
+--          young size (the least mean use reported while most of the window ran, `use_min`, or
+--          the projected peak less the outputs' moving mean length, `len_mean`, whichever is
+--          more) and the projected peak, or the mean use reported over time (`use_sum` /
+--          `use_n`), or the present mean use, whichever is most; after a retraction of paced
+--          requests, never past one fewer than were in flight when it came (`paced_cap`, one
+--          fewer again at each retraction);
 --       the window never goes below ARGV 10. The first figures start it at what is in flight, and
 --       at least at what the guard lets in at the projected peak, and let rule 3 apply at once
 --       (until then the token budget decided, not a window); with nothing in flight they start
@@ -178,16 +180,28 @@ elseif not holding then
   elseif paced and tonumber(f[21] or '0') <= 0 then
     -- every request in flight started paced: spread over their lifetimes, they hold about
     -- their mean use over time, as those ending make room for those growing: as many as fit at
-    -- that size (or what they hold now, if more), with room kept for a group at its projected
-    -- peak; pacing fills it gradually
+    -- that size (or what they hold now, if more); pacing fills it gradually
     local each = math.max(present, use_n > 0 and use_sum / use_n or 0)
     -- outputs of one length grow linearly: on average over a lifetime a request holds halfway
-    -- between its young size (the least mean use seen) and its projected peak
-    if use_min > 0 then each = math.max(each, (use_min + peak) / 2) end
+    -- between its young size and its projected peak. Its young size: the least mean use seen
+    -- (the first figures, which may come at any age of a cold start's batch), or its peak less
+    -- the outputs' mean length once one is known, whichever is more. Started a group at a time
+    -- and evenly spread, the requests would hold at most a group's half growth more than that
+    -- (just before a group ends); they spread less evenly than that (lifetimes move with the
+    -- batch, the tail starts together): room is kept for a group's whole growth (for a group
+    -- at its peak until a young size is known)
+    local young, uneven = use_min, group * peak
+    if len > 0 then young = math.max(young, peak - len) end
+    if young > 0 then
+      young = math.min(young, peak)
+      each = math.max(each, (young + peak) / 2)
+      uneven = group * (peak - young)
+    end
     if waiting <= target and used < ceiling and each > 0 and peak > 0 then
-      local fit = math.floor((ceiling - group * peak) / each)
+      local fit = math.floor((ceiling - uneven) / each)
       if paced_cap > 0 then fit = math.min(fit, paced_cap) end  -- since a retraction, no more
-      window = math.max(window, fit)
+      -- the fit, up or down: the requests' projected peaks move as the run learns its prompts
+      window = fit
     end
   elseif waiting == 0 and limiting and capacity > 0 and used < ceiling then
     -- present use plus ARGV 13 of the growth projected beyond it, at least the highest seen
