@@ -217,11 +217,6 @@ def sim_output(args: argparse.Namespace) -> int:
 TRACED = ("total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev", "use_min", "use_sum", "use_n")
 
 
-def young(use_min: str) -> str:
-    """The least mean use admission saw while most of its window ran (adapt.lua's ``use_min``)."""
-    return use_min if use_min == "-" else f"{float(use_min):.0f}"
-
-
 def mean_use(use_sum: str, use_n: str) -> str:
     """The mean use over time admission saw (adapt.lua's ``use_sum`` / ``use_n``)."""
     return "-" if "-" in (use_sum, use_n) or float(use_n) <= 0 else f"{float(use_sum) / float(use_n):.0f}"
@@ -257,12 +252,12 @@ class Sampler(threading.Thread):
                 self.windows.append(int(window))
             if life != "-":
                 self.life_ms = float(life)
-            life, dev = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev))
+            life, dev, young = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev, use_min))
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
                 f" life {life:>5} ± {dev:>4} ms"
-                f" | young {young(use_min):>4} mean {mean_use(use_sum, use_n):>4}"
+                f" | young {young:>4} mean {mean_use(use_sum, use_n):>4}"
             )
 
     def admission(self) -> dict[str, Any]:
