@@ -214,7 +214,10 @@ def sim_output(args: argparse.Namespace) -> int:
 
 
 # of the admission hash
-TRACED = ("total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev", "use_min", "use_sum", "use_n")
+TRACED = (
+    "total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev",
+    "use_min", "use_sum", "use_n", "young_fit",
+)  # fmt: skip
 
 
 def mean_use(use_sum: str, use_n: str) -> str:
@@ -245,19 +248,19 @@ class Sampler(threading.Thread):
             except Exception:
                 continue
             self.running.append(running)
-            held, n, window, rule, pace, life, dev, use_min, use_sum, use_n = (
+            held, n, window, rule, pace, life, dev, use_min, use_sum, use_n, fit = (
                 x.decode() if x else "-" for x in f
             )
             if window != "-" and rule == "window":
                 self.windows.append(int(window))
             if life != "-":
                 self.life_ms = float(life)
-            life, dev, young = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev, use_min))
+            life, dev, young, fit = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev, use_min, fit))
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
                 f" life {life:>5} ± {dev:>4} ms"
-                f" | young {young:>4} mean {mean_use(use_sum, use_n):>4}"
+                f" | young {young:>4} mean {mean_use(use_sum, use_n):>4} fitted {fit:>4}"
             )
 
     def admission(self) -> dict[str, Any]:

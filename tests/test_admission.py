@@ -390,7 +390,8 @@ def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together
 def spread_in_flight(client: redis.Redis, count: int = 10, life_s: int = 10, peak: int = 300) -> None:
     """A paced window of ``count`` on "srv" with as many requests in flight, ``life_s`` seconds a
     lifetime, started a second apart (ages 0 .. count - 1 s), each growing from 30 tokens to
-    ``peak``; the server just reported what they hold together."""
+    ``peak``; the server just reported what they hold together, and the watcher fitted their
+    young size to it (``young_fit``, as adapt.lua does)."""
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
     held = 0.0
@@ -412,6 +413,7 @@ def spread_in_flight(client: redis.Redis, count: int = 10, life_s: int = 10, pea
         life_dev=100,
         bound=1,
         srv_used=round(held),
+        young_fit=30,
     )
 
 
@@ -430,10 +432,10 @@ def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_
     # growing from 30 tokens to 300 (the server reports their 1,515 tokens), on a 4,000 pool
     a = adm(rclient, admission_queue_target=3)
     spread_in_flight(rclient)
-    # When the run has 13 requests still to start: then none starts (in 10 s, when those 13 would
-    # peak, the youngest in flight would still hold its 300 besides their 3,900)
-    assert tail_admit(a, 13) == 0 and tail_admit(a, None) == 0
-    # When it has 12 left, all 12 start at once, past the full window and the pace
+    # When another run's request asks (not told how many are left): the full window refuses it
+    assert tail_admit(a, None) == 0
+    # When the run has 12 left (13 would not fit now: see the next test), all 12 start at once,
+    # past the full window and the pace
     assert [tail_admit(a, left) for left in range(12, 0, -1)] == [1] * 12
     u = rclient.hgetall(USED)
     assert (u[b"n"], u[b"tail"], u[b"tailed"], u[b"unpaced"]) == (b"22", b"12", b"12", b"12")
@@ -449,6 +451,47 @@ def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_
     assert rclient.hget(USED, "tail") == b"0"
     set_window(rclient, 40)
     assert tail_admit(a, None) == 1
+
+
+def test_the_runs_last_requests_wait_for_room_together_only_while_that_ends_sooner_than_pacing(
+    rclient: redis.Redis,
+) -> None:
+    # Given ten requests in flight spread over their 10 s lifetimes and a window of 11 (room for
+    # one more; a start every 909 ms, in groups of 2), on a 4,000 pool
+    a = adm(rclient, admission_queue_target=3)
+    spread_in_flight(rclient)
+    rclient.hset(USED, "window", 11)
+    # When 3 are left, of 1,300 tokens at their peaks: together they fit only once the youngest
+    # in flight has ended (10 s; before, its 300 beside their 3,900), later than pacing would
+    # start them (in 909 ms): the next start is paced as usual, and goes now, opening a group
+    assert tail_admit(a, 3, tokens=1_300) == 1
+    assert rclient.hget(USED, "tail") is None  # not started as the tail
+    started = next(m.decode() for m in rclient.zrange(keys.admission("srv"), 0, -1) if not m.startswith(b"m"))
+    a.release(Slot("srv", started, 1_300))
+    # When the run's last 13 requests ask (the group is open: pacing would start one now):
+    # together they fit once the oldest in flight ends, in a second, and paced the last of them
+    # would start in 10 s: the request waits for then
+    assert -1_001 <= tail_admit(a, 13) <= -990
+    # And so does another run's request (not told how many are left), which pacing alone would
+    # start sooner, at the next pace (909 ms): it would take the room the tail waits for
+    assert -1_001 <= tail_admit(a, None) <= -990
+
+
+def test_the_watcher_fits_the_young_size_of_the_requests_in_flight_to_the_servers_figures(
+    rclient: redis.Redis,
+) -> None:
+    # Given ten requests in flight, aged 0 to 9 s of their 10 s lifetimes, projected to peak at
+    # 300 tokens, and a server that reports 1,515 tokens held by them
+    a = adm(rclient, admission_queue_target=3)
+    spread_in_flight(rclient)
+    rclient.hdel(USED, "young_fit")
+    # When the watcher reads those figures: then the young size that makes them hold 1,515,
+    # each grown linearly from it to 300 over its lifetime, is 30
+    a.adapt("srv", load(10, used=1515), None)
+    assert 29 <= float(rclient.hget(USED, "young_fit") or -1) <= 31
+    # And a server that reports more (longer prompts than projected) gives a larger one
+    a.adapt("srv", load(10, used=2065), None)
+    assert 129 <= float(rclient.hget(USED, "young_fit") or -1) <= 131
 
 
 def test_a_pace_group_under_one_is_refused_naming_the_setting() -> None:

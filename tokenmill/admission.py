@@ -226,7 +226,7 @@ class Admission:
         """Steer ``server``'s window by what it reports now (``adapt.lua``); the new window."""
         s = self.s
         window = self._adapt(
-            [keys.admission_used(server)],
+            [keys.admission_used(server), keys.admission(server)],
             [
                 load.running,
                 load.waiting,

@@ -3,7 +3,8 @@
 --       twice a second).
 -- Post: `window` (requests tokenmill may have in flight on the server) is updated and stamped
 --       `window_ms`; the figures are kept for status (`srv_running`, `srv_waiting`, `srv_used`,
---       `srv_cap`, `srv_retractions`). The figures lag the server (SGLang 0.5.23 publishes them
+--       `srv_cap`, `srv_retractions`), and so is the young size they show (`young_fit`, for
+--       admit.lua's tail; see the end). The figures lag the server (SGLang 0.5.23 publishes them
 --       every 15 decode steps), so every rule is safe to apply twice to the same figures. In order:
 --       1. the server retracted requests since the last figures (its KV pool overflowed): the
 --          window shrinks to ARGV 7 (a fraction) of what is on the server, but not below the
@@ -62,7 +63,7 @@
 --       at least at what the guard lets in at the projected peak, and let rule 3 apply at once
 --       (until then the token budget decided, not a window); with nothing in flight they start
 --       no window and the guard keeps deciding.
--- KEYS: 1 used hash (as admit.lua).
+-- KEYS: 1 used hash, 2 slots zset (as admit.lua's).
 -- ARGV: 1 running, 2 waiting, 3 KV tokens used, 4 KV capacity, 5 queue target (requests),
 --       6 queue target (fraction of running), 7 backoff factor, 8 hold after a backoff ms,
 --       9 usage ceiling (0-1), 10 smallest window, 11 retractions so far (-1: unknown),
@@ -91,7 +92,7 @@ if first and n == 0 then
   -- nothing in flight to start a window from: the guard decides until something is (a window
   -- started at the smallest would hold back a cold start the guard lets in at once)
   redis.call('HSET', KEYS[1], 'srv_running', running, 'srv_waiting', waiting, 'srv_used', used,
-    'srv_cap', capacity, 'srv_retractions', retractions)
+    'srv_cap', capacity, 'srv_retractions', retractions, 'young_fit', -1)
   return smallest
 end
 if first then
@@ -220,11 +221,26 @@ elseif not holding then
   end
 end
 window = math.max(smallest, window)
+-- what a request holds when it starts, as these figures show it: the size that makes the
+-- requests in flight, each grown linearly from it to its projected peak over a lifetime, hold
+-- what the server reports now (admit.lua projects the run's tail from it); -1: not known
+local young_fit = -1
+if life > 0 and running > 0 then
+  local held_at_peak, young_share = 0, 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    local h = redis.call('HMGET', KEYS[1], 'at:' .. m, 'slot:' .. m)
+    if h[1] and h[2] then
+      local grown = math.min(1, math.max(0, now_ms - tonumber(h[1])) / life)
+      held_at_peak, young_share = held_at_peak + tonumber(h[2]) * grown, young_share + 1 - grown
+    end
+  end
+  if young_share > 0 then young_fit = math.max(0, (used - held_at_peak) / young_share) end
+end
 local pace = 0
 if paced then pace = math.floor(life / window) end
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
   'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,
   'start_n', f[13] or n, 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'use_min', use_min,
-  'paced_cap', paced_cap, 'bound', bound and 1 or 0, 'seen_ms', seen_ms)
+  'paced_cap', paced_cap, 'bound', bound and 1 or 0, 'seen_ms', seen_ms, 'young_fit', young_fit)
 return window

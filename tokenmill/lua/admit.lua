@@ -20,11 +20,15 @@
 --         released.
 --       * the tail (paced only): when the run's requests still to start (ARGV 11, this one
 --         included; start.lua counts them) could all start now without the pool overflowing at
---         any moment until they end (`fits_together`: each request in flight grows linearly from
---         a young size to its projected peak over a lifetime and then ends; the young size is
---         what makes those figures match the KV use the server last reported), this one starts
---         at once, past the pace and past the window: nothing queued behind it would start
---         together with it later, and started now it ends sooner. Such a slot is marked
+--         any moment until they end (`fits_after`: each request in flight grows linearly from
+--         a young size to its projected peak over a lifetime and then ends; the young size,
+--         `young_fit`, is what made the requests in flight hold the KV use the server last
+--         reported, fitted by adapt.lua), this one starts at once, past the pace and past the
+--         window: nothing queued behind it would start together with it later, and started now
+--         it ends sooner. If they would fit together only once some of those in flight end, but
+--         sooner than pacing would start the last of them, this one waits for then (a paced
+--         refusal that says when), and so does every paced start (another run's): paced to the
+--         end, the pool drains for a whole lifetime after the last start. Such a slot is marked
 --         (`tl:<member>`, counted in `tail`); while any is in flight, every other request
 --         (another run's) must pass the same projection, since the window was sized for
 --         requests spread over their lifetimes and these are not.
@@ -52,44 +56,45 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
   redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m, 'tl:' .. m)
   redis.call('ZREM', KEYS[1], m)
 end
--- Whether `count` requests of `peak` tokens each, started now beside those in flight, keep the
--- pool within `budget` at every moment until they end, if every request lives `life` ms and
--- grows linearly from a young size to its projected peak (its slot's tokens). The young size is
--- the one that makes the requests admitted before the server's last figures (`used`, read
--- `lag` ms ago) hold what it reported. The pool is fullest just before a request ends, or when
--- the new ones peak: those moments are checked.
-local function fits_together(count, peak, budget, life, used, lag)
+-- How soon (ms from now, 0: now) `count` requests of `peak` tokens each, started together, keep
+-- the pool within `budget` at every moment until they end, if nothing else starts before them
+-- (nil: not within `within` ms). Every request lives `life` ms and grows linearly from `young`
+-- tokens (adapt.lua's `young_fit`: the size that makes the requests in flight hold what the
+-- server last reported) to its projected peak (its slot's tokens). The pool is fullest just
+-- before a request ends, or when the new ones peak: those moments are checked, for a start now
+-- and for one just after each request in flight ends.
+local function fits_after(count, peak, budget, life, young, within)
   -- when they peak, those in flight may have ended, but these hold their peaks: a test that
   -- spares the projection while much of the run is still queued
-  if count * peak > budget then return false end
+  if count * peak > budget or young < 0 then return nil end
+  young = math.min(young, peak)
   local ages, peaks = {}, {}
-  local held_at_peak, young_share = 0, 0  -- over the requests the figures saw
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     local h = redis.call('HMGET', KEYS[2], 'at:' .. m, 'slot:' .. m)
-    if h[1] and h[2] then
-      local age, p = now_ms - tonumber(h[1]), tonumber(h[2])
-      ages[#ages + 1], peaks[#peaks + 1] = age, p
-      if age >= lag then
-        local grown = math.min(1, (age - lag) / life)
-        held_at_peak, young_share = held_at_peak + p * grown, young_share + 1 - grown
-      end
-    end
+    if h[1] and h[2] then ages[#ages + 1], peaks[#peaks + 1] = now_ms - tonumber(h[1]), tonumber(h[2]) end
   end
-  if young_share <= 0 then return false end  -- nothing the figures saw young: no young size
-  local young = math.max(0, math.min(peak, (used - held_at_peak) / young_share))
   local function size(p, age)
     return young + math.max(0, p - young) * math.min(1, age / life)
   end
-  local moments = {life}
-  for i = 1, #ages do moments[#moments + 1] = math.max(0, life - ages[i]) end
-  for _, at in ipairs(moments) do
-    local sum = count * size(peak, at)
-    for i = 1, #ages do
-      if life - ages[i] >= at then sum = sum + size(peaks[i], ages[i] + at) end
-    end
-    if sum > budget then return false end
+  local delays = {0}
+  for i = 1, #ages do
+    local ends = life - ages[i] + 1
+    if ends > 0 and ends <= within then delays[#delays + 1] = ends end
   end
-  return true
+  table.sort(delays)
+  for _, after in ipairs(delays) do
+    local moments, fits = {life}, true
+    for i = 1, #ages do moments[#moments + 1] = math.max(0, life - ages[i] - after) end
+    for _, at in ipairs(moments) do
+      local sum = count * size(peak, at)
+      for i = 1, #ages do
+        if life - ages[i] - after >= at then sum = sum + size(peaks[i], ages[i] + after + at) end
+      end
+      if sum > budget then fits = false break end
+    end
+    if fits then return after end
+  end
+  return nil
 end
 local member, tokens, queue = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local budget, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -102,7 +107,7 @@ end
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
   'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound',
-  'pace_open', 'tail', 'srv_used', 'len_mean', 'len_dev')
+  'pace_open', 'tail', 'young_fit', 'len_mean', 'len_dev')
 local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
 local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
@@ -132,13 +137,25 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   local open = now_ms - tonumber(f[13] or '-1e15') < pace and tat - (group - 1) * pace <= now_ms
   -- the pace holds this start back: no group is open and the next is not due
   local held_back = pace > 0 and n > 0 and tat > now_ms and not open
-  local behind, used = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
-  if pace > 0 and behind > 0 and not other_active and used >= 0 and n > 0 and (not room or held_back)
-    and fits_together(behind, tokens, budget, life, used, now_ms - window_ms) then
+  local behind, young = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
+  local wait  -- how soon the rest of the run fits together, while pacing would still start it
+  if pace > 0 and behind > 0 and not other_active and young >= 0 and n > 0 then
+    wait = fits_after(behind, tokens, budget, life, young, (behind - group) * pace)
+  end
+  if wait == 0 and (not room or held_back) then
     -- the tail: the rest of the run fits now, started together; nothing behind it to pace for
     room, tail = true, true
-  elseif room and tonumber(f[14] or '0') > 0 and n > 0 and life > 0 and used >= 0
-    and not fits_together(1, tokens, budget, life, used, now_ms - window_ms) then
+  elseif wait and wait > 0 then
+    -- the rest of the run fits together once some of those in flight end, before pacing would
+    -- have started its last: it waits for then and ends sooner (paced to the end, the pool
+    -- drains for a whole lifetime after the last start); no paced start (another run's) takes
+    -- the room before then
+    redis.call('HSET', KEYS[2], 'pace_tat', math.max(tat, now_ms + wait))
+    redis.call('HINCRBY', KEYS[2], 'paced', 1)
+    redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
+    return -math.max(1, math.ceil(wait))
+  elseif room and tonumber(f[14] or '0') > 0 and n > 0 and life > 0 and young >= 0
+    and fits_after(1, tokens, budget, life, young, 0) ~= 0 then
     -- a tail is in flight: what the window was sized for (spread stages) does not hold
     room = false
   end
