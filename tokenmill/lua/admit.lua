@@ -151,19 +151,17 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
     -- drains for a whole lifetime after the last start); no paced start (another run's) takes
     -- the room before then
     redis.call('HSET', KEYS[2], 'pace_tat', math.max(tat, now_ms + wait))
-    redis.call('HINCRBY', KEYS[2], 'paced', 1)
-    redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
-    return -math.max(1, math.ceil(wait))
   elseif room and tonumber(f[14] or '0') > 0 and n > 0 and life > 0 and young >= 0
     and fits_after(1, tokens, budget, life, young, 0) ~= 0 then
     -- a tail is in flight: what the window was sized for (spread stages) does not hold
     room = false
   end
-  if room and not tail and held_back then
-    -- paced: requests start spread over a lifetime, not together (their peaks would coincide)
+  if (wait and wait > 0) or (room and not tail and held_back) then
+    -- paced: requests start spread over a lifetime, not together (their peaks would coincide);
+    -- or the tail waits for its moment
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
-    return -math.max(1, math.ceil(tat - now_ms))
+    return -math.max(1, math.ceil(wait and wait > 0 and wait or tat - now_ms))
   end
   if room and not tail and pace > 0 and not open then  -- this start opens a group
     redis.call('HSET', KEYS[2], 'pace_open', now_ms)
