@@ -317,6 +317,7 @@ def run_tokenmill(
         sampler = Sampler(server, client)
         sampler.start()
         server0, worker0 = tree_cpu_s(server.pid), sum(proc_cpu_s(w.pid) for w in workers)
+        front0 = proc_cpu_s(server.pid)  # SGLang's main process: its HTTP front end, tokenizer manager
         retr0 = server.figures()["retractions"]
         if oracle:
             tell(client, server.url, *oracle)
@@ -336,6 +337,9 @@ def run_tokenmill(
             **(sampler.admission() if admission else {}),
             "worker_cpu_s": round(sum(proc_cpu_s(w.pid) for w in workers) - worker0, 1),
             "server_cpu_s": round(tree_cpu_s(server.pid) - server0, 1),
+            # of which the front end's, which shares the scheduler's core here and also serves the
+            # load watch's reads (/v1/loads, /metrics) under admission
+            "front_cpu_s": round(proc_cpu_s(server.pid) - front0, 2),
             **figures,
         }
 

@@ -453,6 +453,25 @@ def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_
     assert tail_admit(a, None) == 1
 
 
+def test_a_mix_of_outputs_paced_for_a_while_does_not_start_the_runs_last_requests_together(
+    rclient: redis.Redis,
+) -> None:
+    # Given the ten requests in flight of the test above, on a run whose outputs are a mix: a
+    # moving mean of 150 tokens and a deviation of 30, alike enough to pace (under a quarter)
+    a = adm(rclient, admission_queue_target=3)
+    spread_in_flight(rclient)
+    rclient.hset(USED, mapping={"len_mean": 150, "len_dev": 30})
+    # When the run's last 12 ask: their projected peaks are expectations, not bounds (half of a
+    # mix started together runs long), so the full window refuses them as it refuses any other
+    assert [tail_admit(a, left) for left in range(12, 9, -1)] == [0, 0, 0]
+    assert rclient.hget(USED, "tailed") is None
+    # And once the outputs are of one length (a deviation under an eighth of the mean), the
+    # run's last requests start together
+    rclient.hset(USED, "len_dev", 15)
+    assert tail_admit(a, 12) == 1
+    assert rclient.hget(USED, "tailed") == b"1"
+
+
 def test_the_runs_last_requests_wait_for_room_together_only_while_that_ends_sooner_than_pacing(
     rclient: redis.Redis,
 ) -> None:

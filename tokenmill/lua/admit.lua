@@ -18,8 +18,10 @@
 --         refusal counts in `paced`, not in `refused`, and says when the next group opens. A
 --         slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
 --         released.
---       * the tail (paced only): when the run's requests still to start (ARGV 11, this one
---         included; start.lua counts them) could all start now without the pool overflowing at
+--       * the tail (paced, and outputs of one length: their moving mean deviation under an
+--         eighth of their moving mean; until one is known, lifetimes): when the run's requests
+--         still to start (ARGV 11, this one included; start.lua counts them) could all start
+--         now without the pool overflowing at
 --         any moment until they end (`fits_after`: each request in flight grows linearly from
 --         a young size to its projected peak over a lifetime and then ends; the young size,
 --         `young_fit`, is what made the requests in flight hold the KV use the server last
@@ -138,8 +140,14 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- the pace holds this start back: no group is open and the next is not due
   local held_back = pace > 0 and n > 0 and tat > now_ms and not open
   local behind, young = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
+  -- the tail's projection holds each request to its projected peak, a bound only where outputs
+  -- are of one length (their deviation under an eighth of their mean; until one is known,
+  -- lifetimes): a mix of long and short outputs may look alike enough to pace for a while, but
+  -- its peak is an expectation, and half of it started together would overflow the pool
+  local one = life > 0 and dev * 8 < life
+  if len > 0 then one = tonumber(f[17] or '0') * 8 < len end
   local wait  -- how soon the rest of the run fits together, while pacing would still start it
-  if pace > 0 and behind > 0 and not other_active and young >= 0 and n > 0 then
+  if pace > 0 and one and behind > 0 and not other_active and young >= 0 and n > 0 then
     wait = fits_after(behind, tokens, budget, life, young, (behind - group) * pace)
   end
   if wait == 0 and (not room or held_back) then
