@@ -21,11 +21,11 @@
 --       * the tail (paced, and outputs of one length: their moving mean deviation under an
 --         eighth of their moving mean; until one is known, lifetimes): when the run's requests
 --         still to start (ARGV 11, this one included; start.lua counts them) could all start
---         now without the pool overflowing at
---         any moment until they end (`fits_after`: each request in flight grows linearly from
---         a young size to its projected peak over a lifetime and then ends; the young size,
---         `young_fit`, is what made the requests in flight hold the KV use the server last
---         reported, fitted by adapt.lua), this one starts at once, past the pace and past the
+--         now without the pool overflowing at any moment until they end (`fits_after`: each
+--         request in flight grows linearly from a young size to its projected peak over a
+--         lifetime and then ends; the young size, `young_fit`, is what made the requests in
+--         flight hold the KV use the server last reported, fitted by adapt.lua), this one
+--         starts at once, past the pace and past the
 --         window: nothing queued behind it would start together with it later, and started now
 --         it ends sooner. If they would fit together only once some of those in flight end, but
 --         sooner than pacing would start the last of them, this one waits for then (a paced
