@@ -125,12 +125,15 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- other (those started together would end together, their successors start together again):
   -- a request every lifetime / window, in groups of ARGV 10
   local life, dev, group = tonumber(f[9] or '0'), tonumber(f[10] or '0'), tonumber(ARGV[10])
-  -- outputs of about one length (their moving mean deviation under a quarter of their moving
-  -- mean; until one is known, lifetimes: adapt.lua decides alike the same way)
-  local len = tonumber(f[16] or '0')
-  local alike = life > 0 and dev * 4 < life
-  if len > 0 then alike = tonumber(f[17] or '0') * 4 < len end
-  if group > 0 and f[12] == '1' and life > 0 and alike then
+  -- whether outputs are of about one length: their moving mean deviation under a `parts`th of
+  -- their moving mean (until one is known, lifetimes)
+  local len, len_dev = tonumber(f[16] or '0'), tonumber(f[17] or '0')
+  local function one_length(parts)
+    if len > 0 then return len_dev * parts < len end
+    return life > 0 and dev * parts < life
+  end
+  -- paced while they are within a quarter (adapt.lua decides alike the same way)
+  if group > 0 and f[12] == '1' and life > 0 and one_length(4) then
     pace = life / window
   end
   tat = math.max(now_ms, tonumber(f[11] or '0'))
@@ -140,20 +143,20 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   -- the pace holds this start back: no group is open and the next is not due
   local held_back = pace > 0 and n > 0 and tat > now_ms and not open
   local behind, young = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
-  -- the tail's projection holds each request to its projected peak, a bound only where outputs
-  -- are of one length (their deviation under an eighth of their mean; until one is known,
-  -- lifetimes): a mix of long and short outputs may look alike enough to pace for a while, but
-  -- its peak is an expectation, and half of it started together would overflow the pool
-  local one = life > 0 and dev * 8 < life
-  if len > 0 then one = tonumber(f[17] or '0') * 8 < len end
-  local wait  -- how soon the rest of the run fits together, while pacing would still start it
-  if pace > 0 and one and behind > 0 and not other_active and young >= 0 and n > 0 then
+  -- how soon the rest of the run fits together, while pacing would still start it (nil: not
+  -- before then, or not asked). The projection holds each request to its projected peak, a
+  -- bound only where outputs are within an eighth: a mix of long and short outputs may look
+  -- alike enough to pace for a while, but its peak is an expectation, and half of it started
+  -- together would overflow the pool
+  local wait
+  if pace > 0 and one_length(8) and behind > 0 and not other_active and young >= 0 and n > 0 then
     wait = fits_after(behind, tokens, budget, life, young, (behind - group) * pace)
   end
+  local tail_waits = wait ~= nil and wait > 0
   if wait == 0 and (not room or held_back) then
     -- the tail: the rest of the run fits now, started together; nothing behind it to pace for
     room, tail = true, true
-  elseif wait and wait > 0 then
+  elseif tail_waits then
     -- the rest of the run fits together once some of those in flight end, before pacing would
     -- have started its last: it waits for then and ends sooner (paced to the end, the pool
     -- drains for a whole lifetime after the last start); no paced start (another run's) takes
@@ -164,12 +167,12 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
     -- a tail is in flight: what the window was sized for (spread stages) does not hold
     room = false
   end
-  if (wait and wait > 0) or (room and not tail and held_back) then
+  if tail_waits or (room and not tail and held_back) then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide);
     -- or the tail waits for its moment
     redis.call('HINCRBY', KEYS[2], 'paced', 1)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
-    return -math.max(1, math.ceil(wait and wait > 0 and wait or tat - now_ms))
+    return -math.max(1, math.ceil(tail_waits and wait or tat - now_ms))
   end
   if room and not tail and pace > 0 and not open then  -- this start opens a group
     redis.call('HSET', KEYS[2], 'pace_open', now_ms)
