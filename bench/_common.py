@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import fcntl
 import os
 import platform
@@ -227,6 +228,7 @@ def start_sglang(children: Children, where: Path, *flags: str, split: bool = Fal
     sys.path.insert(0, str(ROOT))  # tests/ is not an installed package
     from tests.engines import start_engine
 
+    os.environ["SGLANG_LOG_MS"] = "1"  # its log lines stamped to the ms: SglangLog.decode_steps
     engine = start_engine("sglang", where, *flags, cpus=SERVER_CPUS)
     children.callback(engine.stop)
     if split:
@@ -436,6 +438,9 @@ _RETRACT_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 _USED_RE = re.compile(r"#token: (\d+)")
 _PREFILL_RE = re.compile(r"Prefill batch[^#]*#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 _DECODE_RE = re.compile(r"Decode batch[^#]*#running-req: (\d+)")
+# a pass's line stamped to the millisecond (SGLANG_LOG_MS=1, which the benchmarks set): its time and kind
+_STAMP_RE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})[^\]]*\] (Prefill|Decode) batch", re.M)
+STEP_GAP_S = 0.1  # a longer wait between two decode lines is the server idle, not a step
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,6 +454,10 @@ class SglangLog:
     cached_tokens: int  # prompt tokens found in the prefix cache (``#cached-token``)
     decode_running: list[int]  # ``#running-req`` of each logged decode step (every 40th unless
     # --decode-log-interval)
+    # by running requests: the decode steps that followed a decode step, and the seconds they
+    # took (each line's stamp less the one before; with --decode-log-interval 1 and
+    # SGLANG_LOG_MS=1 only, else empty): how fast the host ran each size of batch
+    decode_steps: dict[int, tuple[int, float]]
 
     @classmethod
     def parse(cls, text: str) -> SglangLog:
@@ -461,6 +470,7 @@ class SglangLog:
             new_tokens=sum(n for _, n, _ in prefills),
             cached_tokens=sum(c for _, _, c in prefills),
             decode_running=[int(n) for n in _DECODE_RE.findall(text)],
+            decode_steps=_decode_steps(text),
         )
 
     @classmethod
@@ -469,3 +479,45 @@ class SglangLog:
         with open(log, "rb") as fh:
             fh.seek(offset)
             return cls.parse(fh.read().decode(errors="replace"))
+
+
+def _decode_steps(text: str) -> dict[int, tuple[int, float]]:
+    """SglangLog.decode_steps: a decode step is timed from the line before it when that line is a
+    decode step's too (a prefill line is written before its pass, a decode line after its)."""
+    steps: dict[int, tuple[int, float]] = {}
+    last: tuple[float, str] | None = None
+    for m in _STAMP_RE.finditer(text):
+        at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+        if m[2] == "Decode" and last is not None and last[1] == "Decode" and at - last[0] < STEP_GAP_S:
+            running = _DECODE_RE.match(text, m.start(2))
+            if running:
+                n, total = steps.get(int(running[1]), (0, 0.0))
+                steps[int(running[1])] = (n + 1, total + at - last[0])
+        last = (at, m[2])
+    return steps
+
+
+def host_speeds(steps: list[dict[int, tuple[int, float]]], rounds: int = 50) -> list[float]:
+    """How slowly the host ran each run (1: the runs' mean), from its decode steps (each run's
+    ``SglangLog.decode_steps``): a step of ``b`` running requests takes ``speed[run] * cost[b]``,
+    both fitted to every step of every run (alternately, each given the other). Runs that share
+    no size of batch with the others are fitted by their own; a run without steps counts 1.
+
+    This host's speed moves between runs (the same fixed setting of a cell took from 9.9 to 13.1
+    s, 2026-12-05): a run's wall divided by its speed is the wall at the runs' common speed. A
+    step's cost grows with its batch, so runs are compared step size by step size."""
+    speed = [1.0] * len(steps)
+    for _ in range(rounds):
+        acc: dict[int, list[float]] = {}
+        for sp, run in zip(speed, steps, strict=True):
+            for b, (n, total) in run.items():
+                c = acc.setdefault(b, [0.0, 0.0])
+                c[0], c[1] = c[0] + n, c[1] + total / sp
+        cost = {b: total / n for b, (n, total) in acc.items()}
+        speed = [
+            sum(t for _, t in run.values()) / sum(n * cost[b] for b, (n, _) in run.items()) if run else 1.0
+            for run in steps
+        ]
+        mean = sum(speed) / len(speed)
+        speed = [sp / mean for sp in speed]
+    return speed

@@ -35,7 +35,14 @@ start, one worker of 64 threads), and one cell per other value of each axis; eac
 each one's median wall time, retractions and mean running requests (SGLang's decode steps;
 the sim sampled every 0.25 s), on SGLang its forward passes (decode steps + prefill batches, from
 its log: the server's work, which the host's speed does not move), and the verdicts of the issue's
-item 2. ``--lock FILE`` holds a
+item 2. On SGLang the verdicts are given again at the runs' common host speed: this host's speed
+drifts by up to a third from one run to the next, and SGLang's log (stamped to the millisecond
+here) times every decode step, so each run's wall is divided by how slowly the host ran its steps,
+batch size by batch size, against the cell's other runs (``host_speeds`` in ``_common.py``; a
+step of more requests costs more, so fewer passes are not the whole story). What the correction
+cannot tell from the host: anything that slows SGLang's steps because of the variant itself, such
+as the load watch's reads on the core SGLang's front end shares with its scheduler; the front
+end's CPU (``front_cpu_s``) shows that. ``--lock FILE`` holds a
 flock around each run (around each cell while one real server serves it), for a machine that
 others share.
 
@@ -66,6 +73,7 @@ from _common import (
     SglangLog,
     exit_on_sigterm,
     heavy,
+    host_speeds,
     machine,
     pin_clients,
     proc_cpu_s,
@@ -201,6 +209,7 @@ class Server:
             "per_prefill": round(sum(seqs) / len(seqs), 1) if seqs else 0.0,
             "decode_running": round(statistics.fmean(running), 1) if running else 0.0,
             "passes": len(running) + len(seqs),
+            "steps": log.decode_steps,
         }
 
 
@@ -651,7 +660,8 @@ def measure(
                         if kind == "admission" and "window_max" in r:
                             learned = (r["window_max"], r["life_ms"])
                 results[label].append(r)
-                print(f"  {cell or ''} {label}: {r}", flush=True)
+                shown = {k: v for k, v in r.items() if k != "steps"}  # steps: in --json-out
+                print(f"  {cell or ''} {label}: {shown}", flush=True)
                 if json_out:
                     with open(json_out, "a") as fh:
                         fh.write(json.dumps({"cell": cell, "round": round_no, "variant": label, **r}) + "\n")
@@ -706,9 +716,25 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         )
         if passes:
             # the same verdicts with the server's passes in place of the wall time: what the
-            # variant made the server do, on a host whose speed drifts between runs
+            # variant made the server do, on a host whose speed drifts between runs (a pass of a
+            # bigger batch costs more: fewer, bigger passes flatter admission's larger windows)
             by = {n: float(v) for n, v in passes.items()}
             print("by the server's passes: " + verdicts(adm, min(fixed, key=lambda n: by[n]), by, retr))
+        runs = [r for rs in results.values() for r in rs]
+        if all(r.get("steps") for r in runs):
+            # the wall at the runs' common host speed: each run's wall over how slowly the host ran
+            # its decode steps, batch size by batch size (host_speeds)
+            speeds = iter(host_speeds([r["steps"] for r in runs]))
+            at = {n: [r["wall_s"] / next(speeds) for r in rs] for n, rs in results.items()}
+            even = {n: statistics.median(v) for n, v in at.items()}
+            spread = ", ".join(f"{w:.1f}" for w in at[adm])
+            print(
+                "at the runs' common host speed: "
+                + verdicts(adm, min(fixed, key=lambda n: even[n]), even, retr)
+                + f" (admission {spread} s; fixed "
+                + "; ".join(f"{n.split()[1]} {', '.join(f'{w:.1f}' for w in at[n])}" for n in fixed)
+                + ")"
+            )
 
 
 def verdicts(adm: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:

@@ -27,5 +27,6 @@ It answers ``{"health_stall": bool, "stall_streams": bool}``.
 
 ``GET /_sim/stats``: ``capacity``, ``used_tokens``, ``peak_used_tokens``, ``running``,
 ``queued``, ``retracted_total``, ``generated_total``, ``new_token_ratio``, ``chat_requests``,
+``loads_reads`` and ``metrics_reads`` (the ``/v1/loads`` and ``/metrics`` pages answered),
 ``inflight``, ``status``.
 """

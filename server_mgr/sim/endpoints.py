@@ -219,6 +219,7 @@ async def loads(request: web.Request) -> web.Response:
     """``/v1/loads``: the scheduler's last published load snapshot (0.5.23 field names; it lags
     the scheduler by up to ``--load-snapshot-publish-interval`` decode steps, as SGLang's does)."""
     state = request.app[STATE]
+    state.loads_reads += 1
     s = state.scheduler
     snap = s.load
     load = {
@@ -311,6 +312,8 @@ async def sim_stats(request: web.Request) -> web.Response:
             "generated_total": s.generated_total,
             "new_token_ratio": s.new_token_ratio,
             "chat_requests": state.chat_requests,
+            "loads_reads": state.loads_reads,
+            "metrics_reads": state.metrics_reads,
             "inflight": len(state.inflight),
         }
     )

@@ -91,4 +91,6 @@ def render(state: SimState) -> bytes:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=render(request.app[STATE]), headers={"Content-Type": CONTENT_TYPE})
+    state = request.app[STATE]
+    state.metrics_reads += 1
+    return web.Response(body=render(state), headers={"Content-Type": CONTENT_TYPE})

@@ -49,6 +49,8 @@ class SimState:
     faults: Faults = field(default_factory=Faults)
     counters: Counters = field(default_factory=Counters)
     chat_requests: int = 0
+    loads_reads: int = 0  # GET /v1/loads answered (a test counts what the load watch asks)
+    metrics_reads: int = 0  # GET /metrics answered
     inflight: dict[str, SimRequest] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     health_changed: asyncio.Event = field(default_factory=asyncio.Event)
