@@ -720,12 +720,13 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             # bigger batch costs more: fewer, bigger passes flatter admission's larger windows)
             by = {n: float(v) for n, v in passes.items()}
             print("by the server's passes: " + verdicts(adm, min(fixed, key=lambda n: by[n]), by, retr))
-        runs = [r for rs in results.values() for r in rs]
-        if all(r.get("steps") for r in runs):
+        runs = [(n, r) for n, rs in results.items() for r in rs]
+        if all(r.get("steps") for _, r in runs):
             # the wall at the runs' common host speed: each run's wall over how slowly the host ran
             # its decode steps, batch size by batch size (host_speeds)
-            speeds = iter(host_speeds([r["steps"] for r in runs]))
-            at = {n: [r["wall_s"] / next(speeds) for r in rs] for n, rs in results.items()}
+            at: dict[str, list[float]] = {n: [] for n in results}
+            for (n, r), speed in zip(runs, host_speeds([r["steps"] for _, r in runs]), strict=True):
+                at[n].append(r["wall_s"] / speed)
             even = {n: statistics.median(v) for n, v in at.items()}
             spread = ", ".join(f"{w:.1f}" for w in at[adm])
             print(

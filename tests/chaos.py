@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import redis
 from tests import sealing
 from tests.finishing import all_job_ids
 from tests.pipeline import cli, expected_for, read_export, write_jsonl
-from tests.procs import Proc, RedisServer, spawn, start_sim, wait_for, worker_env
+from tests.procs import Proc, RedisServer, sim_stats, spawn, start_sim, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.local_redis import free_port
 from tokenmill.messages import task_message
@@ -363,9 +362,7 @@ class Cluster:
         return broken
 
     def sim_stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.sim_url}/_sim/stats", timeout=5) as resp:
-            stats: dict[str, Any] = orjson.loads(resp.read())
-        return stats
+        return sim_stats(self.sim_url)
 
     def tokens_generated(self) -> int:
         """Tokens the sims generated, summed over every sim process (the killed ones included)."""

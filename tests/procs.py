@@ -5,6 +5,7 @@ Every helper waits on a condition with a deadline; nothing sleeps and hopes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -123,6 +124,13 @@ def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, **kw: A
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, **kw)
     return Proc(proc, log)
+
+
+def sim_stats(url: str) -> dict[str, Any]:
+    """The sim's ``GET /_sim/stats`` (its scheduler's internals and what it answered)."""
+    with urllib.request.urlopen(f"{url}/_sim/stats", timeout=5) as resp:
+        stats: dict[str, Any] = json.loads(resp.read())
+    return stats
 
 
 def start_sim(workdir: Path, *extra: str, port: int | None = None) -> tuple[Proc, str]:

@@ -7,7 +7,6 @@ running, samples per prompt with distinct seeds, and the list of runs.
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from producer.status import run_status
 from server_mgr.sim.textgen import expected_completion
 from tests.pipeline import cli, expected_for, read_export, wait_run_finished, write_jsonl
-from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
+from tests.procs import Proc, sim_stats, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.jobspec import sample_seed
 from tokenmill.metrics import registry_for
-
-
-def _sim_stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/_sim/stats", timeout=5) as resp:
-        return orjson.loads(resp.read())
 
 
 def _sim_and_env(
@@ -156,10 +150,10 @@ def test_cancel_now_stops_running_streams_keeps_checkpoints_and_leaves_nothing_r
     kept = {j: int(rclient.hget(k.job(j), "ckpt_tokens") or 0) for j in running}
     assert all(n > 0 for n in kept.values()), kept
     # nothing runs on the server, and the messages still in the broker are no-ops
-    wait_for(lambda: _sim_stats(url)["running"] == 0, 10, "the sim to have no running request")
-    requests = _sim_stats(url)["chat_requests"]
+    wait_for(lambda: sim_stats(url)["running"] == 0, 10, "the sim to have no running request")
+    requests = sim_stats(url)["chat_requests"]
     wait_for(lambda: rclient.llen("short") == 0, 30, "the worker to drain the cancelled jobs' messages")
-    assert _sim_stats(url)["chat_requests"] == requests
+    assert sim_stats(url)["chat_requests"] == requests
     assert _totals(rclient, "c")["cancelled"] == 24
 
     # status, runs and the metrics show the cancelled state

@@ -5,15 +5,12 @@ news."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import redis
 
-from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
+from tests.procs import Proc, sim_stats, start_sim, start_worker, wait_for, worker_env
 from tokenmill.admission_view import admission_view
 from tokenmill.server_report import Load
 from workers.loadwatch import MetricsCadence
@@ -43,11 +40,6 @@ def test_metrics_are_read_at_every_poll_while_a_retraction_may_just_have_happene
     assert cadence.cached("u", ROOM, now=11.0) is None
     cadence.read("u", ROOM, now=11.0, retractions=5)
     assert cadence.cached("u", ROOM, now=11.5) == 5
-
-
-def stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/_sim/stats", timeout=5) as resp:
-        return json.load(resp)
 
 
 def flood(url: str, n: int) -> None:
@@ -80,14 +72,14 @@ def test_an_unmanaged_servers_retractions_reach_the_window_with_few_reads_of_its
     procs.append(start_worker(tmp_path, "short", worker_env(redis_url, url, admission_poll_s=0.25)))
 
     # When the pool has room (the server idle) for a few seconds
-    wait_for(lambda: stats(url)["loads_reads"] >= 12, 30, "a dozen polls")
-    idle = stats(url)
+    wait_for(lambda: sim_stats(url)["loads_reads"] >= 12, 30, "a dozen polls")
+    idle = sim_stats(url)
     # Then /metrics was read once every 2 s or so, /v1/loads at every poll
     assert idle["metrics_reads"] * 4 <= idle["loads_reads"], idle
 
     # When requests sent past tokenmill overflow the pool, and the server retracts some
     flood(url, 24)
-    busy = stats(url)
+    busy = sim_stats(url)
     assert busy["retracted_total"] > 0, busy
     # Then /metrics was read at most polls while they ran (requests waited, the pool was full)
     polls = busy["loads_reads"] - idle["loads_reads"]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import orjson
 import redis
 
 from tests.pipeline import cli, expected_for, read_export, wait_run_finished, write_jsonl
-from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
+from tests.procs import Proc, sim_stats, start_sim, start_worker, wait_for, worker_env
 
 MEAN = 60
 
@@ -44,8 +43,7 @@ def test_a_run_spreads_over_two_servers_and_survives_losing_one(
         )
 
     def streams_past_a_checkpoint_on_a() -> bool:  # the workers checkpoint every 8 tokens
-        with urllib.request.urlopen(f"{url_a}/_sim/stats", timeout=5) as resp:
-            return any(g >= 16 for g in orjson.loads(resp.read())["running_generated"])
+        return any(g >= 16 for g in sim_stats(url_a)["running_generated"])
 
     wait_for(lambda: served_by_a() and streams_past_a_checkpoint_on_a(), 60, "A served jobs, streams mid-way")
     done_before = int(rclient.hget("tm:r:counts", "done|P") or 0)
