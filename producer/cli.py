@@ -121,19 +121,24 @@ def enqueue(
 ) -> None:
     """Enqueue dataset FILES (JSONL, Parquet, or a Hugging Face datasets directory) into a run."""
     from producer.enqueue import Enqueuer, Routing
+    from producer.limits import check_max_tokens, for_servers
     from producer.options import run_params
     from tokenmill import redis_conn
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
-    options = run_params(params_file, params, {"temperature": temperature, "top_p": top_p, "seed": seed})
+    settings, client = _connect(redis_url, "enqueue")
+    limits = for_servers(client, settings)
+    check_max_tokens("--short-max-tokens", "max_tokens", short_max_tokens, limits)
+    check_max_tokens("--long-max-tokens", "max_tokens", long_max_tokens, limits)
+    flags = {"temperature": temperature, "top_p": top_p, "seed": seed}
+    options = run_params(params_file, params, flags, limits)
     if samples and samples > 1 and options.get("temperature") == 0:
         click.echo(
             "warning: --samples with --temperature 0 (greedy decoding): the samples of a prompt "
             "will all be the same text",
             err=True,
         )
-    settings, client = _connect(redis_url, "enqueue")
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
     routing = Routing(
         model=model or settings.model,
@@ -141,6 +146,7 @@ def enqueue(
         long_max_tokens=long_max_tokens,
         long_prompt_tokens=long_prompt_tokens,
         params=options,
+        limits=limits,
     )
     enq = Enqueuer(
         Ledger(client, run),

@@ -24,7 +24,8 @@ import orjson
 from producer.documents import EnqueueResult, RunInfo, Status, conflict_error
 from tokenmill import keys
 from tokenmill.errors import ConfigError
-from tokenmill.settings import Settings, redact_url
+from tokenmill.settings import Settings
+from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
     import os
@@ -114,6 +115,7 @@ class Client:
         ``temperature``, ``top_p`` and ``seed`` win over them, and a row's own value over both.
         """
         from producer.enqueue import Enqueuer, Routing
+        from producer.limits import check_max_tokens, for_servers
         from producer.options import run_options
         from producer.sources import sources
         from tokenmill import redis_conn
@@ -122,7 +124,10 @@ class Client:
         keys.check_run(run)
         _check_counts(samples=samples, limit=limit, max_queued=max_queued, short_max_tokens=short_max_tokens,
                       long_max_tokens=long_max_tokens, long_prompt_tokens=long_prompt_tokens)  # fmt: skip
-        options = run_options(params, {"temperature": temperature, "top_p": top_p, "seed": seed})
+        limits = for_servers(self._redis, self._settings)
+        check_max_tokens("short_max_tokens", "max_tokens", short_max_tokens, limits)
+        check_max_tokens("long_max_tokens", "max_tokens", long_max_tokens, limits)
+        options = run_options(params, {"temperature": temperature, "top_p": top_p, "seed": seed}, limits)
         if samples and samples > 1 and options.get("temperature") == 0:
             warnings.warn(
                 "samples with temperature 0 (greedy decoding): the samples of a prompt will all be "
@@ -136,6 +141,7 @@ class Client:
             long_max_tokens=long_max_tokens,
             long_prompt_tokens=long_prompt_tokens,
             params=options,
+            limits=limits,
         )
         enq = Enqueuer(
             Ledger(self._redis, run),

@@ -63,7 +63,7 @@ def delete_run(
     recorded = client.get(k.results_store())
     if store is None and recorded:
         store = ResultStore(recorded.decode())
-    summary = DeleteSummary(store=store.url if store else None)
+    summary = DeleteSummary(store=store.shown if store else None)
     if results and store is not None:
         summary.files = store.delete_run(run)
     batch: list[bytes] = []

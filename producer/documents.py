@@ -38,6 +38,7 @@ class Status:
     lengths: dict[str, Any]
     outputs: dict[str, Any]
     results: dict[str, Any]
+    dead_letters: int  # poison messages set aside off the queues, of every run (tokenmill.dead_letters)
     at: float  # when it was read (unix seconds)
 
     @classmethod

@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 
-from producer.options import check_request
+from producer.limits import DEFAULT, Limits
+from producer.options import check_request, option_json
 from producer.readers import Record, dataset_stem, iter_records
 from producer.rows import Row, normalize_row
 from tokenmill import keys
@@ -42,6 +43,7 @@ class Routing:
     long_max_tokens: int = 16384
     long_prompt_tokens: int = 4096
     params: Mapping[str, Any] = field(default_factory=dict)  # checked (producer.options.run_params)
+    limits: Limits = DEFAULT  # the bounds rows are checked against (producer.limits.for_servers)
     _model_json: bytes = field(init=False, repr=False, compare=False)
     _params_json: dict[str, bytes] = field(init=False, repr=False, compare=False)
 
@@ -52,8 +54,9 @@ class Routing:
     def spec(self, row: Row, partition: str, source: str) -> JobSpec:
         """The job for ``row``: its queue by estimated prompt size, its request with the row's
         own options over the run's, and its id (the row's, or the request's content hash).
-        Options that do not go together raise :class:`InputError` naming the row."""
-        options, options_json = self._options(row)
+        Options that do not go together, or a job past ``limits.row_bytes``, raise
+        :class:`InputError` naming the row."""
+        options, options_json = self._options(row, source)
         estimate = estimate_prompt_tokens(row.messages)
         if "tools" in options_json:  # the chat template renders the tool definitions too
             estimate += len(options_json["tools"]) // BYTES_PER_TOKEN
@@ -65,6 +68,9 @@ class Routing:
         request: dict[str, Any] = {"model": self.model, "messages": row.messages, "max_tokens": max_tokens}
         request.update(options)
         request_json = canonical_request(self._model_json, row.messages_json, max_tokens, options_json)
+        if (size := len(request_json) + len(row.metadata_json)) > self.limits.row_bytes:
+            why = f"above {self.limits.row_bytes} (TOKENMILL_INPUT_MAX_ROW_BYTES)"
+            raise InputError(source, f"the job is {size} bytes as JSON (request and metadata), {why}")
         digest = content_hash(request_json)
         return JobSpec(
             job_id_for(partition, row.record_id, digest),
@@ -79,12 +85,15 @@ class Routing:
             row.metadata_json,
         )
 
-    def _options(self, row: Row) -> tuple[Mapping[str, Any], dict[str, bytes]]:
+    def _options(self, row: Row, source: str) -> tuple[Mapping[str, Any], dict[str, bytes]]:
         """The row's options over the run's, and each one's JSON (the run's dumped once)."""
         if not row.options:
             return self.params, self._params_json
         options = {**self.params, **row.options}
-        options_json = {**self._params_json, **{k: orjson.dumps(v) for k, v in row.options.items()}}
+        options_json = {
+            **self._params_json,
+            **{k: option_json(source, k, v) for k, v in row.options.items()},
+        }
         return options, options_json
 
     def samples(self, row: Row, partition: str, source: str, n: int) -> list[JobSpec]:
@@ -92,7 +101,7 @@ class Routing:
         id ``<id>#<k>`` and a seed derived from the prompt's seed and ``k``."""
         base = self.spec(row, partition, source)
         req = base.request
-        _, options_json = self._options(row)
+        _, options_json = self._options(row, source)
         out = []
         for k in range(n):
             seed = sample_seed(req.get("seed"), k)
@@ -205,7 +214,7 @@ class Enqueuer:
         try:
             if rec.error is not None or data is None:
                 raise InputError(rec.source, rec.error or "empty record")
-            row = normalize_row(rec.source, data)
+            row = normalize_row(rec.source, data, self.routing.limits)
             if self.samples is None:
                 return [self.routing.spec(row, partition, rec.source)]
             return self.routing.samples(row, partition, rec.source, self.samples)

@@ -2,7 +2,8 @@
 request, so that a job moves between OpenAI's Batch API and one's own GPUs with no code.
 
 A done job is ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <a
-chat.completion>}, "error": null}``, built from its export row (the same row whether it is read
+chat.completion>}, "error": null}`` (a choice a stop string ended also carries SGLang's
+``matched_stop``), built from its export row (the same row whether it is read
 from Redis or from a sealed shard); a truncated one is written too, with ``finish_reason:
 "length"``, as OpenAI would return it. A failed job is the error it ended with: an answer of the
 server (an over-long prompt, an invalid request, a refused key) as ``response`` with its HTTP
@@ -44,6 +45,8 @@ def done_line(run: str, job_id: str, row: dict[str, Any]) -> dict[str, Any]:
         "logprobs": row.get("logprobs"),
         "finish_reason": row.get("finish_reason"),
     }
+    if row.get("matched_stop") is not None:  # SGLang's field of a choice, kept when a stop ended it
+        choice["matched_stop"] = row["matched_stop"]
     body = {
         "id": completion_id,
         "object": "chat.completion",

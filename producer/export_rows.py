@@ -259,7 +259,7 @@ def check_store_reachable(store: ResultStore | None, run: str) -> None:
     if store is not None and not store.exists(store.run_dir(run)):
         where = store.describe(store.run_dir(run))
         raise ResultStoreError(
-            f"run {run}: its shards were sealed into {store.url}, but {where} does not exist here; "
+            f"run {run}: its shards were sealed into {store.shown}, but {where} does not exist here; "
             "mount or reach the store at that path, or pass --results-url where the shards are now"
         )
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from producer.limits import DEFAULT, INT32_MAX, INT64_MAX, Limits, depth_problem, option_problem
 from producer.readers import json_kind
 from tokenmill.errors import InputError
 from tokenmill.options import GRAMMARS, OPTIONS, REFUSED, RUN_REFUSED
@@ -34,8 +35,9 @@ class Bad(ValueError):
     """An option's value is wrong; the caller names the row and the option."""
 
 
-def check_option(source: str, name: str, value: Any) -> Any:
-    """``value`` for option ``name`` as it will be sent, or :class:`InputError` naming both."""
+def check_option(source: str, name: str, value: Any, limits: Limits = DEFAULT) -> Any:
+    """``value`` for option ``name`` as it will be sent, or :class:`InputError` naming both; its
+    nesting was bounded already (:func:`producer.limits.depth_problem`)."""
     if name in REFUSED:
         raise InputError(source, f'"{name}" cannot be set: {REFUSED[name]}')
     if name == "n":
@@ -43,6 +45,8 @@ def check_option(source: str, name: str, value: Any) -> Any:
             return value
         why = "for several completions of a prompt, enqueue with --samples N"
         raise InputError(source, f'"n" must be 1 (got {_show(value)}): {why}')
+    if (too_big := option_problem(name, value, limits)) is not None:
+        raise InputError(source, f'"{name}" {too_big}')
     try:
         return _CHECKS[name](value)
     except Bad as exc:
@@ -81,24 +85,29 @@ def check_request(source: str, options: Mapping[str, Any], max_tokens: int) -> N
 
 
 def run_params(
-    params_file: str | None, params: tuple[str, ...] | list[str], flags: Mapping[str, Any]
+    params_file: str | None,
+    params: tuple[str, ...] | list[str],
+    flags: Mapping[str, Any],
+    limits: Limits = DEFAULT,
 ) -> dict[str, Any]:
     """A run's request options: ``--params FILE.json``, then each ``--param NAME=JSON`` (a later
     one wins), then the flags that are options (``--temperature``...) when set."""
     out: dict[str, Any] = {}
     if params_file:
         for name, value in _load_params_file(params_file).items():
-            out[name] = check_run_option(params_file, name, value)
+            out[name] = check_run_option(params_file, name, value, limits)
     for text in params:
         name, value = _parse_param(text)
-        out[name] = check_run_option(f"--param {name}", name, value)
+        out[name] = check_run_option(f"--param {name}", name, value, limits)
     for name, value in flags.items():
         if value is not None:
-            out[name] = check_run_option(f"--{name.replace('_', '-')}", name, value)
+            out[name] = check_run_option(f"--{name.replace('_', '-')}", name, value, limits)
     return out
 
 
-def run_options(params: Mapping[str, Any] | None, flags: Mapping[str, Any]) -> dict[str, Any]:
+def run_options(
+    params: Mapping[str, Any] | None, flags: Mapping[str, Any], limits: Limits = DEFAULT
+) -> dict[str, Any]:
     """A run's request options given in Python (``Client.enqueue``): ``params``, then the
     arguments that are options (``temperature``...) when set; each checked as ``--param`` is,
     an error naming it ``params['stop']`` or ``temperature``."""
@@ -106,21 +115,33 @@ def run_options(params: Mapping[str, Any] | None, flags: Mapping[str, Any]) -> d
         raise InputError("params", f"expected a dict of request options, got {json_kind(params)}")
     out: dict[str, Any] = {}
     for name, value in (params or {}).items():
-        out[name] = check_run_option(f"params[{name!r}]", name, value)
+        out[name] = check_run_option(f"params[{name!r}]", name, value, limits)
     for name, value in flags.items():
         if value is not None:
-            out[name] = check_run_option(name, name, value)
+            out[name] = check_run_option(name, name, value, limits)
     return out
 
 
-def check_run_option(source: str, name: str, value: Any) -> Any:
+def check_run_option(source: str, name: str, value: Any, limits: Limits = DEFAULT) -> Any:
     """A run-wide option: any option, but none of a row's own fields."""
     if name in RUN_REFUSED:
         raise InputError(source, f'"{name}" cannot be a run-wide option: {RUN_REFUSED[name]}')
     if name not in OPTIONS and name not in REFUSED and name != "n":
         known = ", ".join(sorted(OPTIONS))
         raise InputError(source, f"{name!r} is not a request option tokenmill knows; known: {known}")
-    return check_option(source, name, value)
+    if (too_deep := depth_problem(value, limits)) is not None:
+        raise InputError(source, f'"{name}" {too_deep}')
+    option_json(source, name, value)
+    return check_option(source, name, value, limits)
+
+
+def option_json(source: str, name: str, value: Any) -> bytes:
+    """An option's value as JSON, or :class:`InputError` when JSON cannot hold it (an integer past
+    64 bits, from a Python or Arrow row)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:
+        raise InputError(source, f'"{name}" cannot be stored as JSON: {exc}') from None
 
 
 def _load_params_file(path: str) -> dict[str, Any]:
@@ -202,19 +223,26 @@ def _seed(value: Any) -> int:
 
 
 def _top_k(value: Any) -> int:
-    if not _is_int(value) or (value < 1 and value != -1):
-        raise Bad(f"must be -1 (off) or an integer >= 1, got {_show(value)}")
+    if not _is_int(value) or (value < 1 and value != -1) or value > INT32_MAX:
+        raise Bad(f"must be -1 (off) or an integer in [1, {INT32_MAX}], got {_show(value)}")
     return value
 
 
 def _logit_bias(value: Any) -> dict[str, float]:
     bias = _object(value)
     for token, b in bias.items():
-        if not token.isdigit():
-            raise Bad(f"keys must be token ids (digits), got {token!r}")
+        if not _is_token_key(token):
+            raise Bad(f"keys must be token ids (digits, at most {INT64_MAX}), got {_show(token)}")
         if not _is_number(b) or not -100 <= b <= 100:
             raise Bad(f"values must be numbers in [-100, 100], got {_show(b)} for token {token}")
     return bias
+
+
+def _is_token_key(key: Any) -> bool:
+    """A token id as a JSON object key: ASCII digits, within int64 (int() of 4,300+ digits raises)."""
+    return (
+        isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19 and int(key) <= INT64_MAX
+    )
 
 
 def _strings(what: str, each: Callable[[str], object] | None = None) -> Callable[[Any], Any]:
@@ -235,8 +263,8 @@ def _strings(what: str, each: Callable[[str], object] | None = None) -> Callable
 
 
 def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise Bad(f"must be a list of token ids (integers >= 0), got {_show(value)}")
+    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in value):
+        raise Bad(f"must be a list of token ids (integers in [0, {INT64_MAX}]), got {_show(value)}")
     return value
 
 
@@ -368,7 +396,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "presence_penalty": _number(-2, 2),
     "repetition_penalty": _number(0, 2, low_open=True),
     "logit_bias": _logit_bias,
-    "min_tokens": _integer(0),
+    "min_tokens": _integer(0, INT32_MAX),
     "ignore_eos": _boolean,
     "no_stop_trim": _boolean,
     "skip_special_tokens": _boolean,

@@ -132,34 +132,42 @@ def _check_gzip(p: Path) -> None:
 
 def _iter_jsonl(p: Path, *, gzipped: bool) -> Iterator[Record]:
     """One record per non-blank line; a line is read whole, whatever its length."""
-    name = str(p)
+    try:
+        with gzip.open(p, "rb") if gzipped else p.open("rb") as f:
+            yield from jsonl_records(str(p), f, "gzip data is corrupt" if gzipped else "read failed")
+    except _READ_ERRORS as exc:
+        raise InputError(str(p), f"read failed: {exc}") from None
+
+
+def jsonl_records(name: str, f: Iterable[bytes], what: str = "read failed") -> Iterator[Record]:
+    """The records of the JSON Lines read from ``f`` (a binary file, e.g. one of the result
+    store: ``tokenmill api``'s uploads), named ``<name>:<line>``; a read error raises
+    :class:`InputError` saying ``what`` failed."""
     lineno = 0
     first = True
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
     try:
-        with gzip.open(p, "rb") if gzipped else p.open("rb") as f:
-            for lineno, line in enumerate(f, start=1):
-                if lineno == 1 and line.startswith(_BOM):
-                    line = line[len(_BOM) :]
-                try:  # parsed first: a blank line is only looked for when parsing fails
-                    value = loads(line)
-                except decode_error as exc:
-                    if not line or line.isspace():
-                        continue
-                    record = Record(f"{name}:{lineno}", None, _describe_bad_line(line, exc))
+        for lineno, line in enumerate(f, start=1):
+            if lineno == 1 and line.startswith(_BOM):
+                line = line[len(_BOM) :]
+            try:  # parsed first: a blank line is only looked for when parsing fails
+                value = loads(line)
+            except decode_error as exc:
+                if not line or line.isspace():
+                    continue
+                record = Record(f"{name}:{lineno}", None, _describe_bad_line(line, exc))
+            else:
+                if type(value) is dict:
+                    record = Record(f"{name}:{lineno}", value)
                 else:
-                    if type(value) is dict:
-                        record = Record(f"{name}:{lineno}", value)
-                    else:
-                        problem = f"expected a JSON object, got {json_kind(value)}"
-                        record = Record(f"{name}:{lineno}", None, problem)
-                if first and record.error and line.lstrip().startswith(b"["):
-                    raise InputError(record.source, _JSON_ARRAY)
-                first = False
-                yield record
+                    problem = f"expected a JSON object, got {json_kind(value)}"
+                    record = Record(f"{name}:{lineno}", None, problem)
+            if first and record.error and line.lstrip().startswith(b"["):
+                raise InputError(record.source, _JSON_ARRAY)
+            first = False
+            yield record
     except _READ_ERRORS as exc:
         where = f"{name}:{lineno + 1}" if lineno else name
-        what = "gzip data is corrupt" if gzipped else "read failed"
         raise InputError(where, f"{what}: {exc}") from None
 
 

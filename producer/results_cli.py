@@ -108,7 +108,7 @@ def seal(
     lock = client.lock(keys.seal_lock(), timeout=LOCK_TTL_S)
     token = uuid.uuid4().hex  # this process's: a lock it held when Redis went away is its own
     sealer = make_sealer(settings, client, store, crash_at, lambda: _extend(lock), mark_chunk)
-    click.echo(f"sealing into {store.url}" + (f" (runs: {', '.join(runs)})" if runs else ""))
+    click.echo(f"sealing into {store.shown}" + (f" (runs: {', '.join(runs)})" if runs else ""))
     while True:
         try:
             _pass(lock, token, sealer, list(runs) or None, force, once)

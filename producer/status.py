@@ -10,6 +10,7 @@ from tokenmill import servers as server_records
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.counts import run_counts
 from tokenmill.outputs import outputs_view
+from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
@@ -50,9 +51,10 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
     pipe.hgetall(k.sealed())
     pipe.get(k.results_store())
     pipe.scard(k.seals_pending())
+    pipe.get(keys.dead_letters_count())
     for partition in partitions:
         pipe.scard(k.shards(partition))
-    tput, stats, failures, last, sealed, store, sealing, *shards = pipe.execute()
+    tput, stats, failures, last, sealed, store, sealing, dead, *shards = pipe.execute()
     tokens_per_s = sum(_i(v) for v in tput) / WINDOW_S
     stats = {a.decode(): _i(b) for a, b in stats.items()}
     done = totals["done"]
@@ -65,7 +67,8 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         eta_s = round(remaining * per_job / tokens_per_s, 1)
     records = server_records.load_all(client)
     servers = [_server_view(r) for r in records]
-    names = [r.name for r in records] + [u for u in server_urls if u not in {r.url for r in records}]
+    managed = {r.url for r in records}
+    names = [r.name for r in records] + [server_records.name_of(u) for u in server_urls if u not in managed]
     return {
         "run": run,
         "partitions": partitions,
@@ -80,11 +83,12 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "lengths": length_view(client, run),
         "outputs": outputs_view(client, run),
         "results": {  # sealed jobs also count as done above
-            "store": store.decode() if store else None,
+            "store": redact_url(store.decode()) if store else None,
             "sealed": {a.decode(): _i(b) for a, b in sealed.items()},
             "shards": sum(_i(n) for n in shards),
             "sealing": _i(sealing),
         },
+        "dead_letters": _i(dead),  # of every run: the queues are shared (tokenmill.dead_letters)
         "at": time.time(),
     }
 
@@ -93,7 +97,7 @@ def _server_view(rec: server_records.ServerRecord) -> dict[str, Any]:
     return {
         "name": rec.name,
         "engine": rec.engine,
-        "url": rec.url,
+        "url": redact_url(rec.url),
         "state": rec.state,
         "pid": rec.pid,
         "restarts": rec.restarts,

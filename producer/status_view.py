@@ -9,6 +9,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from tokenmill import keys
+
 
 def _eta(eta_s: float | None) -> str:
     if eta_s is None:
@@ -35,6 +37,14 @@ def _sealed_line(results: dict[str, Any], done: int) -> str:
     line = f"sealed: {sum(results['sealed'].values())} of {done} done results, in {results['shards']} shards"
     line += f" at {results['store']}"
     return line + (f" ({results['sealing']} shard(s) being sealed)" if results["sealing"] else "")
+
+
+def _dead_letters_line(n: int) -> str:
+    """Poison messages the workers set aside (of every run: the queues are shared)."""
+    return (
+        f"dead letters: {n} message(s) on the queues could not be run and were set aside (all runs); "
+        f"the latest, with their reasons: redis-cli LRANGE {keys.dead_letters()} 0 9"
+    )
 
 
 def render(doc: dict[str, Any]) -> Group:
@@ -65,6 +75,8 @@ def render(doc: dict[str, Any]) -> Group:
     items: list[Any] = [head, parts]
     if (doc.get("results") or {}).get("store"):
         items.append(Text(_sealed_line(doc["results"], t["done"])))
+    if doc.get("dead_letters"):
+        items.append(Text(_dead_letters_line(doc["dead_letters"]), style="yellow"))
     if doc["failures"]:
         fails = Table("failure class", "jobs", "latest message", box=None)
         for cls, n in sorted(doc["failures"].items()):

@@ -20,6 +20,7 @@ from server_mgr.config import ServerConfig, load_config
 from tokenmill import servers
 from tokenmill.cli import LazyGroup
 from tokenmill.settings import Settings
+from tokenmill.url_secrets import redact_url
 
 LAZY = {"sim": ("server_mgr.sim.cli:sim", "Run the SGLang-compatible simulator (no GPU).")}
 STALE_AFTER_S = 30.0
@@ -318,7 +319,7 @@ def _cell(value: Any) -> str:
 
 def _print_quality(result: Any, sides: list[Any]) -> None:
     for side in sides:
-        where = side.url or f"{side.config.source} -> {side.config.probe_url}"
+        where = redact_url(side.url) if side.url else f"{side.config.source} -> {side.config.probe_url}"
         click.echo(f"{side.label}: {where}")
     n = result.prompts
     click.echo(f"prompts: {n} (greedy: temperature 0, fixed seed)")

@@ -1,4 +1,11 @@
-"""The launch command of a server: its argv, its environment, and a printable (redacted) form."""
+"""The launch command of a server: its argv, its environment, and a printable (redacted) form.
+
+The API key is not put on the command line, where ``ps`` shows it to every user of the machine:
+SGLang reads it from a file of options (``--config FILE``, YAML; tokenmill writes JSON, which
+YAML reads) that only its owner may read, written at each launch (:func:`write_key_file`).
+SGLang 0.5.23 reads no environment variable for it, and takes one ``--config``: a server whose
+``extra_args`` give their own gets the key as ``--api-key`` (docs/gpu-server.md).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,9 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
+
+import orjson
 
 from server_mgr.config import ServerConfig
 
@@ -26,19 +36,25 @@ SIM_UNSUPPORTED = frozenset(
 )
 
 
-def launch_argv(config: ServerConfig, *, redact: bool = False) -> list[str]:
-    """The exact argv that starts ``config``'s server (the API key as ``***`` when ``redact``)."""
+def launch_argv(config: ServerConfig, *, redact: bool = False, key_file: Path | None = None) -> list[str]:
+    """The exact argv that starts ``config``'s server: the API key as ``--config key_file`` when
+    given, else as ``--api-key`` (``***`` when ``redact``)."""
     if config.engine == "sim":
-        flags = server_flags(config, redact=redact, skip=SIM_UNSUPPORTED)
+        flags = server_flags(config, redact=redact, skip=SIM_UNSUPPORTED, key_file=key_file)
         return [sys.executable, "-m", "server_mgr.sim", *flags, *sim_flags(config)]
-    return [*config.launcher, *server_flags(config, redact=redact)]
+    return [*config.launcher, *server_flags(config, redact=redact, key_file=key_file)]
 
 
 def server_flags(
-    config: ServerConfig, *, redact: bool = False, skip: frozenset[str] = frozenset()
+    config: ServerConfig,
+    *,
+    redact: bool = False,
+    skip: frozenset[str] = frozenset(),
+    key_file: Path | None = None,
 ) -> list[str]:
     """The SGLang flags for ``config`` in a fixed order (minus ``skip``), then ``extra_args``."""
     c = config
+    key = (REDACTED if redact else c.api_key) if c.api_key else None
     pairs: list[tuple[str, object]] = [
         ("--model-path", c.model_path or None),
         ("--served-model-name", c.served_model_name),
@@ -58,7 +74,7 @@ def server_flags(
         # SGLang 0.5.23 deprecates --disable-cuda-graph in favour of these two
         ("--cuda-graph-backend-decode", None if c.cuda_graphs else "disabled"),
         ("--cuda-graph-backend-prefill", None if c.cuda_graphs else "disabled"),
-        ("--api-key", (REDACTED if redact else c.api_key) if c.api_key else None),
+        ("--config", key_file) if key and key_file else ("--api-key", key),
     ]
     argv: list[str] = []
     for flag, value in pairs:
@@ -78,18 +94,38 @@ def sim_flags(config: ServerConfig) -> list[str]:
     return argv
 
 
+def key_file_path(config: ServerConfig) -> Path | None:
+    """Where the server reads its API key from (beside its log), or None when the key goes on the
+    command line: there is none, or ``extra_args`` hold the one ``--config`` SGLang takes."""
+    if not config.api_key or "--config" in config.extra_args:
+        return None
+    return config.log_path.with_name(f".{config.name}.api-key.yaml")
+
+
+def write_key_file(config: ServerConfig) -> Path | None:
+    """Write the API key to :func:`key_file_path` (mode 0600) and return that path (or None)."""
+    path = key_file_path(config)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file left by an older launch keeps its mode otherwise
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(orjson.dumps({"api-key": config.api_key}))
+    return path
+
+
 def launch_env(config: ServerConfig) -> dict[str, str]:
     """The environment of the server process: ours, plus the config's ``env`` table."""
     return {**os.environ, **config.env}
 
 
-def display_command(config: ServerConfig, *, show_secrets: bool = False) -> str:
+def display_command(config: ServerConfig, *, show_secrets: bool = False, key_file: Path | None = None) -> str:
     """The launch command as one shell line: ``ENV=value ... argv`` (secrets as ``***``)."""
     env = [
         f"{k}={v if show_secrets or not _SECRET_ENV_RE.search(k) else REDACTED}"
         for k, v in config.env.items()
     ]
-    return shlex.join([*env, *launch_argv(config, redact=not show_secrets)])
+    return shlex.join([*env, *launch_argv(config, redact=not show_secrets, key_file=key_file)])
 
 
 def _text(value: object) -> str:

@@ -29,6 +29,7 @@ from server_mgr.sink import LogSink
 from server_mgr.supervisor import Supervisor
 from tokenmill import servers
 from tokenmill.errors import InputError, InvalidRequestError, ServerStartError, ServerUnavailableError
+from tokenmill.url_secrets import redact_url
 
 _WORD_RE = re.compile(r"\s*\S+|\s+$")
 
@@ -234,6 +235,6 @@ async def _complete(
         text = await resp.text()
         if resp.status >= 400:
             error = InvalidRequestError if resp.status < 500 else ServerUnavailableError
-            raise error(f"{base_url} answered {resp.status}: {text[:300]}", status=resp.status)
+            raise error(f"{redact_url(base_url)} answered {resp.status}: {text[:300]}", status=resp.status)
     message = orjson.loads(text)["choices"][0]["message"]
     return (message.get("reasoning_content") or "") + (message.get("content") or "")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server_mgr import health, logparse, process
-from server_mgr.command import display_command, launch_argv, launch_env
+from server_mgr.command import display_command, launch_argv, launch_env, write_key_file
 from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, RESTART, Crash, classify, dooms_the_start
 from server_mgr.policy import FAIL, RestartPolicy
@@ -154,9 +154,10 @@ class Supervisor:
 
     def _launch(self) -> process.Engine:
         c = self.config
-        shown = display_command(c)
+        key_file = write_key_file(c)
+        shown = display_command(c, key_file=key_file)
         banner = f"===== tokenmill: launching {c.name} (restart {self.record.restarts}): {shown}"
-        engine = process.launch(launch_argv(c), launch_env(c), c.log_path, banner)
+        engine = process.launch(launch_argv(c, key_file=key_file), launch_env(c), c.log_path, banner)
         self._engine = engine
         # The old figures read 0 until the new process logs its own (Redis keeps every field).
         self.live = logparse.LiveFigures(figures={k: 0.0 for k in self.record.live})
@@ -402,6 +403,8 @@ class Supervisor:
     def _classify(self, engine: process.Engine, code: int | None, *, first_prefill: bool) -> Crash:
         self._read_log()
         text = logparse.read_since(engine.log_path, engine.log_offset)
+        if self.config.api_key:  # SGLang logs its options, the key among them: a crash's lines are shown
+            text = text.replace(self.config.api_key, "***")
         # Unset in the config, the fraction SGLang resolved is in its log (for an OOM step).
         self._launched_fraction = self.config.mem_fraction_static or logparse.launch_fraction(text)
         return classify(text, code, first_prefill=first_prefill)

@@ -30,7 +30,15 @@ SERVER_TOML = ROOT / "docker" / "server.toml"
 SIM_OVERRIDE = ROOT / "docker" / "compose.sim.yaml"
 SIM_TOML = ROOT / "docker" / "server.sim.toml"
 REDIS_OVERRIDE = ROOT / "docker" / "compose.redis-debian.yaml"
-ENV = {"REDIS_PASSWORD": "s3cret", "FLOWER_BASIC_AUTH": "admin:pw", "HF_TOKEN": "hf_x"}
+ENV = {
+    "REDIS_PASSWORD": "s3cret",
+    "FLOWER_BASIC_AUTH": "admin:pw",
+    "GRAFANA_ADMIN_PASSWORD": "gr4f",
+    "HF_TOKEN": "hf_x",
+}
+REDIS_DOCKERFILE = ROOT / "docker" / "redis.Dockerfile"
+# a variable or setting that holds a secret, by the words of its name
+SECRET = re.compile(r"(^|_)(PASSWORD|SECRET|TOKEN|BASIC_AUTH|API_KEY)(_|$)")
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -333,3 +341,62 @@ def test_the_build_context_leaves_out_the_virtualenv_git_and_secrets() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {"**/.venv", "**/.git", ".env"} <= set(ignored)
     assert not any(p.startswith("docker") for p in ignored), "the wheelhouse must reach the build"
+
+
+def image_refs(compose: dict[str, Any]) -> dict[str, str]:
+    """Every image the stack pulls, by where it is named: a service's ``image`` (unless compose
+    builds it), a build argument ``*_IMAGE``, the Dockerfiles' ``ARG *_IMAGE`` defaults and
+    literal ``FROM`` lines; with the defaults a filled-in ``.env`` leaves."""
+    refs: dict[str, str] = {}
+    for path in (COMPOSE, SIM_OVERRIDE, REDIS_OVERRIDE):
+        for name, svc in interpolate(load(path)["services"], ENV).items():
+            if svc.get("image") and "build" not in svc:
+                refs[f"{path.name}: {name}.image"] = svc["image"]
+            for arg, value in (svc.get("build") or {}).get("args", {}).items():
+                if arg.endswith("IMAGE"):
+                    refs[f"{path.name}: {name}.build.args.{arg}"] = value
+    for path in (DOCKERFILE, REDIS_DOCKERFILE):
+        text = path.read_text()
+        for arg, value in re.findall(r"^ARG (\w*IMAGE)=(\S+)", text, re.MULTILINE):
+            refs[f"{path.name}: ARG {arg}"] = value
+        for value in re.findall(r"^FROM (?!\$)(\S+)", text, re.MULTILINE):
+            refs[f"{path.name}: FROM {value}"] = value
+    return refs
+
+
+def is_pinned(ref: str) -> bool:
+    """Whether an image reference names a digest, or a tag that is not ``latest`` (nor a variant
+    of it, such as ``latest-runtime``); ``registry:5000/name`` has no tag."""
+    repository, _, tag = ref.rpartition(":")
+    return "@sha256:" in ref or (bool(repository) and "/" not in tag and not tag.startswith("latest"))
+
+
+def test_no_secret_has_a_default_and_grafana_needs_its_password_from_env(compose: dict[str, Any]) -> None:
+    # Every variable of .env that holds a secret is required, or empty unless given (an empty one
+    # is refused by what reads it: the dashboard's basic auth beyond loopback)...
+    for var, op, default in _VAR.findall(COMPOSE.read_text()):
+        assert not (SECRET.search(var) and op.endswith("-") and default), (
+            f"${{{var}}} defaults to {default!r}"
+        )
+    # ...and every secret a service is given is such a variable, never a value written in the file
+    services = compose["services"]
+    for name, svc in services.items():
+        for key, value in (svc.get("environment") or {}).items():
+            if SECRET.search(key):
+                assert re.fullmatch(r"\$\{[^}]+\}", str(value)), f"{name}: {key} is {value!r}, not from .env"
+    # and Grafana's admin password in particular is required: without it compose refuses to start
+    grafana = services["grafana"]["environment"]
+    assert interpolate(grafana, ENV)["GF_SECURITY_ADMIN_PASSWORD"] == ENV["GRAFANA_ADMIN_PASSWORD"]
+    with pytest.raises(
+        AssertionError, match=re.escape("GRAFANA_ADMIN_PASSWORD: set GRAFANA_ADMIN_PASSWORD in .env")
+    ):
+        interpolate(grafana, {})
+
+
+def test_every_image_is_pinned_to_a_version_and_sglang_to_the_tested_release(compose: dict[str, Any]) -> None:
+    refs = image_refs(compose)
+    assert len(refs) >= 8, refs  # redis, prometheus, grafana, the base images of both Dockerfiles
+    for where, ref in refs.items():
+        assert is_pinned(ref), f"{where}: {ref!r} is not pinned to a version"
+    sglang = {ref for where, ref in refs.items() if "SGLANG_IMAGE" in where}
+    assert sglang == {"lmsysorg/sglang:v0.5.23"}, sglang

@@ -1,8 +1,10 @@
-"""``tokenmill dashboard`` without a browser: who may bind it, what its API answers, what the page
+"""``tokenmill dashboard`` without a browser: who may bind it and reach it (its password, the
+``Host`` names it answers to, the headers every answer carries), what its API answers, what the page
 loads (tests/test_dashboard_browser.py looks at the page itself in Chromium)."""
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import re
 import sys
@@ -10,6 +12,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +20,53 @@ import orjson
 import pytest
 import redis
 
-from producer.dashboard.server import static_dir
+from producer.dashboard.server import HOSTS_SETTING, SECURITY_HEADERS, static_dir
 from tests.finishing import finish_jobs
 from tests.pipeline import cli
 from tests.procs import ROOT, Proc, http_status, spawn, wait_for
 from tokenmill import Client
+from tokenmill.errors import ConfigError
+from tokenmill.exposure import allowed_hosts, host_allowed
 from tokenmill.local_redis import free_port
 
-NO_AUTH = {"TOKENMILL_DASHBOARD_BASIC_AUTH": ""}
+AUTH = "TOKENMILL_DASHBOARD_BASIC_AUTH"
+NO_AUTH = {AUTH: "", HOSTS_SETTING: ""}
 
 
-def start_dashboard(workdir: Path, redis_url: str, port: int | None = None) -> tuple[Proc, str]:
+def start_dashboard(
+    workdir: Path,
+    redis_url: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[Proc, str]:
+    """``tokenmill dashboard`` on loopback, listening (what it answers is for the test to say)."""
     port = port or free_port()
-    env = {**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url}
+    env = {**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url, **(env or {})}
     proc = spawn(
         [sys.executable, "-m", "tokenmill.cli", "dashboard", "--port", str(port)],
         workdir / f"dashboard-{port}.log",
         env=env,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: http_status(url) == 200 or not proc.alive(), 30, "the dashboard")
+    wait_for(lambda: http_status(url) != 0 or not proc.alive(), 30, "the dashboard")
     assert proc.alive(), proc.output()
     return proc, url
+
+
+def fetch(
+    url: str, host: str | None = None, method: str = "GET", auth: str | None = None
+) -> tuple[int, Message, str]:
+    """One request, with the ``Host`` and basic auth given: (status, headers, body)."""
+    req = urllib.request.Request(url, method=method)
+    if host is not None:
+        req.add_header("Host", host)
+    if auth is not None:
+        req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.headers, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read().decode()
 
 
 def get(url: str) -> tuple[int, Any]:
@@ -66,6 +94,89 @@ def test_binding_beyond_loopback_needs_a_password_and_a_bad_one_is_named_not_sho
     assert "TOKENMILL_DASHBOARD_BASIC_AUTH=user:password" in res.stderr
     res = cli("dashboard", env={**env, "TOKENMILL_DASHBOARD_BASIC_AUTH": "ops:pw,hunter2"}, check=False)
     assert res.returncode == 2 and "basic auth entry 2" in res.stderr and "hunter2" not in res.stderr
+
+
+def test_a_host_is_compared_by_name_whatever_its_port_case_or_brackets() -> None:
+    hosts = allowed_hosts("0.0.0.0", "Dash.Internal, 10.1.2.3", HOSTS_SETTING)
+    assert hosts == {"localhost", "127.0.0.1", "::1", "dash.internal", "10.1.2.3"}  # not 0.0.0.0
+    for host in ("127.0.0.1:9650", "LOCALHOST.", "[::1]:9650", "[0:0:0:0:0:0:0:1]", "dash.internal:80"):
+        assert host_allowed(host, hosts), host
+    for host in (None, "", "evil.example", "::1", "[::1", "127.0.0.1:x", "localhost:1:2", "127.0.0.1@evil"):
+        assert not host_allowed(host, hosts), host
+    assert "dash.lan" in allowed_hosts("dash.lan", "", HOSTS_SETTING)  # the bound name
+    for entry in ("http://dash.internal", "dash.internal:9650", "*"):
+        with pytest.raises(ConfigError, match=re.escape(f"{HOSTS_SETTING}: {entry!r} is not a host name")):
+            allowed_hosts("127.0.0.1", f"dash.internal,{entry}", HOSTS_SETTING)
+
+
+def test_a_request_naming_a_foreign_host_is_refused_and_loopbacks_names_are_served(dashboard: str) -> None:
+    # Given a dashboard on loopback without a password, which any local browser's page can reach
+    port = dashboard.rsplit(":", 1)[1]
+    # When a page asks for it through a name of its own rebound to 127.0.0.1 (DNS rebinding)
+    for path in ("/", "/api/runs"):
+        for host in ("evil.example", f"evil.example:{port}"):
+            status, _, body = fetch(dashboard + path, host)
+            # Then it is refused, naming the Host and the setting that would allow it
+            assert status == 421 and f"Host {host!r}" in body and HOSTS_SETTING in body, (path, body)
+    # And loopback's names are served, with the port or without
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost"):
+        assert fetch(f"{dashboard}/api/runs", host)[0] == 200, host
+
+
+def test_a_name_given_in_the_setting_is_served_and_a_malformed_one_is_refused_at_start(
+    tmp_path: Path, redis_url: str, procs: list[Proc]
+) -> None:
+    # Given a dashboard told to answer to dash.internal as well
+    proc, url = start_dashboard(tmp_path, redis_url, env={HOSTS_SETTING: "dash.internal"})
+    procs.append(proc)
+    port = url.rsplit(":", 1)[1]
+    # Then a request naming it is served, and one naming another name still refused
+    assert fetch(f"{url}/api/runs", f"dash.internal:{port}")[0] == 200
+    assert fetch(f"{url}/api/runs", f"other.internal:{port}")[0] == 421
+    # And a name given with its scheme and port is refused before anything listens, naming it
+    env = {**NO_AUTH, "TOKENMILL_REDIS_URL": redis_url, HOSTS_SETTING: "http://dash.internal:9650"}
+    res = cli("dashboard", "--port", str(free_port()), env=env, check=False, timeout=30)
+    assert res.returncode == 2 and f"{HOSTS_SETTING}: 'http://dash.internal:9650'" in res.stderr, res.stderr
+
+
+def test_every_answer_carries_the_security_headers_errors_and_refusals_included(dashboard: str) -> None:
+    # Given a dashboard, and requests it serves, refuses, cannot route or does not allow
+    local = f"127.0.0.1:{dashboard.rsplit(':', 1)[1]}"
+    cases = [
+        ("GET", "/", local, 200),
+        ("GET", "/api/runs", local, 200),
+        ("GET", "/static/dashboard.js", local, 200),
+        ("GET", "/api/status", local, 400),
+        ("GET", "/nowhere", local, 404),
+        ("POST", "/api/runs", local, 405),
+        ("GET", "/api/runs", "evil.example", 421),
+    ]
+    for method, path, host, code in cases:
+        status, headers, _ = fetch(dashboard + path, host, method)
+        assert status == code, (method, path)
+        # Then each answer carries every security header, errors and refusals included
+        wrong = {
+            name: headers.get(name) for name, value in SECURITY_HEADERS.items() if headers.get(name) != value
+        }
+        assert not wrong, (method, path, status, wrong)
+        # every answer but the static files' is never cached
+        assert path.startswith("/static/") or headers.get("Cache-Control") == "no-store", (method, path)
+
+
+def test_with_basic_auth_a_request_without_the_password_is_refused(
+    tmp_path: Path, redis_url: str, procs: list[Proc]
+) -> None:
+    # Given a dashboard behind basic auth
+    proc, url = start_dashboard(tmp_path, redis_url, env={AUTH: "ops:correct-horse"})
+    procs.append(proc)
+    # When a request comes without credentials, with a wrong password or as another user
+    for auth in (None, "ops:wrong", "nobody:correct-horse"):
+        status, headers, _ = fetch(f"{url}/api/runs", auth=auth)
+        # Then it is refused with a challenge (and the security headers)
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Basic realm="), auth
+        assert headers["Content-Security-Policy"] == SECURITY_HEADERS["Content-Security-Policy"]
+    # And with the password it is served
+    assert fetch(f"{url}/api/runs", auth="ops:correct-horse")[0] == 200
 
 
 def test_an_unreachable_redis_or_a_busy_port_is_an_error_naming_it(

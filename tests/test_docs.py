@@ -15,7 +15,15 @@ OUTSIDE = (
     "reference" + "/sglang-contract",
     "reference" + "/streaming-costs",
 )
-SKIP_DIRS = {".git", ".venv", "__pycache__", ".ruff_cache", ".pytest_cache", "tokenmill.egg-info"}
+SKIP_DIRS = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".hypothesis",
+    "tokenmill.egg-info",
+}
 TEXT_SUFFIXES = {".py", ".md", ".lua", ".toml", ".yaml", ".yml", ".txt", ".cfg", ".ini", ""}
 
 

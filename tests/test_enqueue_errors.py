@@ -155,7 +155,12 @@ def test_a_10mb_row_and_non_utf8_bytes(tmp_path: Path, redis_url: str, rclient: 
     f = tmp_path / "P.jsonl"
     big = "x" * (10 * 1024 * 1024)
     f.write_bytes(orjson.dumps({"id": "big", "prompt": big}) + b"\n" + b'{"prompt": "caf\xe9"}\n')
-    res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": redis_url}, check=False)
+    # (above the default bounds on a row and a prompt: tests/test_limits.py)
+    bounds = {
+        "TOKENMILL_INPUT_MAX_ROW_BYTES": str(16 << 20),
+        "TOKENMILL_INPUT_MAX_PROMPT_BYTES": str(16 << 20),
+    }
+    res = cli("enqueue", str(f), "--run", "r", env={"TOKENMILL_REDIS_URL": redis_url, **bounds}, check=False)
     assert res.returncode == 2 and f"{f}:2: not valid UTF-8" in res.stderr
     spec = orjson.loads(rclient.hget("tm:r:job:P:big", "spec"))
     assert len(spec["request"]["messages"][0]["content"]) == len(big)

@@ -160,6 +160,7 @@ def test_the_openai_batch_export_answers_every_request_of_the_input(
     ]  # fmt: skip
     assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 9, "total_tokens": 20}
     assert lines["lp"]["response"]["body"]["choices"][0]["logprobs"] == LOGPROBS
+    assert lines["stop"]["response"]["body"]["choices"][0]["matched_stop"] == "END"
     assert lines["long"]["response"]["body"]["choices"][0]["finish_reason"] == "length"  # truncated too
     bad = lines["bad"]["response"]
     assert bad["status_code"] == 400 and lines["bad"]["error"] is None

@@ -44,11 +44,15 @@ def test_shared_keys_live_under_the_shared_prefix() -> None:
         keys.server_series("a"),
         keys.server_states("a"),
         keys.series_servers(),
+        keys.dead_letters(),
+        keys.dead_letters_count(),
     ):
         assert key.startswith("tm:_:")
     assert keys.broker_queue("short") == "short"
     assert keys.server_series("a") == "tm:_:server:a:series"
     assert keys.server_states("a") == "tm:_:server:a:states"
+    assert keys.server_idle("127.0.0.1:30000") == "tm:_:idle:127.0.0.1:30000"
+    assert (keys.dead_letters(), keys.dead_letters_count()) == ("tm:_:dead", "tm:_:dead:count")
 
 
 def test_broker_keys_are_kombus_own() -> None:

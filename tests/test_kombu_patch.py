@@ -1,4 +1,4 @@
-"""``tokenmill/kombu_patch.py`` replaces three private methods of kombu's Redis transport, written
+"""``tokenmill/kombu_patch.py`` replaces five private methods of kombu's Redis transport, written
 against kombu 5.7. pyproject.toml bounds kombu to the versions it was written for; this test
 fails the day those methods change (a new kombu inside the bound, or a widened bound), so that
 the patch is read again against the new code instead of silently wrapping something else."""
@@ -19,11 +19,15 @@ WRITTEN_AGAINST = {
     "QoS.restore_unacked": "8954efef014d546e",
     "Channel._connparams": "e9a4295085a8fb90",
     "Channel._create_client": "dae92bc4075dafb9",
+    "Channel._brpop_read": "c42518699709f2df",
+    "Transport._deliver": "799e242f3ec53863",  # virtual.Transport's, which the Redis transport inherits
 }
 ORIGINALS = {
     "QoS.restore_unacked": kombu_patch._original_restore,
     "Channel._connparams": kombu_patch._original_connparams,
     "Channel._create_client": kombu_patch._original_create_client,
+    "Channel._brpop_read": kombu_patch._original_brpop_read,
+    "Transport._deliver": kombu_patch._original_deliver,
 }
 
 
@@ -42,5 +46,7 @@ def test_the_patch_is_what_kombu_runs_and_kombu_is_within_the_bound() -> None:
     assert kombu_redis.QoS.restore_unacked is kombu_patch._restore_unacked
     assert kombu_redis.Channel._connparams is kombu_patch._connparams
     assert kombu_redis.Channel._create_client is kombu_patch._create_client
+    assert kombu_redis.Channel._brpop_read is kombu_patch._brpop_read
+    assert kombu_redis.Transport._deliver is kombu_patch._deliver
     major, minor = (int(x) for x in kombu.__version__.split(".")[:2])
     assert (major, minor) == (5, 7), f"kombu {kombu.__version__}: pyproject.toml bounds kombu to 5.7.x"

@@ -33,6 +33,8 @@ from workers.task import STOP_SLACK_S
 
 OUTAGE_S = 25.0  # how long the host is gone
 RESUME_S = 30.0  # progress resumes within this of the replacement
+REPLACED_AFTER_S = 20.0  # the server's host is gone this long before a replacement answers
+NOTICED_S = 15.0  # ...and the streams to the old one are abandoned within this, with default deadlines
 MEAN = 150  # ~1.5 s streams at 10 ms a token: each is checkpointed a few times
 STREAMS = ("--reasoning-parser", "qwen3", "--sim-step-ms", "10", "--sim-mean-output-tokens", str(MEAN))
 
@@ -209,6 +211,51 @@ def test_the_servers_host_vanishing_mid_stream_ends_streams_by_their_stall_deadl
         assert time.monotonic() - replaced_at < RESUME_S
         a = assert_exact(c, wl, tmp_path / "out")
     assert a.continued_jobs > 0 and a.continued_tokens > 0
+
+
+@pytest.mark.alone
+def test_a_server_replaced_where_its_host_vanished_is_noticed_within_15s_with_the_default_stall_deadline(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    # Given two workers streaming from the sim through a proxy, with the default deadlines (a
+    # stream ends by its stall deadline after 120 s of silence)
+    c, run = cluster, "replaced"
+    wl = streams(run, 40)
+    with FaultProxy(c.sim_port) as proxy:
+        c.server_via = f"http://{proxy.address()}"
+        c.enqueue(wl)
+        c.start_workers(2)
+        hit = chaos.wait_mid_stream(c.client, run, 3)
+
+        # When the server's host vanishes for 20 s (its connections left open, never reset), and
+        # then a replacement server answers at the same address
+        proxy.vanish()
+        gone_at = time.monotonic()
+        wait_for(lambda: time.monotonic() - gone_at >= REPLACED_AFTER_S, 30, "the outage to last", 0.5)
+        done_then = done_count(c, run)
+        c.replace_sim()
+        proxy.replace(c.sim_port)
+        replaced_at = time.monotonic()
+
+        # Then within 15 s the streams to the old server are abandoned and their jobs continue
+        # (each seen ended once: a released job may be claimed again at once), and a job is done
+        seen_ended: set[str] = set()
+
+        def ended() -> bool:
+            views = chaos.job_views(c.client, run, set(hit) - seen_ended)
+            seen_ended.update(j for j, v in views.items() if v.state != "running" or v.token > hit[j].token)
+            return seen_ended == set(hit)
+
+        wait_for(ended, NOTICED_S, "the streams to the vanished server to be abandoned", 0.1)
+        wait_for(lambda: done_count(c, run) > done_then, NOTICED_S, "a commit on the replacement", 0.1)
+        took = time.monotonic() - replaced_at
+        lost = {
+            j for j, v in chaos.job_views(c.client, run, hit).items() if v.last_error_class == "stream_lost"
+        }
+        assert lost, chaos.job_views(c.client, run, hit)
+        a = assert_exact(c, wl, tmp_path / "out")
+    assert a.continued_jobs > 0 and a.continued_tokens > 0
+    assert took < NOTICED_S
 
 
 def test_workers_stop_on_sigterm_within_their_grace_while_redis_is_gone(

@@ -72,12 +72,15 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"stop": ""}, '"stop": each must be a non-empty string'),
     ({"stop": ["a", 3]}, '"stop": each must be a non-empty string, got 3'),
     ({"stop_token_ids": [1, -2]}, '"stop_token_ids" must be a list of token ids'),
-    ({"top_k": 0}, '"top_k" must be -1 (off) or an integer >= 1, got 0'),
+    ({"top_k": 0}, '"top_k" must be -1 (off) or an integer in [1, 2147483647], got 0'),
     ({"min_p": 1.5}, '"min_p" must be a number in [0, 1], got 1.5'),
-    ({"min_tokens": -1}, '"min_tokens" must be an integer >= 0, got -1'),
+    ({"min_tokens": -1}, '"min_tokens" must be an integer in [0, 2147483647], got -1'),
     ({"repetition_penalty": 0}, '"repetition_penalty" must be a number in (0, 2], got 0'),
     ({"frequency_penalty": "high"}, '"frequency_penalty" must be a number in [-2, 2]'),
-    ({"logit_bias": {"the": 1}}, '"logit_bias": keys must be token ids (digits)'),
+    (
+        {"logit_bias": {"the": 1}},
+        '"logit_bias": keys must be token ids (digits, at most 9223372036854775807)',
+    ),
     ({"logit_bias": {"5": 101}}, '"logit_bias": values must be numbers in [-100, 100]'),
     ({"response_format": {"type": "xml"}}, '"response_format": "type" must be one of text, json_object'),
     ({"response_format": {"type": "json_schema"}}, '"response_format": type "json_schema" needs'),
@@ -201,7 +204,7 @@ def test_run_params_come_from_a_file_then_each_param_then_the_flags(tmp_path: Pa
         (["temprature=0.5"], "--param temprature: 'temprature' is not a request option tokenmill knows"),
         (["stop"], "--param stop: expected NAME=JSON"),
         (["stop=END"], "--param stop: 'END' is not JSON (strings need quotes: --param 'stop=\"END\"')"),
-        (["top_k=0"], '--param top_k: "top_k" must be -1 (off) or an integer >= 1'),
+        (["top_k=0"], '--param top_k: "top_k" must be -1 (off) or an integer in [1, 2147483647]'),
     ],
 )
 def test_a_bad_run_param_is_refused_naming_it(params: list[str], problem: str) -> None:

@@ -55,6 +55,11 @@ WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the toke
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
 LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (admit.lua)
+# The most tokens a slot holds (prelude.lua's SLOT_MAX): admission's scripts count in Lua numbers
+# (doubles), exact integers only up to 2**53, and a server's counts sum its slots. A job asking
+# for more (``max_tokens`` 2**64 - 1) holds this, as if it filled any pool, until its server
+# refuses it (context length).
+MAX_SLOT_TOKENS = 2**40
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,23 @@ class LengthTracker:
         return tuple(bins)
 
 
+def output_tokens(max_tokens: Any, default: int) -> int:
+    """The output a request is projected to reach by its ``max_tokens``, within 1 and
+    :data:`MAX_SLOT_TOKENS` (``default`` when it is absent or not a positive number: the server
+    refuses such a request, and its size must not enter admission's counts meanwhile)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | float) or not max_tokens >= 1:
+        return default
+    return int(min(max_tokens, MAX_SLOT_TOKENS))
+
+
+def held_count(raw: bytes | str | None) -> int:
+    """A count of the used hash as admission's scripts read it: garbage is 0 (admit.lua heals it)."""
+    try:
+        return max(0, int(float(raw or 0)))
+    except (ValueError, OverflowError):
+        return 0
+
+
 def prompt_kv_tokens(usage: dict[str, Any] | None) -> int:
     """The prompt tokens a request held in the server's KV pool by its ``usage`` (0: unknown):
     ``prompt_tokens`` less ``prompt_tokens_details.cached_tokens`` (SGLang reports the latter with
@@ -139,9 +161,10 @@ class Admission:
         return self.held_on(self.survival(run), request, generated)
 
     def held_on(self, curve: Survival, request: dict[str, Any], generated: int = 0) -> int:
-        """:meth:`held` by the curve given."""
-        max_tokens = request.get("max_tokens") or self.s.admission_default_output_tokens
-        return curve.hold(curve.prompt(estimate_prompt_tokens(request["messages"])), max_tokens, generated)
+        """:meth:`held` by the curve given, at most :data:`MAX_SLOT_TOKENS`."""
+        max_tokens = output_tokens(request.get("max_tokens"), self.s.admission_default_output_tokens)
+        prompt = curve.prompt(estimate_prompt_tokens(request["messages"]))
+        return min(MAX_SLOT_TOKENS, curve.hold(prompt, max_tokens, generated))
 
     def survival(self, run: str) -> Survival:
         """The run's completion-length curve (cached for ``STATS_TTL_S``, ``YOUNG_CURVE_TTL_S``
@@ -173,12 +196,12 @@ class Admission:
 
     def load(self, server: str) -> int:
         """Tokens currently admitted on ``server``."""
-        return int(self.r.hget(keys.admission_used(server), LOAD_FIELD) or 0)
+        return held_count(self.r.hget(keys.admission_used(server), LOAD_FIELD))
 
     async def loads(self, client: LoopRedis, servers: Sequence[str]) -> list[int]:
         """:meth:`load` of each of ``servers``, on the loop's client (one pipelined round trip)."""
         used = [client.call("HGET", keys.admission_used(server), LOAD_FIELD) for server in servers]
-        return [int(x or 0) for x in await asyncio.gather(*used)]
+        return [held_count(x) for x in await asyncio.gather(*used)]
 
     def fullness(self, load: int, capacity: int | None) -> float:
         """How full a server is for admission: the tokens admitted on it over its budget (0 when

@@ -14,18 +14,25 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from tokenmill.url_secrets import redact_url, split_userinfo
+
 
 class Capacity(NamedTuple):
     max_total_num_tokens: int | None
     context_length: int | None
 
 
+def request(url: str, api_key: str | None = None) -> urllib.request.Request:
+    """A GET of ``url``: bearer auth when ``api_key``, else basic auth when the URL has a
+    ``user:password@`` (which urllib would take for part of the host name)."""
+    bare, basic = split_userinfo(url)
+    auth = f"Bearer {api_key}" if api_key else basic
+    return urllib.request.Request(bare, headers={"Authorization": auth} if auth else {})
+
+
 def get_bytes(url: str, api_key: str | None, timeout_s: float) -> bytes:
     """GET ``url``'s body (bearer auth when ``api_key``); raises OSError."""
-    request = urllib.request.Request(url)
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+    with urllib.request.urlopen(request(url, api_key), timeout=timeout_s) as resp:
         return resp.read()
 
 
@@ -33,7 +40,7 @@ def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
     """GET ``url`` as a JSON object (bearer auth when ``api_key``); raises OSError or ValueError."""
     data = orjson.loads(get_bytes(url, api_key, timeout_s))
     if not isinstance(data, dict):
-        raise ValueError(f"{url} did not answer a JSON object")
+        raise ValueError(f"{redact_url(url)} did not answer a JSON object")
     return data
 
 

@@ -170,6 +170,13 @@ class StreamStalledError(RetryableError):
     error_class = "stall"
 
 
+class StreamLostError(RetryableError):
+    """The server answers but no longer holds the stream's request (restarted, or a replacement
+    answers where its host vanished): the stream is abandoned and the job continues."""
+
+    error_class = "stream_lost"
+
+
 class StreamError(RetryableError):
     """An error chunk arrived mid-stream, or the stream ended without a finish."""
 

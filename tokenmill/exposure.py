@@ -1,5 +1,6 @@
 """Who may reach a web UI tokenmill serves (Flower, the dashboard): loopback by default, and
-beyond it only behind HTTP basic auth.
+beyond it only behind HTTP basic auth; and which ``Host`` names the dashboard answers to, so that
+a web page cannot read it through a name of its own rebound to this host (DNS rebinding).
 
 Credentials come as ``user:password[,user2:password2]`` (from an environment variable, so they
 never appear on a command line); an entry that is not well formed is refused naming its
@@ -12,8 +13,13 @@ import base64
 import binascii
 import hmac
 import ipaddress
+import re
 
 from tokenmill.errors import ConfigError
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_HOST_HEADER = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]*)?")
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 
 
 def is_loopback(address: str) -> bool:
@@ -67,3 +73,37 @@ def authorized(header: str | None, credentials: list[str]) -> bool:
         return False
     # every entry is compared, so the time taken does not tell which one came close
     return sum(hmac.compare_digest(given, entry.encode()) for entry in credentials) > 0
+
+
+def allowed_hosts(address: str, extra: str, source: str) -> frozenset[str]:
+    """The names a server bound to ``address`` answers to in a request's ``Host``: loopback's,
+    ``address`` itself unless it means every interface, and ``extra`` (host names or IP
+    addresses, comma-separated, from ``source``); an entry that is neither is refused naming it."""
+    names = set(LOOPBACK_HOSTS)
+    if (bound := host_name(address)) not in ("", "0.0.0.0", "::"):
+        names.add(bound)
+    for entry in filter(None, (e.strip() for e in extra.split(","))):
+        if not (name := host_name(entry)):
+            raise ConfigError(
+                f"{source}: {entry!r} is not a host name or an IP address "
+                "(give it without scheme, port or path)"
+            )
+        names.add(name)
+    return frozenset(names)
+
+
+def host_allowed(header: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a ``Host`` header (``name``, ``name:port``, ``[v6]`` or ``[v6]:port``) names one of
+    ``allowed``, whatever the port; a missing or malformed one does not."""
+    match = _HOST_HEADER.fullmatch((header or "").strip())
+    return match is not None and host_name(match["v6"] or match["name"]) in allowed
+
+
+def host_name(value: str) -> str:
+    """``value`` as a canonical host name or IP address (lower case, no brackets, no final dot),
+    or ``""`` when it is neither."""
+    name = value.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
+    try:
+        return ipaddress.ip_address(name).compressed
+    except ValueError:
+        return name if _HOST_NAME.fullmatch(name) else ""

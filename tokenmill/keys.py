@@ -107,6 +107,13 @@ def admission_watch(server_name: str) -> str:
     return f"{PREFIX}:_:admit:{server_name}:watch"
 
 
+def server_idle(server: str) -> str:
+    """String: since when (epoch ms) a worker read ``server`` (its root URL without credentials)
+    holding no request, over the quiet span, while streams to it were silent: every stream to it
+    silent since before then is lost (``workers/lost.py``). Expires after a minute."""
+    return f"{PREFIX}:_:idle:{server}"
+
+
 def server_series(name: str) -> str:
     """Stream: ``name``'s load over time (running, queued, KV use, retractions, window), one point
     a step, written by the worker holding its load watch (:mod:`tokenmill.history`)."""
@@ -136,6 +143,16 @@ def seal_lock() -> str:
 def worker_control() -> str:
     """Hash of flags every worker reads (e.g. a paused reason), written by the server manager."""
     return f"{PREFIX}:_:control"
+
+
+def dead_letters() -> str:
+    """List: poison messages taken off the broker queues (JSON records), newest first, capped."""
+    return f"{PREFIX}:_:dead"
+
+
+def dead_letters_count() -> str:
+    """String: how many poison messages were ever taken off the broker queues (the list is capped)."""
+    return f"{PREFIX}:_:dead:count"
 
 
 def worker_queues() -> str:

@@ -1,5 +1,5 @@
-"""Two guards around places where kombu's Redis transport (5.7) dies on a lost broker, and one
-cost it pays on every message.
+"""Two guards around places where kombu's Redis transport (5.7) dies on a lost broker, one
+around poison messages, and one cost it pays on every message.
 
 When Redis goes away while a threads-pool worker is acking, kombu closes the channel and then:
 
@@ -13,6 +13,12 @@ operation could reach Redis anyway: the messages stay in kombu's unacked hash, a
 leases, waiting leases and reconciler put their jobs back on the queue. So the first is logged,
 and the second raises the ``redis.ConnectionError`` that kombu and Celery already recover from.
 
+A message on tokenmill's queues that is not a task message it can run (not JSON, not a kombu
+envelope, not ``tokenmill.generate``'s three strings: ``tokenmill.dead_letters.problem``) was
+dropped or failed with no record, or made kombu or Celery raise in the consumer, which stopped the
+worker (and, redelivered, the next one). Such a message is taken off the queue into the dead
+letters instead, before it is delivered (so there is nothing to ack), and the worker goes on.
+
 The cost: every delivery and every ack (``QoS.append``, ``QoS.ack``) asks ``conn_or_acquire`` for
 a client, and kombu builds a new ``redis.Redis`` on the channel's pool each time; redis-py's
 ``Redis.__init__`` sets up its table of response callbacks, ~10% of a short-job worker's
@@ -23,16 +29,22 @@ replaced (after a reconnect) gets a new one.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
+import orjson
 import redis
 from kombu.transport import redis as kombu_redis
+
+from tokenmill import dead_letters, keys
 
 log = logging.getLogger("tokenmill.kombu")
 _original_restore = kombu_redis.QoS.restore_unacked
 _original_connparams = kombu_redis.Channel._connparams
 _original_create_client = kombu_redis.Channel._create_client
+_original_brpop_read = kombu_redis.Channel._brpop_read
+_original_deliver = kombu_redis.Transport._deliver
 
 
 def _restore_unacked(self: Any, client: Any = None) -> Any:
@@ -64,8 +76,28 @@ def _create_client(self: Any, asynchronous: bool = False) -> Any:
     return client
 
 
+def _brpop_read(self: Any, **options: Any) -> Any:
+    try:
+        return _original_brpop_read(self, **options)
+    except json.JSONDecodeError as exc:  # kombu could not parse the item it popped off the list
+        queue = "|".join(self.active_queues)
+        dead_letters.bury(self._create_client(), queue, f"not JSON, so not a kombu message: {exc}", exc.doc)
+        return True
+
+
+def _deliver(self: Any, message: Any, queue: str) -> Any:
+    reason = dead_letters.problem(message) if queue in keys.QUEUES else None
+    if reason is None:
+        return _original_deliver(self, message, queue)
+    # any channel's client reaches the broker's Redis: the one acks go through
+    dead_letters.bury(self.channels[0]._create_client(), queue, reason, orjson.dumps(message), message)
+    return None
+
+
 def apply() -> None:
     """Install the guards and the shared client (idempotent)."""
     kombu_redis.QoS.restore_unacked = _restore_unacked  # type: ignore[method-assign]
     kombu_redis.Channel._connparams = _connparams  # type: ignore[method-assign]
     kombu_redis.Channel._create_client = _create_client  # type: ignore[method-assign]
+    kombu_redis.Channel._brpop_read = _brpop_read  # type: ignore[method-assign]
+    kombu_redis.Transport._deliver = _deliver  # type: ignore[method-assign]

@@ -49,8 +49,9 @@ SCRIPT_NAMES = (
     "finish",
     "series",
 )
-# Scripts made of others: each part's body becomes a local function of the same name, taking its
-# own KEYS and ARGV (one round trip doing what the parts do, by the parts' own code).
+# Every script opens with prelude.lua (clamped reads of ARGV and stored values). Scripts made of
+# others: each part's body becomes a local function of the same name, taking its own KEYS and ARGV
+# (one round trip doing what the parts do, by the parts' own code).
 COMPOSED = {"start": ("admit", "claim"), "finish": ("commit", "unadmit")}
 
 
@@ -60,7 +61,7 @@ def _read(name: str) -> str:
 
 def _compose(name: str) -> str:
     parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
-    return "".join(parts) + _read(name)
+    return _read("prelude") + "".join(parts) + _read(name)
 
 
 _SOURCES = {n: _compose(n) for n in SCRIPT_NAMES}

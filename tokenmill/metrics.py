@@ -25,7 +25,7 @@ from tokenmill import keys
 from tokenmill import servers as server_records
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
-from tokenmill.settings import redact_url
+from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.metrics")
 
@@ -115,12 +115,18 @@ class LedgerCollector(Collector):
         family = GaugeMetricFamily(
             "tokenmill_queue_messages", "Messages waiting in the broker queue.", labels=["queue"]
         )
+        dead = CounterMetricFamily(
+            "tokenmill_dead_letters", "Poison messages set aside off the queues, not run (every run)."
+        )
         pipe = self.r.pipeline(transaction=False)
         for queue in keys.QUEUES:
             pipe.llen(keys.broker_queue(queue))
-        for queue, n in zip(keys.QUEUES, pipe.execute(), strict=True):
+        pipe.get(keys.dead_letters_count())
+        *depths, n_dead = pipe.execute()
+        for queue, n in zip(keys.QUEUES, depths, strict=True):
             family.add_metric([queue], n)
-        return [family]
+        dead.add_metric([], int(n_dead or 0))
+        return [family, dead]
 
     # -- servers and admission --------------------------------------------------------------
 

@@ -8,12 +8,17 @@ reported them for the whole completion (SGLang's ``usage.reasoning_tokens``; not
 continued a checkpoint, whose earlier tokens the server did not see). It also keeps each
 partition's latest job ids (:meth:`~tokenmill.keys.RunKeys.recent`), which the dashboard's
 sample viewer reads.
+
+Before a result is committed its text is cut at its stop strings (:func:`cut_at_stop`), whatever
+the server sent: a server may let one through (SGLang trims a step's text at the first stop
+string of the request's list that the step completed, not at the first in the text; a stop
+string across a continuation's checkpoint is not seen by SGLang at all).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenmill import keys
 from tokenmill.lengths import bin_of, edge
@@ -35,6 +40,56 @@ def reasoning_tokens(usage: Mapping[str, Any] | None) -> int | None:
     if value is None:
         value = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
     return int(value) if value is not None else None
+
+
+class StopCut(NamedTuple):
+    """An output cut at its first stop string (``stop`` None: it holds none)."""
+
+    content: str
+    reasoning: str
+    stop: str | None = None
+
+
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """``(end, stop)``: of the stop strings that occur in ``text``, the one whose first occurrence
+    ends first (on a tie, the first in ``stops``), and where that occurrence ends; a server that
+    matches stop strings as it writes stops there. None when none occurs (empty ones never do).
+    Cut before ``end - len(stop)``, the text holds no stop string; cut at ``end``, only that one,
+    at its very end."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop) if stop else -1
+        if at >= 0 and (best is None or at + len(stop) < best[0]):
+            best = (at + len(stop), stop)
+    return best
+
+
+def cut_at_stop(content: str, reasoning: str, stops: Sequence[str], keep: bool = False) -> StopCut:
+    """The output (``content`` after ``reasoning``, as the model writes them) ended at its first
+    stop string: that string and all after it are cut, or with ``keep`` (``no_stop_trim``) all
+    after it. SGLang matches stop strings in everything it generates, reasoning included, so a
+    stop string in the reasoning leaves no content."""
+    hit = first_stop(reasoning, stops)
+    if hit is not None:
+        return StopCut("", reasoning[: hit[0] if keep else hit[0] - len(hit[1])], hit[1])
+    hit = first_stop(content, stops)
+    if hit is not None:
+        return StopCut(content[: hit[0] if keep else hit[0] - len(hit[1])], reasoning, hit[1])
+    return StopCut(content, reasoning)
+
+
+def tokens_through(pieces: Sequence[str], text: str, end: int) -> int | None:
+    """How many of the token texts ``pieces`` write ``text`` up to ``end`` (the last may reach past
+    it); None when they do not spell ``text`` from its start (special tokens, a character split
+    across tokens) or run out first."""
+    written = 0
+    for n, piece in enumerate(pieces, 1):
+        if not text.startswith(piece, written):
+            return None
+        written += len(piece)
+        if written >= end:
+            return n
+    return None
 
 
 def commit_fields(result: Mapping[str, Any]) -> tuple[str, str, str]:

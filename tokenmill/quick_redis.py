@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import hiredis
 
 from tokenmill.errors import RedisUnavailableError
-from tokenmill.settings import redact_url
+from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
     import ssl

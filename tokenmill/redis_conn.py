@@ -20,7 +20,8 @@ from redis.retry import Retry
 
 from tokenmill import redis_url
 from tokenmill.errors import RedisUnavailableError
-from tokenmill.settings import Settings, redact_url
+from tokenmill.settings import Settings
+from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.redis")
 HEALTH_CHECK_S = 30

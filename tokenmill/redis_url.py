@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from tokenmill.errors import ConfigError
+from tokenmill.url_secrets import redact_url
 
 SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # redis-py's URL options the worker's event-loop client (tokenmill/loop_redis.py) honours; the
@@ -104,7 +105,7 @@ def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:
             continue
         parts = urlsplit(part)
         if parts.scheme != "sentinel" or not parts.hostname:
-            raise ConfigError(f"{what}: {part!r} is not a sentinel://HOST:PORT address")
+            raise ConfigError(f"{what}: {redact_url(part)!r} is not a sentinel://HOST:PORT address")
         hosts.append((parts.hostname, parts.port or 26379))
         username = username or (unquote(parts.username) if parts.username else None)
         password = password or (unquote(parts.password) if parts.password else None)
@@ -131,10 +132,26 @@ def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:
 
 def broker_url(url: str) -> str:
     """The URL Celery's broker is given: a Sentinel URL without its options (kombu reads
-    ``master_name`` from the transport options, :func:`broker_transport_options`)."""
+    ``master_name`` from the transport options, :func:`broker_transport_options`); a
+    ``?username=``/``?password=`` (redis-py's options) moved into the userinfo, the one place
+    kombu reads them from (an option of the same name fails its URL parser with a TypeError)."""
     if not is_sentinel(url):
-        return url
+        return _login_in_userinfo(url)
     return ";".join(p.strip().split("?", 1)[0] for p in url.split(";") if p.strip())
+
+
+def _login_in_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    login = {k: v for k, v in query if k in ("username", "password")}
+    if not login:
+        return url
+    user = quote(login.get("username") or unquote(parts.username or ""), safe="")
+    password = quote(login.get("password") or unquote(parts.password or ""), safe="")
+    rest = urlencode([(k, v) for k, v in query if k not in login])
+    return urlunsplit(
+        parts._replace(netloc=f"{user}:{password}@{parts.netloc.rpartition('@')[2]}", query=rest)
+    )
 
 
 def broker_transport_options(url: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import IO, Any
 import fsspec
 
 from tokenmill.errors import ResultStoreError
+from tokenmill.url_secrets import redact_url
 
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 SPECS_DIR = "_specs"
@@ -50,12 +51,13 @@ class ResultStore:
                 self.root = root.rstrip("/")
                 self.url = raw.rstrip("/")
         except (ImportError, ValueError) as exc:
-            raise ResultStoreError(f"result store {raw!r} cannot be opened: {exc}") from None
+            raise ResultStoreError(f"result store {redact_url(raw)!r} cannot be opened: {exc}") from None
+        self.shown = redact_url(self.url)  # the URL in messages: credentials hidden
         protocol = self.fs.protocol
         self.protocols = {protocol} if isinstance(protocol, str) else set(protocol)
 
     def __repr__(self) -> str:
-        return f"ResultStore({self.url!r})"
+        return f"ResultStore({self.shown!r})"
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -71,12 +73,16 @@ class ResultStore:
     def specs_path(self, run: str, partition: str, shard_id: str) -> str:
         return self._join(run, partition, SPECS_DIR, f"{shard_id}.parquet")
 
+    def path(self, *parts: str) -> str:
+        """A path under the store's root (``tokenmill api`` keeps its files under ``_api``)."""
+        return self._join(*parts)
+
     def describe(self, path: str) -> str:
         """``path`` as a user can find it (with the store's scheme for remote stores)."""
         if self.local:
             return path
         scheme = self.url.split("://", 1)[0]
-        return f"{scheme}://{path}"
+        return redact_url(f"{scheme}://{path}")
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -115,6 +121,45 @@ class ResultStore:
             os.fsync(fd)  # the rename itself survives a power cut
         finally:
             os.close(fd)
+
+    @contextmanager
+    def writer(self, path: str) -> Iterator[IO[bytes]]:
+        """A binary file that writes ``path`` piece by piece, whole or not at all as
+        :meth:`write` does: on a local disk through a fsynced temporary name, on object storage
+        as one multipart upload (aborted on an error), elsewhere through a temporary name."""
+        direct = not self.local and bool(self.protocols & OBJECT_STORES)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder, name = path.rsplit("/", 1) if not self.local else os.path.split(path)
+        tmp = path if direct else f"{folder}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            fh = self.fs.open(tmp, "wb")
+            try:
+                yield fh
+                if self.local:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException:
+                discard = getattr(fh, "discard", None)
+                discard() if direct and discard else fh.close()
+                if not direct:
+                    self.fs.rm_file(tmp)
+                raise
+            fh.close()
+            if not direct:
+                self.fs.mv(tmp, path)
+        except OSError as exc:
+            raise ResultStoreError(f"cannot write {self.describe(path)}: {exc}") from exc
+
+    def reader(self, path: str) -> IO[bytes]:
+        """``path`` opened for reading in order (streamed; a missing file raises
+        ``FileNotFoundError``)."""
+        return self.fs.open(path, "rb", cache_type="readahead", block_size=1 << 20)
+
+    def remove(self, path: str) -> None:
+        """Delete ``path`` if it is there."""
+        if self.fs.exists(path):
+            self.fs.rm_file(path)
 
     def remove_temporaries(self, run: str, partition: str, shard_id: str) -> int:
         """Delete what a sealer that died left of ``shard_id``'s temporary files; returns how many."""

@@ -38,6 +38,7 @@ from tokenmill import keys
 from tokenmill.ledger import register
 from tokenmill.results import Hook, ResultStore, no_hook
 from tokenmill.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
+from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.seal")
 
@@ -181,7 +182,7 @@ class Sealer:
 
     def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
-        report.other_store[run] = store
+        report.other_store[run] = store = redact_url(store)
         if run not in self.warned:
             self.warned.add(run)
             log.warning("run %s: its shards are in %s, not here; not sealed", run, store)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.capacity import get_bytes, get_json
+from tokenmill.url_secrets import redact_url
 
 # sglang:<gauge> -> the name published as live.<name> (same vocabulary as the log parser)
 METRIC_NAMES = {
@@ -70,7 +71,7 @@ def loads(base_url: str, api_key: str | None, timeout_s: float) -> Load:
             raise
         return router_load(base_url, api_key, timeout_s)
     if not isinstance(items, list) or not items:
-        raise ValueError(f"{base_url}/v1/loads has no loads")
+        raise ValueError(f"{redact_url(base_url)}/v1/loads has no loads")
     return Load(
         sum(int(x.get("num_running_reqs", 0)) for x in items),
         sum(int(x.get("num_waiting_reqs", 0)) for x in items),
@@ -97,7 +98,9 @@ def router_load(base_url: str, api_key: str | None, timeout_s: float) -> Load:
     text = _text(url, api_key, timeout_s)
     figures = parse_metrics(text, extra=(CAPACITY_METRIC,))
     if CAPACITY_METRIC not in figures or "running_req" not in figures:
-        raise ValueError(f"{url} has no SGLang scheduler figures (workers without --enable-metrics?)")
+        raise ValueError(
+            f"{redact_url(url)} has no SGLang scheduler figures (workers without --enable-metrics?)"
+        )
     return Load(
         int(figures["running_req"]),
         int(figures.get("queue_req", 0)),

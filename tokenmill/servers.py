@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tokenmill import keys
+from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
     import redis
@@ -58,6 +59,12 @@ class ServerRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(ServerRecord) if f.name != "live")
+
+
+def name_of(url: str) -> str:
+    """The name of a server nobody manages, in key names and results: its URL as shown (a
+    URL without secrets is its own name, as it always was)."""
+    return redact_url(url)
 
 
 def _encode(value: Any) -> str:

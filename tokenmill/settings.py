@@ -11,25 +11,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from tokenmill import redis_url
 from tokenmill.errors import ConfigError
+from tokenmill.url_secrets import redact_url
 
 ENV_PREFIX = "TOKENMILL_"
 EVENT_LOOPS = ("uvloop", "asyncio")  # the worker's event loop (``event_loop``); the first is the default
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe to log)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +84,22 @@ class Settings:
     # go there (tokenmill/affinity.py, Prefills); 0: they go at once
     server_prefill_wait_s: float = 10.0
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
+
+    # bounds at the door (producer/limits.py): a row or run option past one is refused at enqueue
+    # with its file:line, so that no input can crash the producer or reach a server that it breaks
+    input_max_row_bytes: int = 8 << 20  # a job as stored (its request and metadata as JSON)
+    input_max_prompt_bytes: int = 4 << 20  # the prompt or messages as JSON: ~1M tokens at ~4 bytes each
+    # levels of lists and objects in a row or option: real schemas use ~20; orjson writes 254 at
+    # most, and jsonschema ran out of Python's stack at ~200
+    input_max_depth: int = 64
+    # response_format or tools as JSON: checking a 100 KB schema took 0.4 s, a 2.5 MB one 18.8 s
+    input_max_schema_bytes: int = 128 << 10
+    input_max_regex_chars: int = 64 << 10  # a regex or stop_regex
+    # nested groups of a regex: re.compile overflowed at ~500, the sim's rstr at ~200
+    input_max_regex_depth: int = 32
+    # the most max_tokens (a row's, --short/--long-max-tokens) may be when no server of
+    # TOKENMILL_SERVER_URL publishes its context length (a managed one does: then context - 1)
+    input_max_tokens: int = 1 << 20
     server_wait_s: float = 1.0
 
     # worker shutdown
@@ -113,6 +118,10 @@ class Settings:
     # every step (a run's while it moves, each server's while it is watched), for keep_s
     series_step_s: float = 10.0
     series_keep_s: float = 7 * 86400.0
+    # the dashboard answers only requests whose Host names loopback, its bound address or one of
+    # these (host names or IP addresses, comma-separated): a web page cannot read it by DNS rebinding
+    dashboard_allowed_hosts: str = ""
+
 
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
@@ -160,7 +169,7 @@ class Settings:
         redis_url.check(self.redis_url, f"TOKENMILL_REDIS_URL {redact_url(self.redis_url)!r}")
         for url in self.server_urls:
             if urlsplit(url).scheme not in ("http", "https"):
-                raise ConfigError(f"TOKENMILL_SERVER_URL {url!r} must be an http(s) URL")
+                raise ConfigError(f"TOKENMILL_SERVER_URL {redact_url(url)!r} must be an http(s) URL")
         if not self.server_urls:
             raise ConfigError("TOKENMILL_SERVER_URL is empty")
         for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s"):
@@ -190,6 +199,9 @@ class Settings:
             raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
         if self.admission_pace_group < 1:
             raise ConfigError(f"admission_pace_group must be at least 1, got {self.admission_pace_group}")
+        for name in (f.name for f in fields(self) if f.name.startswith("input_max_")):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be at least 1, got {getattr(self, name)}")
 
 
 def _parse(f: dataclasses.Field[Any], raw: str, source: str) -> Any:

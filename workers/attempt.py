@@ -16,6 +16,7 @@ from tokenmill.admission import LengthTracker, Slot
 from tokenmill.ledger import Checkpoint, Claim, LengthReport
 from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
 from tokenmill.settings import Settings
+from tokenmill.url_secrets import redact_url
 from workers.stream import Progress, StopGuard, StreamClient, stream_chat, whole_chat
 from workers.watch import AttemptState, Watch
 
@@ -59,7 +60,7 @@ class Attempted:
         reports are taken from the tracker."""
         assert self.outcome is not None
         result = self.outcome.result
-        result["server"] = self.url
+        result["server"] = redact_url(self.url)
         if self.claim.checkpoint.tokens and not self.state.base:
             # a checkpoint existed and was not continued (continue_partial off, the request's
             # options forbid it: tokenmill.options.restart_reason, or its tokens were not the
@@ -244,6 +245,10 @@ def _outcome(
     p = state.progress
     req = claim.spec["request"]
     ck = state.checkpoint()
+    cut = outputs.cut_at_stop(ck.content, ck.reasoning, stop_strings(req), bool(req.get("no_stop_trim")))
+    matched = p.matched_stop if cut.stop is None else cut.stop
+    if cut.stop is not None and finish != "tool_calls":  # (tool calls are left as they came)
+        finish = "stop"
     new_completion = p.tokens
     prompt_tokens = state.prompt_tokens()
     ttft = (p.first_chunk_at - started) if p.first_chunk_at and started else None
@@ -254,8 +259,8 @@ def _outcome(
     if reasoning is not None:
         usage["reasoning_tokens"] = reasoning
     result: dict[str, Any] = {
-        "content": ck.content,
-        "reasoning_content": ck.reasoning or None,
+        "content": cut.content,
+        "reasoning_content": cut.reasoning or None,
         "finish_reason": finish,
         "usage": usage,
         "model": p.model or request["model"],
@@ -264,11 +269,30 @@ def _outcome(
         "ttft_s": round(ttft, 4) if ttft is not None else None,
         "decode_tps": round(p.tokens / decode_s, 2) if decode_s > 0 else None,
     }
-    if p.matched_stop is not None and any(req.get(name) for name in STOPS):
-        result["matched_stop"] = p.matched_stop  # (without stop options it is the EOS token's id)
+    if matched is not None and any(req.get(name) for name in STOPS):
+        result["matched_stop"] = matched  # (without stop options it is the EOS token's id)
     _per_token_data(req, p, result)
+    if cut.stop is not None and cut.content != ck.content and not ck.reasoning:
+        end = len(cut.content) + (0 if req.get("no_stop_trim") else len(cut.stop))
+        _cut_per_token(result, ck.content, end)
     new_tokens = max(0, new_completion - state.reported_tokens)
     return Outcome(result=result, new_tokens=new_tokens)
+
+
+def _cut_per_token(result: dict[str, Any], text: str, end: int) -> None:
+    """The log-probabilities, token ids and completion tokens of ``result`` cut where its
+    ``text`` was cut at a stop string (``end``: where the stop string ends, the token that
+    completed it kept and counted, as SGLang counts it), when the log-probabilities' token texts
+    spell ``text``; otherwise (no log-probabilities, or special tokens or split characters in
+    them) they stay as the server sent them."""
+    entries = (result.get("logprobs") or {}).get("content")
+    n = outputs.tokens_through([e["token"] for e in entries], text, end) if entries else None
+    if n is None:
+        return
+    result["logprobs"]["content"] = entries[:n]
+    if "output_token_ids" in result:
+        result["output_token_ids"] = result["output_token_ids"][:n]
+    result["usage"]["completion_tokens"] = n
 
 
 def _per_token_data(req: dict[str, Any], p: Progress, result: dict[str, Any]) -> None:

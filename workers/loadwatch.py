@@ -119,7 +119,9 @@ class LoadWatch(threading.Thread):
             load = server_report.loads(url, s.api_key, timeout)
         except (OSError, ValueError) as exc:
             if url not in self._failing:
-                log.warning("load watch: %s gave no load figures (%s); admission uses its budget", url, exc)
+                log.warning(
+                    "load watch: %s gave no load figures (%s); admission uses its budget", server, exc
+                )
                 self._failing.add(url)
             return
         self._failing.discard(url)

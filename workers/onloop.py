@@ -28,6 +28,7 @@ from tokenmill import affinity
 from tokenmill.admission import Slot
 from tokenmill.ledger import Claim, Full, Peek
 from tokenmill.ledger_loop import LoopLedger
+from tokenmill.url_secrets import redact_url
 from workers.attempt import Attempted, attempt_job, committed
 from workers.durable import adurable
 from workers.pool import ServerView
@@ -131,7 +132,7 @@ async def _admit(
                     await asyncio.sleep(WAIT_RETRY_S)
                     continue
                 if not said and got is None:
-                    log.warning("no server is ready (%s); waiting", ", ".join(s.server_urls))
+                    log.warning("no server is ready (%s); waiting", ", ".join(map(redact_url, s.server_urls)))
                     said = True
                 await turn.wait(s.admission_wait_s if got is None else got)
             return None

@@ -20,6 +20,7 @@ import redis
 from tokenmill import capacity, server_report
 from tokenmill import servers as server_records
 from tokenmill.settings import Settings
+from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.pool")
 
@@ -87,7 +88,7 @@ class ServerPool:
                     cap = self._capacity(url)
                 else:
                     cap = self._capacities.get(url, (0.0, None))[1]
-                out.append(ServerView(url, url, ready, cap))
+                out.append(ServerView(url, server_records.name_of(url), ready, cap))
         return out
 
     def _capacity(self, url: str) -> int | None:
@@ -109,7 +110,8 @@ class ServerPool:
             total = capacity.fetch(url, key, CAPACITY_TIMEOUT_S).max_total_num_tokens
             return total if total is not None else server_report.loads(url, key, CAPACITY_TIMEOUT_S).capacity
         except (OSError, ValueError) as exc:
-            log.warning("server %s: /server_info failed (%s); its capacity is unknown for now", url, exc)
+            shown = redact_url(url)
+            log.warning("server %s: /server_info failed (%s); its capacity is unknown for now", shown, exc)
             return None
 
     def ready_views_now(self) -> list[ServerView] | None:
@@ -155,10 +157,11 @@ class ServerPool:
             view = self.pick()
             if view is not None:
                 if said:
-                    log.warning("server %s is ready again; resuming", view.url)
+                    log.warning("server %s is ready again; resuming", view.name)
                 return view
             if not said:
-                log.warning("no server is ready (%s); waiting", ", ".join(self.settings.server_urls))
+                shown = ", ".join(map(redact_url, self.settings.server_urls))
+                log.warning("no server is ready (%s); waiting", shown)
                 said = True
             if deadline is not None and time.monotonic() > deadline:
                 return None
@@ -181,7 +184,8 @@ class ServerPool:
             rec = self._load_records().get(url)
             return rec is not None and rec.state != server_records.READY
         if url not in self._suspect:
-            log.warning("server %s is down or not SGLang: GET /health %s; its jobs wait for it", url, reason)
+            what = f"GET /health {reason}"
+            log.warning("server %s is down or not SGLang: %s; its jobs wait for it", redact_url(url), what)
         self._suspect[url] = time.monotonic()
         return True
 
@@ -194,14 +198,14 @@ class ServerPool:
             suspects = list(self._suspect)
         for url in suspects:
             if probe_health(url)[0]:
-                log.warning("server %s answers /health again", url)
+                log.warning("server %s answers /health again", redact_url(url))
                 self._suspect.pop(url, None)
 
 
 def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, str]:
     """Whether ``GET {url}/health`` answers 200, and what it answered otherwise."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(capacity.request(f"{url}/health"), timeout=timeout_s) as resp:
             return resp.status == 200, f"answered {resp.status}"
     except urllib.error.HTTPError as exc:
         hint = " (is this an SGLang server? it has no /health)" if exc.code == 404 else ""

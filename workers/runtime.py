@@ -45,7 +45,11 @@ class Runtime:
         self._clients: dict[str, StreamClient] = {}
         self._lock = threading.Lock()
         self.watch = Watch(
-            settings, self.loop.run(self._make_heartbeat()), self.abort_streams, self.pool.found_down
+            settings,
+            self.loop.run(self._make_heartbeat()),
+            self.abort_streams,
+            self.pool.found_down,
+            self.redis,
         )
         for url in settings.server_urls:  # built now, not on the loop under the first job
             self.client(url)

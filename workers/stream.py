@@ -15,12 +15,12 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
 from tokenmill import __version__, errors
 from tokenmill.options import SGLEXT_OUTPUT_IDS
+from tokenmill.url_secrets import split_userinfo
 from workers import taxonomy
 from workers.transport import HttpClient
 
@@ -49,8 +49,6 @@ class Progress:
     logprobs: list[dict[str, Any]] | None = None
     output_ids: list[int] | None = None
     guard: StopGuard | None = None
-    # (part, n): a stop string across the checkpoint cut n characters from the end of its part
-    trim: tuple[str, int] | None = None
     whole: bool = False  # answered whole (whole_chat): no chunk comes before the end
     # called once, at the first chunk (the prompt is prefilled and in the server's prefix cache)
     on_first: Callable[[], None] | None = None
@@ -74,12 +72,11 @@ class StreamClient:
         answer_timeout_s: float | None = None,
     ) -> None:
         self.server = url.rstrip("/")  # its root, as the pool names it
-        parts = urlsplit(f"{self.server}/v1/chat/completions")
-        # without any user:password@ (the key goes in its own header)
-        self.url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        # without any user:password@: that logs in by basic auth when there is no key
+        self.url, basic = split_userinfo(f"{self.server}/v1/chat/completions")
         self.http = HttpClient(connect_timeout_s, answer_timeout_s)
         self.headers = {
-            "Authorization": f"Bearer {api_key or 'EMPTY'}",
+            "Authorization": f"Bearer {api_key}" if api_key else basic or "Bearer EMPTY",
             "User-Agent": f"tokenmill/{__version__}",
             "Accept": "text/event-stream",
             "Accept-Encoding": "identity",
@@ -322,8 +319,9 @@ class StopGuard:
     checkpoint, so a stop string that began in the checkpoint and ends in the continuation is
     not seen, and the text would run past it. The guard looks at the checkpoint's tail and the
     first characters the continuation adds to the same part (content, or reasoning when the
-    checkpoint ended inside it): a match there must start in the tail. It cuts the text where
-    the stop string begins and ends the stream, as one uninterrupted run would have ended.
+    checkpoint ended inside it): a match there must start in the tail. It ends the stream, as
+    one uninterrupted run would have ended; the text is cut with every other job's
+    (:func:`tokenmill.outputs.cut_at_stop`).
     """
 
     tail: str  # the checkpoint's last (longest stop - 1) characters of ``part``
@@ -345,13 +343,8 @@ class StopGuard:
             return
         new = "".join(pieces)
         window = self.tail + new[: self.longest - 1]
-        hits = [(i, s) for s in self.stops if 0 <= (i := window.find(s)) < len(self.tail)]
-        if hits:
-            cut, stop = min(hits)
-            pieces.clear()
-            p.content.clear()  # nothing after the stop string is kept
-            p.finish_reason, p.matched_stop, p.guard = "stop", stop, None
-            p.trim = (self.part, len(self.tail) - cut)
+        if any(0 <= window.find(s) < len(self.tail) for s in self.stops):
+            p.finish_reason, p.guard = "stop", None  # (which one is decided when the text is cut)
             raise errors.StopReached
         if len(new) >= self.longest - 1:
             p.guard = None  # past the window: any later stop string is SGLang's to find

@@ -119,10 +119,10 @@ def _oserror(exc: aiohttp.ClientError, url: str, connect_timeout_s: float) -> OS
         return TimeoutError(f"connecting to {where} took more than {connect_timeout_s:g}s")
     if isinstance(exc, aiohttp.ClientHttpProxyError):
         return ConnectionError(
-            f"the HTTP proxy refused to carry the request to {url}: {exc.status} {exc.message}"
+            f"the HTTP proxy refused to carry the request to {where}: {exc.status} {exc.message}"
         )
     if isinstance(exc, aiohttp.TooManyRedirects):
-        return ConnectionError(f"{url} redirected too many times ({len(exc.history)})")
+        return ConnectionError(f"{where} redirected too many times ({len(exc.history)})")
     if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
         when = "mid-answer" if getattr(exc, "tokenmill_answered", False) else "before answering"
         return ConnectionResetError(f"the server closed the connection {when} ({exc})")

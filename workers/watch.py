@@ -4,7 +4,8 @@ Once a second it looks at every stream in flight: it enforces the request's dead
 token, stall, total) and the shutdown, and it sends the heartbeats that are due (a lease
 renewed every third of its TTL; the partial text checkpointed every N tokens or S seconds) in
 one pipeline to Redis. The heartbeat's reply also carries a stale claim and ``cancel --now``:
-the watch then stops that stream. The per-chunk path never touches Redis, and a job adds no
+the watch then stops that stream, as it stops the streams a server restarted or replaced no longer
+holds (:mod:`workers.lost`). The per-chunk path never touches Redis, and a job adds no
 task or timer of its own: a watchdog per stream cost a task, a ``wait_for`` and a shielded
 future every second, and a heartbeat round trip each.
 
@@ -25,11 +26,13 @@ import redis
 from tokenmill import errors
 from tokenmill.ledger import CANCEL_NOW, AsyncHeartbeat, Beat, Checkpoint, Claim, SlotUpdate
 from tokenmill.settings import Settings
+from workers.lost import QUIET_S, Heard, LostStreams
 from workers.stream import Progress
 
 log = logging.getLogger("tokenmill.worker")
 WATCH_PERIOD_S = 1.0
 DROP_WAIT_S = 5.0  # how long a finished stream waits for its heartbeat in flight
+LOST = f"and the server held no request for {QUIET_S:g}s: it was restarted or replaced"
 
 
 @dataclass(slots=True)
@@ -44,16 +47,9 @@ class AttemptState:
 
     def checkpoint(self) -> Checkpoint:
         p = self.progress
-        content, reasoning = self.base.content, self.base.reasoning
-        if p.trim is not None:  # a stop string began inside the checkpoint (workers.stream.StopGuard)
-            part, n = p.trim
-            if part == "content":
-                content = content[:-n]
-            else:
-                reasoning = reasoning[:-n]
         return Checkpoint(
-            content=content + "".join(p.content),
-            reasoning=reasoning + "".join(p.reasoning),
+            content=self.base.content + "".join(p.content),
+            reasoning=self.base.reasoning + "".join(p.reasoning),
             tokens=self.base.tokens + p.tokens,
             prompt_tokens=self.prompt_tokens(),
         )
@@ -94,11 +90,13 @@ class Watch:
         heartbeat: AsyncHeartbeat,
         stopping: threading.Event,
         found_down: Callable[[str], bool] = lambda server: False,
+        client: redis.Redis | None = None,  # shares what it finds of the servers (workers.lost)
     ) -> None:
         self.settings = settings
         self.heartbeat = heartbeat
         self.stopping = stopping  # the shutdown's grace is over: checkpoint and release
         self.found_down = found_down  # a server failed its health check (workers.pool)
+        self.lost: LostStreams[Watched] = LostStreams(settings.api_key, client)  # restarted or replaced
         self.watched: set[Watched] = set()
         self._task: asyncio.Task[None] | None = None
 
@@ -130,14 +128,19 @@ class Watch:
         """Check every stream's deadlines; send the heartbeats that are due, in one batch."""
         s = self.settings
         batch: list[tuple[Watched, Beat, int | None]] = []
+        heard: dict[str, list[Heard[Watched]]] = {}
         for w in list(self.watched):  # stop() drops from the set
             if w.stream.done():
                 continue
+            p = w.state.progress
             down = self.found_down(w.server)
-            problem = _deadline_problem(s, w.state.progress, now, w.started, self.stopping, down)
+            problem = _deadline_problem(s, p, now, w.started, self.stopping, down)
             if problem is not None:
                 self.stop(w, problem)
                 continue
+            heard.setdefault(w.server, []).append(
+                Heard(w, p.last_chunk_at or w.started, bool(p.first_chunk_at))
+            )
             if w.beat is not None:
                 continue
             try:
@@ -147,6 +150,10 @@ class Watch:
                 continue
             if due is not None:
                 batch.append((w, *due))
+        for w in self.lost.check(now, heard):
+            silent = now - (w.state.progress.last_chunk_at or w.started)
+            self.stop(w, errors.StreamLostError(f"nothing received for {silent:.0f}s, {LOST}"))
+        batch = [due for due in batch if due[0] in self.watched]
         if batch:
             task = asyncio.ensure_future(self._beat(batch, now))
             for w, _, _ in batch:

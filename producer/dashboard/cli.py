@@ -2,7 +2,8 @@
 
 Credentials come from ``TOKENMILL_DASHBOARD_BASIC_AUTH=user:password[,...]`` (as ``tokenmill
 flower`` takes its own), so they never appear on a command line; binding beyond loopback
-without them is refused.
+without them is refused. It answers only requests whose ``Host`` names loopback, the bound
+address or a name of ``TOKENMILL_DASHBOARD_ALLOWED_HOSTS``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import click
 
 from tokenmill import exposure
 from tokenmill.errors import ConfigError
-from tokenmill.settings import redact_url
+from tokenmill.url_secrets import redact_url
 
 DEFAULT_PORT = 9650
 AUTH_ENVVAR = "TOKENMILL_DASHBOARD_BASIC_AUTH"
@@ -39,12 +40,13 @@ def dashboard(port: int, address: str, basic_auth: str | None, redis_url: str | 
     from aiohttp import web
 
     from producer.client import Client
-    from producer.dashboard.server import make_app
+    from producer.dashboard.server import HOSTS_SETTING, make_app
     from tokenmill.settings import Settings
 
     credentials = exposure.parse_basic_auth(basic_auth, f"--basic-auth or {AUTH_ENVVAR}")
     exposure.check_exposure(address, credentials, "the dashboard", f"{AUTH_ENVVAR}=user:password")
     settings = Settings.load(redis_url=redis_url)
+    hosts = exposure.allowed_hosts(address, settings.dashboard_allowed_hosts, HOSTS_SETTING)
     client = Client(redis_url=settings.redis_url)
     shown = f"[{address}]" if ":" in address else address
     auth = "basic auth" if credentials else "no auth: loopback only"
@@ -53,7 +55,9 @@ def dashboard(port: int, address: str, basic_auth: str | None, redis_url: str | 
         err=True,
     )
     try:
-        web.run_app(make_app(client, credentials), host=address, port=port, print=None, access_log=None)
+        web.run_app(
+            make_app(client, credentials, hosts), host=address, port=port, print=None, access_log=None
+        )
     except OSError as exc:
         why = exc.strerror or exc
         raise ConfigError(f"--port {port}: cannot listen on {address}:{port} ({why})") from None

@@ -1,6 +1,8 @@
 """The dashboard's web server: the page, its static files, and a JSON API over ``tokenmill.Client``.
 
-Every route, the static files included, is behind basic auth when credentials are configured.
+Every route, the static files included, answers only a request whose ``Host`` is an allowed name
+(a web page cannot read it through a rebound name of its own), and is behind basic auth when
+credentials are configured. Every answer, errors included, carries the security headers.
 The API's answers are the Python API's documents, unchanged: ``api/status`` is
 ``Client.status(run).to_dict()``, the ``tokenmill status --json`` document; ``api/runs`` the
 ``tokenmill runs --json`` one. The Client's calls
@@ -21,7 +23,7 @@ import redis
 from aiohttp import web
 
 from tokenmill.errors import ConfigError, RedisUnavailableError, TokenmillError
-from tokenmill.exposure import authorized
+from tokenmill.exposure import authorized, host_allowed
 
 if TYPE_CHECKING:
     from producer.client import Client
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.dashboard")
 
 REALM = "tokenmill dashboard"
+HOSTS_SETTING = "TOKENMILL_DASHBOARD_ALLOWED_HOSTS"
 MAX_SAMPLES = 20  # per partition: the recent list keeps 20 ids
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The page loads its scripts, styles and data from this server only (and draws on canvases).
@@ -36,6 +39,12 @@ CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 )
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def static_dir() -> Path:
@@ -43,10 +52,12 @@ def static_dir() -> Path:
     return Path(str(resources.files("producer.dashboard").joinpath("static")))
 
 
-def make_app(client: Client, credentials: list[str]) -> web.Application:
+def make_app(client: Client, credentials: list[str], hosts: frozenset[str]) -> web.Application:
     """The dashboard's application: the page at ``/``, its files under ``static/``, the API under
-    ``api/``; every request authorized against ``credentials`` (none: open, loopback only)."""
-    app = web.Application(middlewares=[_guard(credentials)])
+    ``api/``; every request's ``Host`` one of ``hosts`` and its authorization one of
+    ``credentials`` (none: open, loopback only)."""
+    app = web.Application(middlewares=[_guard(credentials, hosts)])
+    app.on_response_prepare.append(_secure)
     api = _Api(client)
     app.router.add_get("/", _index)
     app.router.add_get("/favicon.ico", _no_content)
@@ -58,26 +69,40 @@ def make_app(client: Client, credentials: list[str]) -> web.Application:
     return app
 
 
-def _guard(credentials: list[str]) -> Any:
+def _guard(credentials: list[str], hosts: frozenset[str]) -> Any:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if not host_allowed(host, hosts):
+            names = ", ".join(sorted(hosts))
+            return web.Response(
+                status=421,
+                text=f"421: Host {host!r} is not a name this dashboard answers to ({names}); "
+                f"add its name to {HOSTS_SETTING} to allow it\n",
+            )
         if not authorized(request.headers.get("Authorization"), credentials):
             return web.Response(
                 status=401,
                 text="401: authentication required\n",
                 headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'},
             )
-        response = await handler(request)
-        response.headers.setdefault("Content-Security-Policy", CSP)
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        response.headers.setdefault("Referrer-Policy", "no-referrer")
-        return response
+        return await handler(request)
 
     return guard
 
 
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Run on every response before it is sent, errors included (a raised 4xx, aiohttp's own
+    404 and 405, an unhandled error's 500): the security headers, and no caching but of the
+    static files."""
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    if not request.path.startswith("/static/"):
+        response.headers.setdefault("Cache-Control", "no-store")
+
+
 async def _index(request: web.Request) -> web.StreamResponse:
-    return web.FileResponse(static_dir() / "index.html", headers={"Cache-Control": "no-store"})
+    return web.FileResponse(static_dir() / "index.html")
 
 
 async def _no_content(request: web.Request) -> web.StreamResponse:
@@ -156,5 +181,4 @@ def _json(doc: Any, status: int) -> web.Response:
         body=orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
         status=status,
         content_type="application/json",
-        headers={"Cache-Control": "no-store"},
     )

@@ -21,9 +21,11 @@ Test hooks, never on the real server and exempt from ``--api-key``:
   ``Health check failed`` line);
 - ``{"stall_streams": true}``: the scheduler stops stepping, so every stream goes silent and new
   requests queue, until set back to ``false``;
+- ``{"ignore_stop": true}``: requests are answered as if they had no ``stop`` strings (their
+  text runs past them, as real SGLang's now and then does), until set back to ``false``;
 - ``{"crash": true}``: log SGLang's scheduler-crash lines and SIGKILL the process.
 
-It answers ``{"health_stall": bool, "stall_streams": bool}``.
+It answers ``{"health_stall": bool, "stall_streams": bool, "ignore_stop": bool}``.
 
 ``GET /_sim/stats``: ``capacity``, ``used_tokens``, ``peak_used_tokens``, ``running``,
 ``queued``, ``retracted_total``, ``generated_total``, ``new_token_ratio``, ``chat_requests``,

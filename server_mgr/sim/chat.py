@@ -51,7 +51,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if cfg.crash_after_requests and n >= cfg.crash_after_requests:
         faults.crash(state.log)
     try:
-        plan = plan_chat(await read_json(request), cfg, state.log)
+        body = await read_json(request)
+        if state.faults.ignore_stop:  # the fault: the output neither ends nor is cut at them
+            body.pop("stop", None)
+        plan = plan_chat(body, cfg, state.log)
     except RequestError as exc:
         return json_response(exc.body(), exc.status)
     fault = None

@@ -7,8 +7,10 @@ for either engine. ``python -m server_mgr.sim`` runs the same command.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
+import orjson
 
 from server_mgr.sim.config import SimConfig
 
@@ -31,6 +33,13 @@ def _unit(_ctx: click.Context, param: click.Parameter, value: float | None) -> f
 @click.option("--max-running-requests", type=int, default=1024, show_default=True)
 @click.option("--max-queued-requests", type=int, default=None, help="Default: unbounded.")
 @click.option("--api-key", default=None)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Options in a file, as SGLang's --config; the sim reads its api-key (JSON, as tokenmill writes it).",
+)
 @click.option(
     "--reasoning-parser",
     default=None,
@@ -178,6 +187,9 @@ def sim(**options: object) -> None:
     """Run the SGLang-compatible simulator (no GPU) until SIGTERM or Ctrl-C."""
     from server_mgr.sim.lifecycle import run
 
+    config_file = options.pop("config_file")
+    if config_file and options["api_key"] is None:  # a flag on the command line wins, as in SGLang
+        options["api_key"] = orjson.loads(Path(str(config_file)).read_bytes()).get("api-key")
     cfg = SimConfig(**options)  # type: ignore[arg-type]
     try:
         cfg.validate()

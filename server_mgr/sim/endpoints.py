@@ -6,6 +6,7 @@ Shapes follow SGLang 0.5.23 (contract §2). ``/_sim/*`` are the sim's own test h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -290,9 +291,9 @@ async def sim_fault(request: web.Request) -> web.Response:
         state.set_health_stall(bool(body["health_stall"]))
     if "stall_streams" in body:
         state.set_stall_streams(bool(body["stall_streams"]))
-    return json_response(
-        {"health_stall": state.faults.health_stall, "stall_streams": state.faults.stall_streams}
-    )
+    if "ignore_stop" in body:
+        state.faults.ignore_stop = bool(body["ignore_stop"])
+    return json_response(dataclasses.asdict(state.faults))
 
 
 async def sim_stats(request: web.Request) -> web.Response:

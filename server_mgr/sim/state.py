@@ -25,6 +25,7 @@ class Faults:
 
     health_stall: bool = False
     stall_streams: bool = False
+    ignore_stop: bool = False
 
 
 @dataclass(slots=True)

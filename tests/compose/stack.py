@@ -68,6 +68,7 @@ class Stack:
         settings = {
             "REDIS_PASSWORD": secrets.token_hex(16),
             "FLOWER_BASIC_AUTH": f"tm:{secrets.token_hex(8)}",
+            "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16),
             "TOKENMILL_MODEL": "qwen3-8b",
             "PYTHON_IMAGE": base,
             "BASE_IMAGE": base,

@@ -71,23 +71,25 @@
 --       growth a request is sized by (1: its whole projected peak), 14 the guard's budget (a
 --       fraction of the pool), 15 the pacing group (admit.lua's ARGV 10; 0: not paced).
 -- Also sets `pace_ms` (for status) and `bound` (1: the pool binds; admit.lua paces only then).
+-- Every figure read (ARGV, the used hash) is clamped (prelude.lua): garbage reads as 0 (or the
+-- field's default), a stamp from the future as now.
 -- Returns the new window.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
-local running, waiting = tonumber(ARGV[1]), tonumber(ARGV[2])
-local used, capacity = tonumber(ARGV[3]), tonumber(ARGV[4])
-local target = math.max(tonumber(ARGV[5]), math.ceil(running * tonumber(ARGV[6])))
-local smallest, retractions = tonumber(ARGV[10]), tonumber(ARGV[11])
+local running, waiting = num(ARGV[1], 0, 0), num(ARGV[2], 0, 0)
+local used, capacity = num(ARGV[3], 0, 0), num(ARGV[4], 0, 0)
+local target = int(math.max(num(ARGV[5], 0, 0), math.ceil(running * num(ARGV[6], 0, 0, 1))), 0, 0)
+local smallest, retractions = int(ARGV[10], 1, 1), num(ARGV[11], -1, -1)
 local f = redis.call('HMGET', KEYS[1], 'n', 'window', 'srv_retractions', 'hold_until', 'refused',
   'refused_seen', 'srv_waiting', 'total', 'window_ms', 'seen_each', 'admitted', 'start_admitted',
   'start_n', 'srv_running', 'srv_used', 'seen_rise', 'life_ms', 'life_dev', 'use_sum', 'use_n',
   'unpaced', 'use_min', 'paced_cap', 'bound', 'seen_ms', 'len_mean', 'len_dev')
-local n = tonumber(f[1] or '0')
-local admitted = tonumber(f[11] or '0')
-local refused = tonumber(f[5] or '0')
-local limiting = refused > tonumber(f[6] or '0')
-local window = tonumber(f[2] or '0')
-local first = window <= 0 or now_ms - tonumber(f[9] or '0') > tonumber(ARGV[12])
+local n = int(f[1], 0, 0)
+local admitted = int(f[11], 0, 0)
+local refused = int(f[5], 0, 0)
+local limiting = refused > int(f[6], 0, 0)
+local window = int(f[2], 0, 0)
+local first = window <= 0 or now_ms - num(f[9], 0, 0, now_ms) > num(ARGV[12], 0, 0)
 if first and n == 0 then
   -- nothing in flight to start a window from: the guard decides until something is (a window
   -- started at the smallest would hold back a cold start the guard lets in at once)
@@ -107,30 +109,33 @@ end
 -- paced (admit.lua's rule): requests live about as long as each other, so those that start
 -- together end together and their successors start together again; admission starts them
 -- spread over a lifetime instead, at most a group (ARGV 15) at a time
-local group, life = tonumber(ARGV[15]), tonumber(f[17] or '0')
+local group, life = int(ARGV[15], 0, 0), num(f[17], 0, 0)
 -- outputs of about one length: their moving mean deviation (unadmit.lua) is under a quarter of
 -- their moving mean; until one is known, lifetimes alike in the same way (admit.lua decides so)
-local alike = life > 0 and tonumber(f[18] or '0') * 4 < life
-local len = tonumber(f[26] or '0')
-if len > 0 then alike = tonumber(f[27] or '0') * 4 < len end
+local alike = life > 0 and num(f[18], 0, 0) * 4 < life
+local len = num(f[26], 0, 0)
+if len > 0 then alike = num(f[27], 0, 0) * 4 < len end
 local paced = group > 0 and alike
-local use_sum, use_n = tonumber(f[19] or '0'), tonumber(f[20] or '0')
-local use_min, paced_cap = tonumber(f[22] or '0'), tonumber(f[23] or '0')
+local use_sum, use_n = num(f[19], 0, 0), num(f[20], 0, 0)
+local use_min, paced_cap = num(f[22], 0, 0), int(f[23], 0, 0)
 -- requests ended since the window started: those in flight then plus those admitted since, less
 -- those in flight now (a slot given back, or expired)
-local ended = tonumber(f[13] or '0') + admitted - tonumber(f[12] or '0') - n
-local ceiling = tonumber(ARGV[9]) * capacity
+local start_admitted, start_n = int(f[12], 0, 0), int(f[13], 0, 0)
+local ended = start_n + admitted - start_admitted - n
+-- absent, the counts start from now
+start_admitted, start_n = f[12] and start_admitted or admitted, f[13] and start_n or n
+local ceiling = num(ARGV[9], 1, 0) * capacity
 local present = 0  -- the running requests' mean use now, and the highest seen since the start
 if running > 0 then present = used / running end
 local peak = 0  -- the requests in flight's mean projected peak
-if n > 0 then peak = tonumber(f[8] or '0') / n end
+if n > 0 then peak = num(f[8], 0, 0) / n end
 if first and peak > 0 then
   -- at least as many as the guard lets in at that size: it may not have had them asking yet
   -- (workers still starting)
-  window = math.max(window, math.floor(math.min(ceiling, tonumber(ARGV[14]) * capacity) / peak))
+  window = math.max(window, math.floor(math.min(ceiling, num(ARGV[14], 1, 0) * capacity) / peak))
 end
-local seen, seen_rise = tonumber(f[10] or '0'), tonumber(f[16] or '0')
-local seen_ms = tonumber(f[25] or now_ms)
+local seen, seen_rise = num(f[10], 0, 0), num(f[16], 0, 0)
+local seen_ms = num(f[25], now_ms, 0, now_ms)
 -- outputs that end at different lengths (lifetimes disagree) desynchronise by themselves: the
 -- highest mean use seen, once it is a lifetime old, was held by requests that have ended (a cold
 -- start's first batch, which started together), not by those in flight, and starts again
@@ -139,14 +144,14 @@ if life > 0 and not alike and now_ms - seen_ms > life then
 end
 -- pacing is for a pool that binds: since the window started, one more request at its projected
 -- peak would not have fit the guard's budget (ARGV 14); on a roomy pool it would only delay starts
-local bound = f[24] == '1' or (peak > 0 and (n + 1) * peak > tonumber(ARGV[14]) * capacity)
+local bound = f[24] == '1' or (peak > 0 and (n + 1) * peak > num(ARGV[14], 1, 0) * capacity)
 paced = paced and bound
 -- only while most of the window runs: a few stragglers alone say nothing of requests together
 if running * 2 >= window then
   if present >= seen then seen, seen_ms = present, now_ms end
   -- figures come every poll, and requests that peak together may end before the next: what they
   -- hold by then is taken as what they hold now plus the rise since the last figures
-  local last_running, last_used = tonumber(f[14] or '0'), tonumber(f[15] or '0')
+  local last_running, last_used = num(f[14], 0, 0), num(f[15], 0, 0)
   local rise = 0
   if last_running > 0 then rise = math.max(0, present - last_used / last_running) end
   seen_rise = math.max(seen_rise, present + rise)
@@ -157,11 +162,12 @@ if running * 2 >= window then
 end
 -- the rise is a projection: never above what the requests in flight are projected to hold now
 local held_each = math.max(seen, math.min(seen_rise, peak))
-local seen_retractions = tonumber(f[3] or '-1')
-local holding = now_ms < tonumber(f[4] or '0')
+local seen_retractions = num(f[3], -1, -1)
+local hold_ms = num(ARGV[8], 0, 0)
+local holding = now_ms < num(f[4], 0, 0, now_ms + hold_ms)  -- no hold set now lasts longer
 if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions then
   if not holding then
-    local backed = math.floor(math.min(window, running + waiting) * tonumber(ARGV[7]))
+    local backed = math.floor(math.min(window, running + waiting) * num(ARGV[7], 0, 0, 1))
     if peak > 0 then backed = math.max(backed, math.min(window, math.floor(ceiling / peak))) end
     -- a retraction of paced requests: that many, at the stages they were at, overflow the pool;
     -- the pacing rule may take the window back up to one fewer than were in flight (another
@@ -172,13 +178,13 @@ if retractions >= 0 and seen_retractions >= 0 and retractions > seen_retractions
       paced_cap = cap
     end
     window = backed
-    redis.call('HSET', KEYS[1], 'hold_until', now_ms + tonumber(ARGV[8]))
-    redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
+    redis.call('HSET', KEYS[1], 'hold_until', now_ms + hold_ms)
+    bump(KEYS[1], 'backoffs', 1, 0)
   end
 elseif not holding then
-  if waiting > target and tonumber(f[7] or '0') > target then
+  if waiting > target and num(f[7], 0, 0) > target then
     window = math.min(window, running + target)
-  elseif paced and tonumber(f[21] or '0') <= 0 then
+  elseif paced and int(f[21], 0, 0) <= 0 then
     -- every request in flight started paced: spread over their lifetimes, they hold about
     -- their mean use over time, as those ending make room for those growing: as many as fit at
     -- that size (or what they hold now, if more); pacing fills it gradually
@@ -209,8 +215,8 @@ elseif not holding then
     -- until as many requests ended as half of those in flight, most of those in flight may have
     -- started together (a cold start's first batch) and will peak together: each is sized at its
     -- whole projected peak
-    local share, limit = tonumber(ARGV[13]), ceiling
-    if ended * 2 < n then share, limit = 1, math.min(ceiling, tonumber(ARGV[14]) * capacity) end
+    local share, limit = num(ARGV[13], 1, 0), ceiling
+    if ended * 2 < n then share, limit = 1, math.min(ceiling, num(ARGV[14], 1, 0) * capacity) end
     local each = math.max(held_each, present + share * math.max(0, peak - present))
     if each > 0 then  -- half of what still fits at that size (at least one, if any fits)
       local room = math.floor(limit / each) - math.max(n, window)
@@ -220,7 +226,7 @@ elseif not holding then
     end
   end
 end
-window = math.max(smallest, window)
+window = int(window, smallest, smallest)
 -- what a request holds when it starts, as these figures show it: the size that makes the
 -- requests in flight, each grown linearly from it to its projected peak over a lifetime, hold
 -- what the server reports now (admit.lua projects the run's tail from it); -1: not known
@@ -230,8 +236,8 @@ if life > 0 and running > 0 then
   for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     local h = redis.call('HMGET', KEYS[1], 'at:' .. m, 'slot:' .. m)
     if h[1] and h[2] then
-      local grown = math.min(1, math.max(0, now_ms - tonumber(h[1])) / life)
-      held_at_peak, young_share = held_at_peak + tonumber(h[2]) * grown, young_share + 1 - grown
+      local grown = math.min(1, math.max(0, now_ms - num(h[1], now_ms)) / life)
+      held_at_peak, young_share = held_at_peak + num(h[2], 0, 0, SLOT_MAX) * grown, young_share + 1 - grown
     end
   end
   if young_share > 0 then young_fit = math.max(0, (used - held_at_peak) / young_share) end
@@ -240,7 +246,7 @@ local pace = 0
 if paced then pace = math.floor(life / window) end
 redis.call('HSET', KEYS[1], 'window', window, 'window_ms', now_ms, 'srv_running', running,
   'srv_waiting', waiting, 'srv_used', used, 'srv_cap', capacity, 'srv_retractions', retractions,
-  'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', f[12] or admitted,
-  'start_n', f[13] or n, 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'use_min', use_min,
+  'refused_seen', refused, 'seen_each', seen, 'seen_rise', seen_rise, 'start_admitted', start_admitted,
+  'start_n', start_n, 'pace_ms', pace, 'use_sum', use_sum, 'use_n', use_n, 'use_min', use_min,
   'paced_cap', paced_cap, 'bound', bound and 1 or 0, 'seen_ms', seen_ms, 'young_fit', young_fit)
 return window

@@ -42,21 +42,31 @@
 -- ARGV: 1 member, 2 tokens, 3 queue, 4 budget, 5 queue token cap, 6 ttl ms, 7 the other queue,
 --       8 queue share (0-1], 9 window freshness ms, 10 pacing burst (requests; 0: not paced),
 --       11 the run's requests still to start, this one included (absent or -1: unknown).
+--       Every figure read (ARGV, the used hash, the slots' expiries) is clamped (prelude.lua):
+--       garbage reads as 0 (or the field's default), a count never goes below 0, a lease more than
+--       MAX_LEASE_MS ahead is expired, and once no slot is left the counts of requests in flight
+--       are 0, so drift heals when the server drains.
 -- Returns 1 admitted, 0 no room, -ms paced: no group opens for that many ms (at least 1).
+local MAX_LEASE_MS = 86400000  -- a day: a slot's lease further ahead is garbage, not a lease
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)) do
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now_ms + MAX_LEASE_MS), '+inf')) do
+  expired[#expired + 1] = m
+end
+for _, m in ipairs(expired) do
   local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m, 'tl:' .. m)
-  if held[3] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
-  if held[4] then redis.call('HINCRBY', KEYS[2], 'tail', -1) end
-  if held[1] then
-    redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
-    redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
-    redis.call('HINCRBY', KEYS[2], 'n', -1)
-    redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
-  end
+  bumps(KEYS[2], 0, unhold(held))
   redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m, 'tl:' .. m)
   redis.call('ZREM', KEYS[1], m)
+end
+if redis.call('ZCARD', KEYS[1]) == 0 then
+  -- nothing in flight: whatever the counts of requests in flight say (drift, garbage) is 0
+  local zero = {'total', 0, 'n', 0, 'unpaced', 0, 'tail', 0}
+  for _, q in ipairs({ARGV[3], ARGV[7]}) do
+    zero[#zero + 1], zero[#zero + 2], zero[#zero + 3], zero[#zero + 4] = q, 0, 'n:' .. q, 0
+  end
+  redis.call('HSET', KEYS[2], unpack(zero))
 end
 -- How soon (ms from now, 0: now) `count` requests of `peak` tokens each, started together, keep
 -- the pool within `budget` at every moment until they end, if nothing else starts before them
@@ -73,7 +83,9 @@ local function fits_after(count, peak, budget, life, young, within)
   local ages, peaks = {}, {}
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     local h = redis.call('HMGET', KEYS[2], 'at:' .. m, 'slot:' .. m)
-    if h[1] and h[2] then ages[#ages + 1], peaks[#peaks + 1] = now_ms - tonumber(h[1]), tonumber(h[2]) end
+    if h[1] and h[2] then
+      ages[#ages + 1], peaks[#peaks + 1] = now_ms - num(h[1], now_ms, 0, now_ms), num(h[2], 0, 0, SLOT_MAX)
+    end
   end
   local function size(p, age)
     return young + math.max(0, p - young) * math.min(1, age / life)
@@ -98,10 +110,10 @@ local function fits_after(count, peak, budget, life, young, within)
   end
   return nil
 end
-local member, tokens, queue = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local budget, cap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local member, tokens, queue = ARGV[1], int(ARGV[2], 0, 0, SLOT_MAX), ARGV[3]
+local budget, cap, ttl = num(ARGV[4], 0, 0), num(ARGV[5], 0, 0), int(ARGV[6], 0, 0, MAX_LEASE_MS)
 if redis.call('ZSCORE', KEYS[1], member) then
-  redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
+  redis.call('ZADD', KEYS[1], now_ms + ttl, member)
   return 1
 end
 -- A queue's share binds only while the other queue is active (holding requests, or refused
@@ -109,25 +121,26 @@ end
 local other = ARGV[7]
 local f = redis.call('HMGET', KEYS[2], 'total', queue, 'n', 'n:' .. queue, 'n:' .. other,
   'wanted:' .. other, 'window', 'window_ms', 'life_ms', 'life_dev', 'pace_tat', 'bound',
-  'pace_open', 'tail', 'young_fit', 'len_mean', 'len_dev')
-local total, inq = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-local n, nq, n_other = tonumber(f[3] or '0'), tonumber(f[4] or '0'), tonumber(f[5] or '0')
-local other_active = n_other > 0 or now_ms - tonumber(f[6] or '0') <= 2000
-local window, window_ms = tonumber(f[7] or '0'), tonumber(f[8] or '0')
+  'pace_open', 'tail', 'young_fit', 'len_mean', 'len_dev', 'admitted', 'unpaced', 'tailed')
+local total, inq = int(f[1], 0, 0), int(f[2], 0, 0)
+local n, nq, n_other = int(f[3], 0, 0), int(f[4], 0, 0), int(f[5], 0, 0)
+local other_active = n_other > 0 or now_ms - num(f[6], 0, 0, now_ms) <= 2000
+-- a stamp from the future would keep a window fresh for ever
+local window, window_ms = int(f[7], 0, 0), num(f[8], 0, 0, now_ms)
 local room
 local pace, tat = 0, now_ms
 local tail = false  -- this one starts with the rest of the run (the tail rule)
-if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
-  local qcap = other_active and math.max(1, math.floor(window * tonumber(ARGV[8]))) or window
+if window > 0 and now_ms - window_ms <= num(ARGV[9], 0, 0) then
+  local qcap = other_active and math.max(1, math.floor(window * num(ARGV[8], 1, 0, 1))) or window
   room = n == 0 or (n < window and nq < qcap)
   redis.call('HSET', KEYS[2], 'rule', 'window', 'cap:' .. queue, qcap)
   -- paced while the pool binds (adapt.lua's `bound`) and requests live about as long as each
   -- other (those started together would end together, their successors start together again):
   -- a request every lifetime / window, in groups of ARGV 10
-  local life, dev, group = tonumber(f[9] or '0'), tonumber(f[10] or '0'), tonumber(ARGV[10])
+  local life, dev, group = num(f[9], 0, 0, MAX_LEASE_MS), num(f[10], 0, 0), int(ARGV[10], 0, 0)
   -- whether outputs are of about one length: their moving mean deviation under a `parts`th of
   -- their moving mean (until one is known, lifetimes)
-  local len, len_dev = tonumber(f[16] or '0'), tonumber(f[17] or '0')
+  local len, len_dev = num(f[16], 0, 0), num(f[17], 0, 0)
   local function one_length(parts)
     if len > 0 then return len_dev * parts < len end
     return life > 0 and dev * parts < life
@@ -136,13 +149,14 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   if group > 0 and f[12] == '1' and life > 0 and one_length(4) then
     pace = life / window
   end
-  tat = math.max(now_ms, tonumber(f[11] or '0'))
+  -- a due time no start could have set (beyond a lifetime and a group's paces) is garbage
+  tat = math.max(now_ms, num(f[11], 0, 0, now_ms + life + group * pace))
   -- a group opens when all its starts are due (`pace_tat` reached); while it is open its starts
   -- go at once, as far as the group's credit goes
-  local open = now_ms - tonumber(f[13] or '-1e15') < pace and tat - (group - 1) * pace <= now_ms
+  local open = now_ms - num(f[13], -1e15, -1e15, now_ms) < pace and tat - (group - 1) * pace <= now_ms
   -- the pace holds this start back: no group is open and the next is not due
   local held_back = pace > 0 and n > 0 and tat > now_ms and not open
-  local behind, young = tonumber(ARGV[11] or '-1'), tonumber(f[15] or '-1')
+  local behind, young = num(ARGV[11], -1), num(f[15], -1)
   -- how soon the rest of the run fits together, while pacing would still start it (nil: not
   -- before then, or not asked). The projection holds each request to its projected peak, a
   -- bound only where outputs are within an eighth: a mix of long and short outputs may look
@@ -162,7 +176,7 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
     -- drains for a whole lifetime after the last start); no paced start (another run's) takes
     -- the room before then
     redis.call('HSET', KEYS[2], 'pace_tat', math.max(tat, now_ms + wait))
-  elseif room and tonumber(f[14] or '0') > 0 and n > 0 and life > 0 and young >= 0
+  elseif room and int(f[14], 0, 0) > 0 and n > 0 and life > 0 and young >= 0
     and fits_after(1, tokens, budget, life, young, 0) ~= 0 then
     -- a tail is in flight: what the window was sized for (spread stages) does not hold
     room = false
@@ -170,7 +184,7 @@ if window > 0 and now_ms - window_ms <= tonumber(ARGV[9]) then
   if tail_waits or (room and not tail and held_back) then
     -- paced: requests start spread over a lifetime, not together (their peaks would coincide);
     -- or the tail waits for its moment
-    redis.call('HINCRBY', KEYS[2], 'paced', 1)
+    bump(KEYS[2], 'paced', 1, 0)
     redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
     return -math.max(1, math.ceil(tail_waits and wait or tat - now_ms))
   end
@@ -184,26 +198,25 @@ else
 end
 redis.call('HSET', KEYS[2], 'asked:' .. queue, tokens)
 if not room then
-  redis.call('HINCRBY', KEYS[2], 'refused', 1)
+  bump(KEYS[2], 'refused', 1, 0)
   redis.call('HSET', KEYS[2], 'wanted:' .. queue, now_ms)
   return 0
 end
-redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[6]), member)
-redis.call('HSET', KEYS[2], 'slot:' .. member, tokens, 'slotq:' .. member, queue, 'at:' .. member, now_ms)
-if tail then  -- started together with the rest of the run
-  redis.call('HSET', KEYS[2], 'up:' .. member, 1, 'tl:' .. member, 1)
-  redis.call('HINCRBY', KEYS[2], 'unpaced', 1)
-  redis.call('HINCRBY', KEYS[2], 'tail', 1)
-  redis.call('HINCRBY', KEYS[2], 'tailed', 1)
-elseif pace > 0 then
-  redis.call('HSET', KEYS[2], 'pace_tat', tat + pace)
-else  -- started unpaced: it may have started together with others (adapt.lua counts them)
-  redis.call('HSET', KEYS[2], 'up:' .. member, 1)
-  redis.call('HINCRBY', KEYS[2], 'unpaced', 1)
+redis.call('ZADD', KEYS[1], now_ms + ttl, member)
+-- the slot, and the counts it moves (read and clamped above), in one write
+local w = {'slot:' .. member, tokens, 'slotq:' .. member, queue, 'at:' .. member, now_ms,
+  'total', total + tokens, queue, inq + tokens, 'n', n + 1, 'n:' .. queue, nq + 1,
+  'admitted', int(f[18], 0, 0) + 1}
+local function also(...)
+  for _, v in ipairs({...}) do w[#w + 1] = v end
 end
-redis.call('HINCRBY', KEYS[2], 'total', tokens)
-redis.call('HINCRBY', KEYS[2], queue, tokens)
-redis.call('HINCRBY', KEYS[2], 'n', 1)
-redis.call('HINCRBY', KEYS[2], 'n:' .. queue, 1)
-redis.call('HINCRBY', KEYS[2], 'admitted', 1)
+if tail then  -- started together with the rest of the run
+  also('up:' .. member, 1, 'tl:' .. member, 1, 'unpaced', int(f[19], 0, 0) + 1,
+    'tail', int(f[14], 0, 0) + 1, 'tailed', int(f[20], 0, 0) + 1)
+elseif pace > 0 then
+  also('pace_tat', tat + pace)
+else  -- started unpaced: it may have started together with others (adapt.lua counts them)
+  also('up:' .. member, 1, 'unpaced', int(f[19], 0, 0) + 1)
+end
+redis.call('HSET', KEYS[2], unpack(w))
 return 1

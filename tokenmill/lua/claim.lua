@@ -11,24 +11,24 @@
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
-local state, lease, partition = f[1], tonumber(f[2] or '0'), f[3]
+local state, lease, partition = f[1], num(f[2], 0), f[3]
 if not state then return {'missing'} end
 if state == 'done' or state == 'failed' or state == 'cancelled' then return {state} end
 if state == 'sealed' then return {'done'} end
 if state == 'running' and lease > now_ms then return {'busy'} end
 if state == 'running' and f[4] then return {'cancelled'} end
 if state == 'queued' then
-  redis.call('HINCRBY', KEYS[2], 'queued|' .. partition, -1)
-  redis.call('HINCRBY', KEYS[2], 'running|' .. partition, 1)
+  bump(KEYS[2], 'queued|' .. partition, -1, 0)
+  bump(KEYS[2], 'running|' .. partition, 1, 0)
 end
-local token = redis.call('HINCRBY', KEYS[1], 'token', 1)
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-local expiry = now_ms + tonumber(ARGV[3])
+local token = bump(KEYS[1], 'token', 1, 0)
+local attempts = bump(KEYS[1], 'attempts', 1, 0)
+local expiry = now_ms + int(ARGV[3], 0, 0)
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'lease', expiry,
   'claimed_ms', now_ms)
 redis.call('ZADD', KEYS[3], expiry, ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 local r = redis.call('HMGET', KEYS[1], 'spec', 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens',
   'queue', 'retries', 'ckpt_prompt')
-return {'ok', token, attempts, r[1], r[2] or '', r[3] or '', r[4] or '0', partition, r[5],
-  r[6] or '0', r[7] or '0'}
+return {'ok', token, attempts, r[1], r[2] or '', r[3] or '', int(r[4], 0, 0), partition, r[5],
+  int(r[6], 0, 0), int(r[7], 0, 0)}

@@ -28,29 +28,29 @@ redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'ck
   'worker')
 redis.call('ZREM', KEYS[3], ARGV[1])
 -- a job enqueued before jobs had a seq is never sealed: its result stays in the job hash
-if f[4] then redis.call('ZADD', KEYS[6], f[4], ARGV[1]) end
-redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
-redis.call('HINCRBY', KEYS[2], 'done|' .. f[3], 1)
-redis.call('HINCRBY', KEYS[4], 'completion_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[5])
+if f[4] then redis.call('ZADD', KEYS[6], num(f[4], 0), ARGV[1]) end
+bump(KEYS[2], 'running|' .. f[3], -1, 0)
+bump(KEYS[2], 'done|' .. f[3], 1, 0)
+bump(KEYS[4], 'completion_tokens', ARGV[4], 0)
+bump(KEYS[4], 'prompt_tokens', ARGV[5], 0)
 redis.call('HSET', KEYS[4], 'last_activity_ms', now_ms)
-if tonumber(ARGV[6]) > 0 then
-  redis.call('HINCRBY', KEYS[4], 'continued_jobs', 1)
-  redis.call('HINCRBY', KEYS[4], 'continued_tokens', ARGV[6])
+if int(ARGV[6], 0) > 0 then
+  bump(KEYS[4], 'continued_jobs', 1, 0)
+  bump(KEYS[4], 'continued_tokens', ARGV[6], 0)
 end
-if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[4], 'truncated', 1) end
-if tonumber(ARGV[9]) > 0 then
-  redis.call('HINCRBY', KEYS[4], 'restarted_jobs', 1)
-  redis.call('HINCRBY', KEYS[4], 'discarded_tokens', ARGV[9])
+if ARGV[8] == '1' then bump(KEYS[4], 'truncated', 1, 0) end
+if int(ARGV[9], 0) > 0 then
+  bump(KEYS[4], 'restarted_jobs', 1, 0)
+  bump(KEYS[4], 'discarded_tokens', ARGV[9], 0)
 end
 for i = 10, 12 do
-  if ARGV[i] ~= '' then redis.call('HINCRBY', KEYS[7], ARGV[i], 1) end
+  if ARGV[i] ~= '' then bump(KEYS[7], ARGV[i], 1, 0) end
 end
 redis.call('LPUSH', KEYS[8], ARGV[1])
-redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[13]) - 1)
+redis.call('LTRIM', KEYS[8], 0, int(ARGV[13], 0, 0) - 1)
 if KEYS[9] then
-  for i = 14, #ARGV - 1, 2 do redis.call('HINCRBY', KEYS[9], ARGV[i], ARGV[i + 1]) end
+  for i = 14, #ARGV - 1, 2 do bump(KEYS[9], ARGV[i], ARGV[i + 1], 0) end
 end
-local n = tonumber(ARGV[7])
-if n > 0 then redis.call('HINCRBY', KEYS[5], t[1], n) end
+local n = int(ARGV[7], 0, 0)
+if n > 0 then bump(KEYS[5], t[1], n, 0) end
 return 'ok'

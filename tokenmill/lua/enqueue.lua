@@ -10,7 +10,7 @@
 -- ARGV: 1 run, 2 partition, 3 max_depth, then 6 per job: id, hash, source, queue, spec, message.
 -- Returns one entry per job: new | backlog | conflict:<source> | the state the job is in
 --         (a conflict with a sealed job names its shard: it no longer keeps its source).
-local run, partition, max_depth = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local run, partition, max_depth = ARGV[1], ARGV[2], int(ARGV[3], 0, 0)
 local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
 local broker = {short = KEYS[5], long = KEYS[6]}
 local backlog = {short = KEYS[7], long = KEYS[8]}
@@ -60,7 +60,7 @@ if #ids > 0 then
   redis.call('RPUSH', KEYS[4], unpack(ids))
   redis.call('SADD', KEYS[1], run)
   redis.call('SADD', KEYS[2], partition)
-  redis.call('HINCRBY', KEYS[3], 'queued|' .. partition, #ids)
+  bump(KEYS[3], 'queued|' .. partition, #ids, 0)
   local t = redis.call('TIME')
   local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
   redis.call('HSETNX', KEYS[9], 'first_enqueue_ms', now_ms)

@@ -7,7 +7,7 @@
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if not due or tonumber(due) > now_ms then return 0 end
+if not due or num(due, 0) > now_ms then return 0 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
 redis.call('RPUSH', KEYS[3], ARGV[2])  -- the front: its wait is over

@@ -14,18 +14,18 @@ if f[1] ~= 'running' then
   redis.call('ZREM', KEYS[3], ARGV[1])
   return 0
 end
-if tonumber(f[2] or '0') > now_ms then return 0 end
+if num(f[2], 0) > now_ms then return 0 end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[1], 'lease', 'worker')
-redis.call('HINCRBY', KEYS[2], 'running|' .. f[3], -1)
+bump(KEYS[2], 'running|' .. f[3], -1, 0)
 if f[4] then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'cancelled_ms', now_ms)
-  redis.call('HINCRBY', KEYS[2], 'cancelled|' .. f[3], 1)
+  bump(KEYS[2], 'cancelled|' .. f[3], 1, 0)
   return 2
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'last_error_class', 'lease_expired',
   'last_error', 'the worker holding the lease stopped renewing it', 'reaped_ms', now_ms)
-redis.call('HINCRBY', KEYS[1], 'reaps', 1)
-redis.call('HINCRBY', KEYS[2], 'queued|' .. f[3], 1)
+bump(KEYS[1], 'reaps', 1, 0)
+bump(KEYS[2], 'queued|' .. f[3], 1, 0)
 redis.call('RPUSH', KEYS[4], ARGV[2])  -- the front: it runs next
 return 1

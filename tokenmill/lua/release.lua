@@ -21,30 +21,30 @@ if ARGV[9] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[10], 'ckpt_reasoning', ARGV[11],
     'ckpt_tokens', ARGV[12], 'ckpt_prompt', ARGV[13])
 end
-redis.call('HINCRBY', KEYS[2], 'running|' .. p, -1)
+bump(KEYS[2], 'running|' .. p, -1, 0)
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 redis.call('HSET', KEYS[8], 'last_activity_ms', now_ms)
 if f[4] then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'cancelled_ms', now_ms, 'last_error_class',
     ARGV[3], 'last_error', ARGV[4])
-  redis.call('HINCRBY', KEYS[2], 'cancelled|' .. p, 1)
+  bump(KEYS[2], 'cancelled|' .. p, 1, 0)
   return 'cancelled'
 end
 if ARGV[7] == '1' then
-  local retries = redis.call('HINCRBY', KEYS[1], 'retries', 1)
-  if retries >= tonumber(ARGV[8]) then
+  local retries = bump(KEYS[1], 'retries', 1, 0)
+  if retries >= int(ARGV[8], 1, 1) then
     local msg = 'gave up after ' .. retries .. ' attempts: ' .. ARGV[4]
     redis.call('HSET', KEYS[1], 'state', 'failed', 'error_class', ARGV[3], 'error', msg)
-    redis.call('HINCRBY', KEYS[2], 'failed|' .. p, 1)
-    redis.call('HINCRBY', KEYS[6], ARGV[3], 1)
+    bump(KEYS[2], 'failed|' .. p, 1, 0)
+    bump(KEYS[6], ARGV[3], 1, 0)
     redis.call('HSET', KEYS[7], ARGV[3], msg)
     return 'failed'
   end
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'last_error_class', ARGV[3], 'last_error', ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'queued|' .. p, 1)
-local delay = tonumber(ARGV[5])
+bump(KEYS[2], 'queued|' .. p, 1, 0)
+local delay = int(ARGV[5], 0, 0)
 if delay > 0 then
   redis.call('ZADD', KEYS[4], now_ms + delay, ARGV[1])
   return 'delayed'

@@ -12,7 +12,7 @@
 --       comma-wrapped, e.g. ',stall,auth,'; '' allows any), then 2 per job: id, message.
 -- Returns one entry per job: '' (left alone), 'new:<class>' (published) or 'backlog:<class>'
 -- (<class> is the failure class; 'cancelled' for a cancelled job).
-local from, max_depth, allowed = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local from, max_depth, allowed = ARGV[1], int(ARGV[2], 0, 0), ARGV[3]
 local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
 local broker = {short = KEYS[5], long = KEYS[6]}
 local backlog = {short = KEYS[7], long = KEYS[8]}
@@ -36,12 +36,12 @@ for i = 9, #KEYS do
     if from == 'failed' then
       redis.call('HSET', job, 'last_error_class', class, 'last_error', f[5] or '')
       redis.call('HDEL', job, 'error_class', 'error')
-      if redis.call('HINCRBY', KEYS[2], class, -1) <= 0 then redis.call('HDEL', KEYS[2], class) end
-      redis.call('HINCRBY', KEYS[3], class, 1)
+      if bump(KEYS[2], class, -1, 0) <= 0 then redis.call('HDEL', KEYS[2], class) end
+      bump(KEYS[3], class, 1, 0)
     end
     redis.call('HDEL', job, 'cancel', 'cancelled_ms')
-    redis.call('HINCRBY', KEYS[1], from .. '|' .. f[2], -1)
-    redis.call('HINCRBY', KEYS[1], 'queued|' .. f[2], 1)
+    bump(KEYS[1], from .. '|' .. f[2], -1, 0)
+    bump(KEYS[1], 'queued|' .. f[2], 1, 0)
     if depth[queue] < max_depth then
       local pending = messages[queue]
       pending[#pending + 1] = ARGV[a + 1]

@@ -22,7 +22,7 @@ for i = 5, #KEYS do
     n = n + 1
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[4], ARGV[2], n) end
+if n > 0 then bump(KEYS[4], ARGV[2], n, 0) end
 if ARGV[3] == '1' then
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'state', 'sealed', 'rows', ARGV[4], 'bytes', ARGV[5],

@@ -30,12 +30,12 @@ if n == 0 then
   return {'empty'}
 end
 local since = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '')
-if not since then
+if not since or since ~= since then
   since = now_ms
   redis.call('HSET', KEYS[2], ARGV[2], now_ms)
 end
-local batch = tonumber(ARGV[3])
-if n < batch and now_ms - since < tonumber(ARGV[4]) and ARGV[5] ~= '1' then return {'wait'} end
+local batch = int(ARGV[3], 1, 1)
+if n < batch and now_ms - since < num(ARGV[4], 0, 0) and ARGV[5] ~= '1' then return {'wait'} end
 local popped = redis.call('ZPOPMIN', KEYS[1], batch)
 local ids = {}
 for i = 1, #popped, 2 do ids[#ids + 1] = popped[i] end

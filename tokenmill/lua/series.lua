@@ -15,7 +15,7 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
 if last then
   local last_ms = tonumber(string.match(last[1], '^(%d+)'))
-  if now - last_ms < tonumber(ARGV[1]) then return 0 end
+  if now - last_ms < num(ARGV[1], 0, 0) then return 0 end
   if ARGV[3] == '1' then
     local prev = last[2]
     local same = #prev == #ARGV - 4
@@ -27,7 +27,7 @@ if last then
     if same then return 0 end
   end
 end
-local args = {'XADD', KEYS[1], 'MINID', '~', now - tonumber(ARGV[2]), '*'}
+local args = {'XADD', KEYS[1], 'MINID', '~', math.max(0, now - int(ARGV[2], 0, 0)), '*'}
 for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
 redis.call(unpack(args))
 if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[4]) end

@@ -15,7 +15,7 @@
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'cancel')
-local state, lease = f[1], tonumber(f[2] or '0')
+local state, lease = f[1], num(f[2], 0)
 -- claim.lua's refusals, checked before anything is admitted
 if not state or state == 'done' or state == 'failed' or state == 'cancelled' or state == 'sealed'
   or (state == 'running' and (lease > now_ms or f[3])) then
@@ -25,7 +25,7 @@ local aargv = {}
 for i = 4, #ARGV do aargv[#aargv + 1] = ARGV[i] end
 local counts, behind = redis.call('HGETALL', KEYS[2]), 0
 for i = 1, #counts, 2 do
-  if string.sub(counts[i], 1, 7) == 'queued|' then behind = behind + tonumber(counts[i + 1]) end
+  if string.sub(counts[i], 1, 7) == 'queued|' then behind = behind + int(counts[i + 1], 0, 0) end
 end
 aargv[#aargv + 1] = behind
 local admitted = admit({KEYS[6], KEYS[7]}, aargv)

@@ -7,41 +7,37 @@
 --       (`life_dev`), which pace admissions (admit.lua), and the tokens the request generated
 --       (ARGV 2, when given) move the moving mean output (`len_mean`) and its mean deviation
 --       (`len_dev`), which say whether admissions are paced. An expired slot (admit.lua) does
---       not.
+--       not. What it reads is clamped (prelude.lua): garbage reads as 0, counts stay at 0 or above.
 -- KEYS: 1 slots zset, 2 used hash.  ARGV: 1 member, 2 the tokens the request generated while it
 --       held the slot (absent: not known, a slot given back without a result).
 -- Returns 1 when a slot was released, else 0.
-local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1],
-  'life_ms', 'life_dev', 'up:' .. ARGV[1], 'tl:' .. ARGV[1], 'len_mean', 'len_dev')
+local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'up:' .. ARGV[1],
+  'tl:' .. ARGV[1], 'at:' .. ARGV[1], 'life_ms', 'life_dev', 'len_mean', 'len_dev')
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
 -- a moving mean (a tenth of the way to each value; the first taken whole) and the moving mean
 -- of the deviations from it
 local function moving(value, mean_field, dev_field, mean, dev)
-  mean, dev = tonumber(mean or '-1'), tonumber(dev or '0')
+  mean, dev = num(mean, -1), num(dev, 0, 0)
   if mean >= 0 then
     dev = dev + (math.abs(value - mean) - dev) * 0.1
     value = mean + (value - mean) * 0.1
   end
   redis.call('HSET', KEYS[2], mean_field, value, dev_field, dev)
 end
-if held[3] then
+if held[5] then
   -- how long the request held its slot: the mean lifetime and its mean deviation pace starts
   -- (admit.lua)
   local t = redis.call('TIME')
-  moving(t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(held[3]), 'life_ms', 'life_dev', held[4], held[5])
+  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  moving(now_ms - num(held[5], now_ms, 0, now_ms), 'life_ms', 'life_dev', held[6], held[7])
   -- how many tokens it generated: outputs of one length are what pacing is for (their lifetimes
   -- also agree, but a lifetime also moves with how full the server's batches are and how long a
   -- request waited in its queue)
-  local out = tonumber(ARGV[2] or '-1')
+  local out = num(ARGV[2], -1)
   if out >= 0 then moving(out, 'len_mean', 'len_dev', held[8], held[9]) end
 end
-redis.call('HINCRBY', KEYS[2], 'total', -tonumber(held[1]))
-redis.call('HINCRBY', KEYS[2], held[2], -tonumber(held[1]))
-redis.call('HINCRBY', KEYS[2], 'n', -1)
-redis.call('HINCRBY', KEYS[2], 'n:' .. held[2], -1)
-if held[6] then redis.call('HINCRBY', KEYS[2], 'unpaced', -1) end
-if held[7] then redis.call('HINCRBY', KEYS[2], 'tail', -1) end
+bumps(KEYS[2], 0, unhold(held))
 redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1], 'up:' .. ARGV[1],
   'tl:' .. ARGV[1])
 return 1

@@ -22,9 +22,9 @@ for i = 5, #KEYS do
   end
 end
 if n > 0 then
-  redis.call('HINCRBY', KEYS[1], 'done|' .. ARGV[2], -n)
-  redis.call('HINCRBY', KEYS[1], 'queued|' .. ARGV[2], n)
-  redis.call('HINCRBY', KEYS[2], ARGV[2], -n)
+  bump(KEYS[1], 'done|' .. ARGV[2], -n, 0)
+  bump(KEYS[1], 'queued|' .. ARGV[2], n, 0)
+  bump(KEYS[2], ARGV[2], -n, 0)
 end
 if ARGV[3] == '1' then
   redis.call('HSET', KEYS[3], 'state', 'lost')

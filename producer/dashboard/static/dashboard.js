@@ -176,6 +176,7 @@
       card("failed", field(["totals", "failed"], t.failed)),
     );
     if ("cancelled" in t) node.append(card("cancelled", field(["totals", "cancelled"], t.cancelled)));
+    if (st.dead_letters) node.append(card("dead letters (all runs)", field(["dead_letters"], st.dead_letters)));
     node.append(
       card("tokens/s (last minute)", field(["tokens_per_s"], st.tokens_per_s, (v) => dec(v))),
       card("ETA", field(["eta_s"], st.eta_s, duration)),
