@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "server": "server_mgr.cli:server",
     "flower": "tokenmill.flower:flower",
     "dashboard": "producer.dashboard.cli:dashboard",
+    "api": "producer.api.cli:api",
     "metrics": "tokenmill.metrics:metrics",
     "demo": "tokenmill.demo:demo",
 }
@@ -48,6 +49,7 @@ HELP: dict[str, str] = {
     "server": "Launch, supervise and inspect SGLang (or sim) servers.",
     "flower": "Start Flower on the tokenmill app.",
     "dashboard": "Serve a run's live page: progress, throughput, servers, failures, outputs.",
+    "api": "Serve OpenAI's Batch API (/v1/files, /v1/batches, /v1/models) over tokenmill.",
     "metrics": "Serve Prometheus metrics for runs and servers.",
     "demo": "Run the whole pipeline on this machine with the sim engine.",
 }

@@ -161,6 +161,38 @@ def worker_queues() -> str:
     return f"{PREFIX}:_:worker-queues"
 
 
+def api_file(file_id: str) -> str:
+    """Hash: one file of ``tokenmill api`` (OpenAI's File object's fields; its bytes are in the
+    result store)."""
+    return f"{PREFIX}:_:api:file:{file_id}"
+
+
+def api_files() -> str:
+    """Sorted set: every file of ``tokenmill api``, id → creation order (ms)."""
+    return f"{PREFIX}:_:api:files"
+
+
+def api_batch(batch_id: str) -> str:
+    """Hash: one batch of ``tokenmill api`` (OpenAI's Batch object's fields; its run is the
+    batch id)."""
+    return f"{PREFIX}:_:api:batch:{batch_id}"
+
+
+def api_batches() -> str:
+    """Sorted set: every batch of ``tokenmill api``, id → creation order (ms)."""
+    return f"{PREFIX}:_:api:batches"
+
+
+def api_active() -> str:
+    """Set: the batches not yet in a final state, which an API process advances."""
+    return f"{PREFIX}:_:api:active"
+
+
+def api_batch_lock(batch_id: str) -> str:
+    """Lock: the one API process advancing a batch (validation, enqueue, finalization)."""
+    return f"{PREFIX}:_:api:batch:{batch_id}:lock"
+
+
 @dataclass(frozen=True, slots=True)
 class RunKeys:
     """The keys of one run."""

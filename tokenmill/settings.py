@@ -122,6 +122,12 @@ class Settings:
     # these (host names or IP addresses, comma-separated): a web page cannot read it by DNS rebinding
     dashboard_allowed_hosts: str = ""
 
+    # `tokenmill api` (producer/api): bearer keys, comma-separated (empty: loopback only, no key);
+    # the largest file it takes (OpenAI's Batch API: 200 MB); how often it advances batches
+    api_keys: str = field(default="", repr=False)
+    api_max_file_bytes: int = 64 << 30
+    api_poll_s: float = 1.0
+    api_allowed_hosts: str = ""  # as dashboard_allowed_hosts, for the API
 
     # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
@@ -172,7 +178,7 @@ class Settings:
                 raise ConfigError(f"TOKENMILL_SERVER_URL {redact_url(url)!r} must be an http(s) URL")
         if not self.server_urls:
             raise ConfigError("TOKENMILL_SERVER_URL is empty")
-        for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s"):
+        for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s", "api_poll_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.admission_queue_share <= 1:
