@@ -13,6 +13,11 @@ import redis
 
 from tests.engines import ENGINE_PARAMS, SHARED_ENGINES, Engine, EnginePool
 from tests.procs import Proc, RedisServer, start_s3
+from tests.timeouts import (  # noqa: F401 (hooks)
+    pytest_runtest_protocol,
+    pytest_timeout_cancel_timer,
+    pytest_timeout_set_timer,
+)
 
 SGLANG_UNIT = "real SGLang"
 SGLANG_PARAM = "sglang"  # the id of the real engine in tests.engines.ENGINE_PARAMS

@@ -360,6 +360,26 @@ def test_with_affinity_off_samples_go_least_full_first_as_before(
     assert any(set(ran[p]) == set(urls) for p in prompts), ran
 
 
+def test_the_samples_of_a_prompt_wait_for_the_first_ones_token_though_another_server_has_room(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given two sims whose prefill is slow and whose KV pool is small: the first sample in flight
+    # makes its server fuller than the other by more than the slack, so a sample that asked for
+    # a slot before the first one's token would leave that cold server out and go to the other
+    flags = ("--sim-prefill-tokens-per-ms", "1", "--max-total-tokens", "3000")
+    sims = [start_sim(tmp_path, *SIM, *flags) for _ in range(2)]
+    procs += [p for p, _ in sims]
+    urls = [u for _, u in sims]
+    prompt = "one prompt: " + "a long shared prompt " * 50
+
+    # When its samples run on 8 threads
+    ran = run_samples(tmp_path, rclient, affinity_env(redis_url, urls), [prompt], procs)
+
+    # Then none asked before the first one's token came (the leader rule, not the cold-server
+    # rule): all ran on its server, where the prompt was cached
+    assert len(set(ran[prompt])) == 1, Counter(ran[prompt])
+
+
 def test_the_samples_of_a_prompt_wait_for_the_first_ones_first_token_then_go_to_its_server(
     tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
 ) -> None:

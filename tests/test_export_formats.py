@@ -200,7 +200,10 @@ def test_the_parquet_export_types_tool_calls_logprobs_and_token_ids(
     def without_nulls(d: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in d.items() if v is not None}
 
-    for row in table.to_pylist():
+    rows = {row["id"]: row for row in table.to_pylist()}
+    assert rows["lp"]["output_token_ids"] == [500, 33] and rows["lp"]["logprobs"] == LOGPROBS
+    assert rows["lp"]["messages"][-1]["content"] == "Hi!" and rows["tool"]["output_token_ids"] is None
+    for row in rows.values():
         got = without_nulls(row)
         got["metadata"] = orjson.loads(got["metadata"])
         got["messages"] = [without_nulls(m) for m in got["messages"]]

@@ -5,15 +5,22 @@ news."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import aiohttp
 import redis
 
 from tests.procs import Proc, sim_stats, start_sim, start_worker, wait_for, worker_env
+from tokenmill import keys
 from tokenmill.admission_view import admission_view
 from tokenmill.server_report import Load
-from workers.loadwatch import MetricsCadence
+from tokenmill.settings import Settings
+from workers.loadwatch import LoadWatch, MetricsCadence
+from workers.runtime import Runtime
 
 ROOM = Load(running=4, waiting=0, used_tokens=500, capacity=4000)
 
@@ -90,3 +97,53 @@ def test_an_unmanaged_servers_retractions_reach_the_window_with_few_reads_of_its
         lambda: admission_view(rclient, url).get("srv_retractions") == busy["retracted_total"],
         10, "the retractions in the admission figures",
     )  # fmt: skip
+
+
+class Reader(LoadWatch):
+    """A worker's load watch whose reads of the server are recorded, not made."""
+
+    def __init__(self, name: str, rclient: redis.Redis, poll_s: float) -> None:
+        rt = SimpleNamespace(
+            worker_id=name,
+            settings=Settings.load(env={}, admission_poll_s=poll_s),
+            redis=rclient,
+            stopping=threading.Event(),
+            pool=SimpleNamespace(ready_views=lambda: [SimpleNamespace(name="srv", url="-", managed=False)]),
+        )
+        super().__init__(cast(Runtime, rt))
+        self.reads: list[float] = []
+
+    def _read(self, server: str, url: str, managed: bool) -> None:
+        self.reads.append(time.monotonic())
+
+
+def test_one_watch_at_a_time_reads_a_server_and_another_takes_over_when_its_lease_lapses(
+    rclient: redis.Redis,
+) -> None:
+    # Given two workers' load watches on one server, polling every 0.1 s
+    poll_s = 0.1
+    first, second = Reader("w1", rclient, poll_s), Reader("w2", rclient, poll_s)
+    try:
+        first.start()
+        wait_for(lambda: first.reads, 5, "the first watch to read")
+        second.start()
+
+        # When both poll for a dozen polls
+        wait_for(lambda: len(first.reads) >= 12, 10, "a dozen reads")
+
+        # Then only the one holding the lease read the server
+        assert second.reads == [] and rclient.get(keys.admission_watch("srv")) == b"w1"
+
+        # When that one stops (its worker died): its lease is renewed no more
+        first.rt.stopping.set()
+        first.join(5)
+        last = first.reads[-1]
+
+        # Then the other reads once the lease has lapsed (three polls), and not before
+        wait_for(lambda: second.reads, 5, "the second watch to take over")
+        assert second.reads[0] - last >= 2 * poll_s, (last, second.reads[0])
+        assert rclient.get(keys.admission_watch("srv")) == b"w2"
+    finally:
+        for watch in (first, second):
+            watch.rt.stopping.set()
+            watch.join(5)

@@ -21,6 +21,8 @@ from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.procs import RedisServer, wait_for
 from tokenmill.local_redis import free_port, redis_binary
+from tokenmill.loop_redis import LoopRedis
+from workers.loop import run as run_on_worker_loop
 
 MASTER = "tm-primary"
 MEAN = 150
@@ -64,6 +66,39 @@ class Sentinel:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class Demoted(RedisServer):
+    """A redis-server that replicates a primary gone from its port: a replica, as a demoted
+    primary is once a failover has moved on without it."""
+
+    def argv(self) -> list[str]:
+        return [*super().argv(), "--replicaof", "127.0.0.1", str(free_port())]
+
+
+def test_the_loops_client_refuses_a_redis_the_sentinels_name_that_is_not_a_master(tmp_path: Path) -> None:
+    # Given a sentinel that still names, as the primary, a Redis that is now a replica
+    demoted = Demoted(tmp_path / "demoted").start()
+    sentinel = Sentinel(tmp_path / "sentinel", demoted)
+    url = f"sentinel://127.0.0.1:{sentinel.port}/0?master_name={MASTER}&socket_timeout=2"
+
+    async def write() -> object:
+        r = LoopRedis(url)
+        try:
+            return await r.call("SET", "tm:probe", "1")
+        finally:
+            r.close()
+
+    # When the worker loop's client writes through the sentinel's URL
+    try:
+        with pytest.raises(redis.ConnectionError) as refused:
+            run_on_worker_loop(write())
+    finally:
+        sentinel.stop()
+        demoted.kill()
+
+    # Then it refuses the connection, saying why, rather than writing to a replica
+    assert f"the Redis the sentinels named as {MASTER!r} is not a master" in str(refused.value)
 
 
 @pytest.fixture

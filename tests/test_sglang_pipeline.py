@@ -25,7 +25,7 @@ from tests.engines import API_KEY, CONTEXT_LEN, ENGINE_PARAMS, Engine, spared_en
 from tests.keyspace import key_events
 from tests.pipeline import cli, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
-from tests.sglang_client import chat
+from tests.sglang_client import chat, post_json
 from tokenmill import keys
 
 WORDS = ["alpha", "beta", "gamma", "δέλτα", "日本語", "emoji🙂", "naïve", "zeta"]
@@ -104,6 +104,36 @@ def test_a_mixed_dataset_runs_exactly_once_and_each_result_equals_its_solo_regen
             assert row["messages"][-1]["content"] == solo["choices"][0]["message"]["content"], row["id"]
             assert row["finish_reason"] == solo["choices"][0]["finish_reason"]
             assert row["usage"] == {k: solo["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+
+
+def test_a_jobs_log_probabilities_cover_every_token_on_a_server_whose_stream_drops_some(
+    engine: Engine, tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given a greedy job asking for log-probabilities whose output ends on the EOS token, on a
+    # server with no reasoning or tool-call parser: streamed, the entries of a step with no text
+    # (the EOS, a part of a character) are lost (docs/sglang-conformance.md)
+    regex, user = "(yes|no), [a-z]{3,9}", "logprobs to the end"
+    row = {"id": "lp", "prompt": user, "regex": regex, "logprobs": True, "max_tokens": 40}
+    env = worker_env(redis_url, engine.url, api_key=API_KEY)
+    cli(
+        "enqueue", str(write_jsonl(tmp_path / "L.jsonl", [row])), "--run", "lp", "--temperature", "0", env=env
+    )
+
+    # When a worker runs it and the run is exported
+    procs.append(start_worker(tmp_path, "short", env, concurrency=1))
+    wait_finished(rclient, "lp", 1, 120)
+    assert state_counts(rclient, "lp")["done"] == 1, _jobs_in(rclient, "lp", "failed")[0]["error"]
+    cli("export", "--run", "lp", "--out", str(tmp_path / "out"), env=env)
+    (got,) = read_export(tmp_path / "out")["L"]
+
+    # Then its entries are those of the same request answered whole: one per token, EOS included
+    whole = post_json(engine, "/v1/chat/completions", {
+        "model": "default", "temperature": 0, "regex": regex, "logprobs": True, "max_tokens": 40,
+        "messages": [{"role": "user", "content": user}],
+    })[1]  # fmt: skip
+    want = whole["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in got["logprobs"]["content"]] == [e["token"] for e in want]
+    assert len(want) == got["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
 
 
 @pytest.mark.parametrize("kind", ENGINE_PARAMS)

@@ -18,7 +18,7 @@ from tests.certs import self_signed
 from tests.httpproxy import ForwardProxy
 from tokenmill import errors
 from workers.loop import run as run_on_worker_loop
-from workers.stream import Progress, StreamClient, stream_chat
+from workers.stream import Progress, StreamClient, stream_chat, whole_chat
 
 REQUEST = {"model": "tm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -155,7 +155,7 @@ def test_connections_idle_past_idle_s_are_closed_by_the_client_and_the_next_stre
             closed += 1
             writer.close()
 
-    async def go() -> tuple[int, int, float, int]:
+    async def go() -> tuple[int, int, int]:
         server, url = await serve(handler)
         client = StreamClient.of(url, None, 5.0)
         client.http.idle_s = 0.3
@@ -163,20 +163,20 @@ def test_connections_idle_past_idle_s_are_closed_by_the_client_and_the_next_stre
         try:
             await asyncio.gather(*(stream_chat(client, REQUEST, {}, Progress()) for _ in range(3)))
             burst, since = opened, loop.time()
-            while closed < burst and loop.time() - since < 5:  # nothing more to stream
+            # nothing more to stream: wait for the closes, less long than the default idle_s (4 s)
+            while closed < burst and loop.time() - since < 3:
                 await asyncio.sleep(0.02)
-            idle_for = loop.time() - since
+            closed_idle = closed
             await stream_chat(client, REQUEST, {}, Progress())
-            return burst, closed, idle_for, opened
+            return burst, closed_idle, opened
         finally:
             await client.close()
             server.close()
 
-    burst, closed_idle, idle_for, opened_after = run_on_worker_loop(go())
+    burst, closed_idle, opened_after = run_on_worker_loop(go())
     # the burst's three connections are closed by the client once idle past idle_s (before a
     # server's own keep-alive would close one under a request), and the next stream opens one
     assert burst >= 2 and (closed_idle, opened_after) == (burst, burst + 1)
-    assert idle_for < 1.5, idle_for
 
 
 def test_a_reused_connection_closed_before_answering_is_retried_once_on_a_new_one() -> None:
@@ -301,17 +301,19 @@ def test_a_request_no_answer_comes_back_for_fails_after_answer_timeout_s() -> No
         client = StreamClient.of(url, None, 5.0, answer_timeout_s=0.5)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            await stream_chat(client, REQUEST, {}, Progress())
+        try:  # (waited for 10 s at most: an upper bound of a few times 0.5 s a loaded machine misses)
+            await asyncio.wait_for(stream_chat(client, REQUEST, {}, Progress()), 10)
         except errors.RequestTimeoutError as exc:
             assert "sent no answer within 0.5s" in exc.message
             return loop.time() - started
+        except TimeoutError:
+            raise AssertionError("the request had not timed out by itself after 10 s") from None
         finally:
             await client.close()
             server.close()
         raise AssertionError("the request did not time out")
 
-    assert 0.4 < run_on_worker_loop(go()) < 2.0
+    assert run_on_worker_loop(go()) > 0.4
 
 
 def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
@@ -504,6 +506,41 @@ def test_a_stream_the_server_ends_with_finish_reason_abort_is_a_retryable_stream
         _answer_once((delta("half an ans", 1), abort))
 
     # Then the stream is not taken as an answer: it is a stream error, to be retried
+    assert aborted.value.message == "the server aborted the request (finish_reason: abort)"
+    assert isinstance(aborted.value, errors.RetryableError)
+
+
+def test_an_answer_sent_whole_that_the_server_aborted_is_a_retryable_stream_error() -> None:
+    # Given a server that answers a request sent whole (logprobs) with finish_reason "abort"
+    answer = orjson.dumps(
+        {
+            "model": "tm",
+            "choices": [{"message": {"role": "assistant", "content": "half"}, "finish_reason": "abort"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }
+    )
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        writer.write(head % len(answer) + answer)
+        await writer.drain()
+        writer.close()
+
+    async def go() -> Progress:
+        server, url = await serve(handler)
+        client = StreamClient.of(url, None, 5.0)
+        try:
+            return await whole_chat(client, {**REQUEST, "logprobs": True}, {}, Progress())
+        finally:
+            await client.close()
+            server.close()
+
+    # When a worker sends the request to it
+    with pytest.raises(errors.StreamError) as aborted:
+        run_on_worker_loop(go())
+
+    # Then the answer is not taken as a whole one: it is a stream error, to be retried
     assert aborted.value.message == "the server aborted the request (finish_reason: abort)"
     assert isinstance(aborted.value, errors.RetryableError)
 
