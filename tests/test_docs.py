@@ -57,3 +57,11 @@ def test_the_readme_links_the_architecture_and_every_relative_link_resolves() ->
             if not (doc.parent / target.split("#", 1)[0]).exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_the_readme_shows_the_batch_api_code_the_api_tests_run() -> None:
+    # Given the README's "Drop-in for OpenAI's Batch API" code and the code tests/test_api.py runs
+    from tests.test_api import DROP_IN
+
+    # Then they are the same lines
+    assert DROP_IN in (ROOT / "README.md").read_text()
