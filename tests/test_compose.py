@@ -33,12 +33,13 @@ REDIS_OVERRIDE = ROOT / "docker" / "compose.redis-debian.yaml"
 ENV = {
     "REDIS_PASSWORD": "s3cret",
     "FLOWER_BASIC_AUTH": "admin:pw",
+    "API_KEYS": "k1,k2",
     "GRAFANA_ADMIN_PASSWORD": "gr4f",
     "HF_TOKEN": "hf_x",
 }
 REDIS_DOCKERFILE = ROOT / "docker" / "redis.Dockerfile"
 # a variable or setting that holds a secret, by the words of its name
-SECRET = re.compile(r"(^|_)(PASSWORD|SECRET|TOKEN|BASIC_AUTH|API_KEY)(_|$)")
+SECRET = re.compile(r"(^|_)(PASSWORD|SECRET|TOKEN|BASIC_AUTH|API_KEYS?)(_|$)")
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -148,7 +149,7 @@ def test_every_service_runs_a_real_tokenmill_command_with_valid_options(
     services: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     commands = tokenmill_commands(services)
-    assert set(commands) >= {"server", "worker-short", "worker-long", "flower", "metrics", "producer"}
+    assert set(commands) >= {"server", "worker-short", "worker-long", "flower", "metrics", "api", "producer"}
     stand_in = tmp_path / "stand-in.toml"
     stand_in.write_text("")
     runner = CliRunner()
@@ -233,7 +234,7 @@ def test_images_are_built_from_targets_the_dockerfile_defines(services: dict[str
             assert svc["build"]["target"] in targets, name
 
 
-def test_ports_are_published_on_loopback_only_and_flower_beyond_it_needs_auth(
+def test_ports_are_published_on_loopback_only_and_flower_and_the_api_beyond_it_need_auth(
     services: dict[str, dict[str, Any]],
 ) -> None:
     for name, svc in services.items():
@@ -244,6 +245,12 @@ def test_ports_are_published_on_loopback_only_and_flower_beyond_it_needs_auth(
     address = flower["command"][flower["command"].index("--address") + 1]
     assert not is_loopback(address)  # it must listen on the container's network...
     assert flower["environment"]["TOKENMILL_FLOWER_BASIC_AUTH"] == ENV["FLOWER_BASIC_AUTH"]  # ...with auth
+    api = services["api"]
+    assert not is_loopback(api["command"][api["command"].index("--address") + 1])
+    assert Settings.load(env=api["environment"]).api_keys == ENV["API_KEYS"]
+    # without keys compose refuses to start rather than run the API beyond loopback without them
+    with pytest.raises(AssertionError, match="API_KEYS"):
+        interpolate(yaml.safe_load(COMPOSE.read_text())["services"]["api"], {**ENV, "API_KEYS": ""})
 
 
 def test_workers_scale_and_the_producer_is_a_one_shot_profile(services: dict[str, dict[str, Any]]) -> None:

@@ -39,7 +39,7 @@ FILES = (
     ROOT / "docker" / "compose.sim.yaml",
     ROOT / "docker" / "compose.redis-debian.yaml",
 )
-SERVICES = ("redis", "server", "worker-short", "worker-long", "sealer", "flower", "metrics")
+SERVICES = ("redis", "server", "worker-short", "worker-long", "sealer", "flower", "metrics", "api")
 DEMO = ROOT / "tokenmill" / "data" / "demo"
 # The user the producer runs as: not root and not the image's own, like a user's $(id -u).
 PRODUCER_UID = 4242
@@ -68,6 +68,7 @@ class Stack:
         settings = {
             "REDIS_PASSWORD": secrets.token_hex(16),
             "FLOWER_BASIC_AUTH": f"tm:{secrets.token_hex(8)}",
+            "API_KEYS": f"{secrets.token_hex(8)},{secrets.token_hex(8)}",
             "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16),
             "TOKENMILL_MODEL": "qwen3-8b",
             "PYTHON_IMAGE": base,
@@ -77,6 +78,7 @@ class Stack:
             "SERVER_PORT": str(free_port()),
             "FLOWER_PORT": str(free_port()),
             "METRICS_PORT": str(free_port()),
+            "API_PORT": str(free_port()),
             "INPUT_DIR": str(DEMO),
             "INPUT_FILE": "B1.jsonl",
             "OUTPUT_DIR": str(out),

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server_mgr.sim.textgen import expected_completion
 from tests.chaos import mid_stream, row_messages
 from tests.compose.stack import (
     DEMO,
@@ -113,6 +115,7 @@ def test_every_published_port_is_bound_to_the_hosts_loopback_only(stack: Stack) 
         "server": "SERVER_PORT",
         "flower": "FLOWER_PORT",
         "metrics": "METRICS_PORT",
+        "api": "API_PORT",
     }
     for service, port in want.items():
         assert published.get(service) and all(
@@ -182,6 +185,51 @@ def test_the_sealer_writes_shards_into_its_volume(stack: Stack, demo_run: dict[s
     # the volume is the producer's too: it reads them back
     listed = stack.producer("find", "/data/results/demo", "-name", "*.parquet").stdout
     assert want <= set(listed.split()), listed
+
+
+def test_a_batch_sent_through_the_apis_published_port_completes_one_output_line_per_request(
+    stack: Stack,
+) -> None:
+    # Given eight rows of the demo dataset as a Batch input file, and the openai SDK on the host
+    # pointed at the API's published port with the second of .env's keys
+    rows = read_jsonl(DEMO / "B1.jsonl")[:8]
+    lines = [
+        {"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gpt-4o-mini", "messages": row_messages(row)}}
+        for i, row in enumerate(rows)
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{stack.port('API_PORT')}/v1"
+    client = openai.OpenAI(base_url=url, api_key=stack.settings["API_KEYS"].split(",")[1], max_retries=0)
+    with pytest.raises(openai.AuthenticationError):  # a key not in API_KEYS
+        openai.OpenAI(base_url=url, api_key="not-a-key", max_retries=0).files.list()
+
+    # When it is uploaded and run as a batch
+    f = client.files.create(file=("compose.jsonl", b"".join(orjson.dumps(x) + b"\n" for x in lines)),
+                            purpose="batch")  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    ended = ("completed", "failed", "expired", "cancelled")
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status in ended and b,
+        600,
+        "the batch to end",
+        every=1,
+    )
+
+    # Then it completed, with one output line per custom_id, each the sim's exact answer
+    assert done.status == "completed" and done.error_file_id is None, (done, stack.logs())
+    out = [orjson.loads(x) for x in client.files.content(done.output_file_id or "").read().splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
+    for o in out:
+        said = o["response"]["body"]["choices"][0]["message"]
+        want = expected_completion(
+            lines[int(o["custom_id"][2:])]["body"]["messages"],
+            max_tokens=SHORT_MAX_TOKENS,
+            reasoning=True,
+            mean_output_tokens=SIM_MEAN_OUTPUT_TOKENS,
+        )
+        assert (said["content"], said.get("reasoning_content")) == (want.content, want.reasoning_content)
 
 
 def test_scaled_short_workers_take_jobs(stack: Stack) -> None:
