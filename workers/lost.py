@@ -27,12 +27,12 @@ import logging
 import time
 from collections.abc import Sequence
 from typing import Generic, NamedTuple, TypeVar
-from urllib.parse import urlsplit
 
 import redis
 
 from tokenmill import keys, server_report
 from tokenmill.server_report import Load
+from tokenmill.url_secrets import split_userinfo
 
 log = logging.getLogger("tokenmill.worker")
 QUIET_S = 5.0  # a stream silent this long, on a server that holds nothing this long, is lost
@@ -170,5 +170,4 @@ class LostStreams(Generic[T]):
 
 def _identity(server: str) -> str:
     """The server's root URL without credentials."""
-    parts = urlsplit(server)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return split_userinfo(server)[0]
