@@ -319,7 +319,7 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 
 def thread_split(workers: list[Child], before: list[dict[int, float]]) -> dict[str, float]:
     """Worker CPU by thread: Celery's consumer (the main thread), the event loop (the busiest
-    other thread: every stream of the process runs on it), and the rest (task threads, pump)."""
+    other thread: every stream of the process runs on it), and the rest (task threads, upkeep)."""
     split = {"celery consumer": 0.0, "event loop": 0.0, "task threads": 0.0}
     for w, base in zip(workers, before, strict=True):
         used = {tid: s - base.get(tid, 0.0) for tid, s in thread_cpu_s(w.pid).items()}

@@ -42,11 +42,11 @@ from pathlib import Path
 from _common import exit_on_sigterm, machine, median, table, workdir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
+from producer.sealing import STEPS
 from tests import chaos, sealing
 from tests.chaos import Cluster, Fault, Workload
 from tests.procs import worker_env
 from tokenmill import keys
-from tokenmill.sealing import STEPS
 
 MEAN = 300
 SIM = ("--reasoning-parser", "qwen3", "--sim-step-ms", "10", "--sim-mean-output-tokens", str(MEAN),

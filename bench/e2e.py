@@ -383,7 +383,7 @@ def stream_path(url: str, reqs: list[dict[str, Any]], concurrency: int, variant:
     """CPU seconds and completion tokens for ``reqs`` through one of :data:`PER_TOKEN_VARIANTS`
     on the worker's event loop."""
     from tokenmill.settings import EVENT_LOOPS
-    from workers.loop import run
+    from workers.event_loop import run
 
     return run(_stream_path(url, reqs, concurrency, variant), EVENT_LOOPS[0])
 

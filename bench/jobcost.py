@@ -13,9 +13,9 @@ and the sim:
 - the worker's CPU per job by thread (schedstat): Celery's consumer (the main thread: BRPOP,
   kombu's unacked bookkeeping, the ack), the event loop (the busiest other thread: each job's
   ledger transitions, its wait for admission and its stream) and the other threads: the task
-  threads (Celery's tracer, the hand-off to the loop, settling errors), with the pump's, the
+  threads (Celery's tracer, the hand-off to the loop, settling errors), with the upkeep's, the
   load watch's and the helper thread's that refreshes admission's figures;
-- Redis round trips per job: a separate run under ``MONITOR`` (:mod:`tokenmill.trips`), less
+- Redis round trips per job: a separate run under ``MONITOR`` (:mod:`tests.trips`), less
   the enqueue's own (counted by enqueuing the same jobs with no worker running, before) and this
   process's polls. ``evalsha:<name>`` are tokenmill's scripts; Celery's are BRPOP, kombu's
   unacked bookkeeping (``multi/exec``, on delivery and on the ack), PUBLISH of task events.
@@ -59,8 +59,8 @@ from _common import (
 )
 from e2e import PARTITION, Knobs, direct_requests, routing, stream_path, write_dataset
 
+from tests.trips import TripCounter
 from tokenmill import keys
-from tokenmill.trips import TripCounter
 
 RUN = "jobcost"
 
@@ -115,7 +115,7 @@ def one_round(
             **(worker_env or {}),
         }
         worker = start_worker(ch, where, "short", k.short_concurrency, env, k.prompts if floor else None)
-        time.sleep(1.0)  # let the worker's start-up work (pump, loadwatch) settle
+        time.sleep(1.0)  # let the worker's start-up work (upkeep, loadwatch) settle
         polls = 0
         done_field = keys.count_field("done", PARTITION)
         counts_key = keys.RunKeys(RUN).counts()

@@ -5,7 +5,7 @@ CLI runs.
 of :mod:`producer.sources`; ``status`` is :func:`~producer.status.run_status` (``status --json``);
 ``wait`` polls it (:mod:`producer.waiting`); ``results`` streams the rows
 :func:`~producer.export.export_run` writes, from Redis and the sealed shards (``export``);
-``to_dataset`` and ``to_pandas`` collect them (:mod:`producer.frames`); ``runs``, ``retry`` and
+``to_dataset`` and ``to_pandas`` collect them (:mod:`producer.dataframes`); ``runs``, ``retry`` and
 ``cancel`` are :func:`~producer.runs.list_runs`, :func:`~producer.retry.retry_run` and
 :func:`~producer.cancel.cancel_run`. Errors are tokenmill's (:mod:`tokenmill.errors`), with the
 CLI's messages.
@@ -254,7 +254,7 @@ class Client:
         results_url: str | None = None,
     ) -> datasets.Dataset:
         """:meth:`results` as a ``datasets.Dataset`` (``pip install 'tokenmill[datasets]'``)."""
-        from producer.frames import to_dataset
+        from producer.dataframes import to_dataset
 
         rows = self.results(
             run, partition=partition, include_truncated=include_truncated, results_url=results_url
@@ -270,7 +270,7 @@ class Client:
         results_url: str | None = None,
     ) -> pandas.DataFrame:
         """:meth:`results` as a pandas DataFrame (``pip install 'tokenmill[pandas]'``)."""
-        from producer.frames import to_pandas
+        from producer.dataframes import to_pandas
 
         rows = self.results(
             run, partition=partition, include_truncated=include_truncated, results_url=results_url

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import redis
 
+from producer.result_store import ResultStore
 from tokenmill import keys
 from tokenmill.errors import RunBusyError
-from tokenmill.results import ResultStore
 
 
 @dataclass(slots=True)

@@ -30,10 +30,10 @@ from producer.export_rows import (
     check_store_reachable,
     partition_rows,
 )
+from producer.result_store import ResultStore
 from tokenmill.errors import ShardLostError
 from tokenmill.jobspec import prompt_id
 from tokenmill.ledger import Ledger
-from tokenmill.results import ResultStore
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from producer.result_store import ResultStore
+from producer.shards import RowGroup, ShardFile, ShardRow
 from tokenmill.errors import ResultStoreError, ShardLostError
 from tokenmill.ledger import Ledger
-from tokenmill.results import ResultStore
-from tokenmill.shards import RowGroup, ShardFile, ShardRow
 
 FIELDS = ("state", "spec", "result", "truncated", "shard")
 ENDED_FIELDS = ("error_class", "error", "last_error_class", "last_error")

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import redis
 
 from producer.export_rows import check_store_reachable, sealed_by_shard
+from producer.result_store import ResultStore
+from producer.sealing import Sealer
+from producer.shards import ShardFile, SpecRow, read_specs
 from tokenmill.ledger import Ledger, register
-from tokenmill.results import ResultStore
-from tokenmill.sealing import Sealer
-from tokenmill.shards import ShardFile, SpecRow, read_specs
 
 log = logging.getLogger("tokenmill.repair")
 CHUNK = 500

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     import redis
     from redis.lock import Lock
 
-    from tokenmill.results import ResultStore
-    from tokenmill.sealing import Sealer
+    from producer.result_store import ResultStore
+    from producer.sealing import Sealer
     from tokenmill.settings import Settings
 
 results_url_option = click.option(
@@ -45,7 +45,7 @@ def make_sealer(
     """A sealer building rows with the export's own row builder; ``crash_at`` names a protocol
     step where the process kills itself (the chaos tests' fault hook)."""
     from producer.export import export_row
-    from tokenmill.sealing import MARK_CHUNK, Sealer
+    from producer.sealing import MARK_CHUNK, Sealer
 
     def fault(step: str) -> None:
         if step == crash_at:  # the chaos tests' hook: die here, as a crash would
@@ -96,7 +96,7 @@ def seal(
     one works at a time (a Redis lock), and a crashed one's half-done shards are completed by
     the next pass. Runs until interrupted unless --once.
     """
-    from tokenmill.results import ResultStore
+    from producer.result_store import ResultStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, client = _connect(redis_url, "seal")
@@ -183,7 +183,7 @@ def repair(run: str, results_url: str | None, redis_url: str | None) -> None:
 def delete(run: str, results: bool, force: bool, results_url: str | None, redis_url: str | None) -> None:
     """Delete a run's keys from Redis (and, with --results, its shards)."""
     from producer.delete import delete_run
-    from tokenmill.results import ResultStore
+    from producer.result_store import ResultStore
 
     _, client = _connect(redis_url, "delete")
     _check_run(client, run)

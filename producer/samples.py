@@ -16,9 +16,9 @@ import orjson
 
 from producer.export import export_row
 from producer.export_rows import run_store
+from producer.shards import ShardFile
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
-from tokenmill.shards import ShardFile
 
 FIELDS = ("state", "spec", "result", "truncated", "shard")
 

@@ -18,7 +18,7 @@ import click
 from server_mgr.command import display_command
 from server_mgr.config import ServerConfig, load_config
 from tokenmill import servers
-from tokenmill.cli import LazyGroup
+from tokenmill.lazy_group import LazyGroup
 from tokenmill.settings import Settings
 from tokenmill.url_secrets import redact_url
 
@@ -34,21 +34,10 @@ _config_option = click.option(
 _redis_option = click.option("--redis-url", default=None, help="Redis URL [env TOKENMILL_REDIS_URL].")
 
 
-class ServerGroup(LazyGroup):
-    """The root's lazy group, with each subcommand's own short help (the lazy ones from LAZY)."""
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [
-            (name, LAZY[name][1] if name in LAZY else self.commands[name].get_short_help_str(limit=70))
-            for name in self.list_commands(ctx)
-        ]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
-
-
 @click.group(
-    cls=ServerGroup,
+    cls=LazyGroup,
     lazy={name: target for name, (target, _) in LAZY.items()},
+    summaries={name: summary for name, (_, summary) in LAZY.items()},
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 def server() -> None:

@@ -21,6 +21,7 @@ import orjson
 
 from tokenmill import keys, servers
 from tokenmill.settings import Settings
+from tokenmill.worker_registry import registered_consumers
 
 if TYPE_CHECKING:
     import redis
@@ -153,30 +154,6 @@ def _active_consumers(control: Any, timeout_s: float) -> dict[str, list[str]]:
             name = queue.get("name") if isinstance(queue, dict) else None
             if name in keys.QUEUES:
                 found.setdefault(name, []).append(worker)
-    return found
-
-
-def register_worker(client: redis.Redis, worker: str, queues: list[str]) -> None:
-    """Record that ``worker`` consumes ``queues`` (called by the worker once it is ready)."""
-    client.hset(keys.worker_queues(), worker, orjson.dumps(sorted(queues)))
-
-
-def unregister_worker(client: redis.Redis, worker: str) -> None:
-    """Forget ``worker``'s queues (it is stopping, or stopped consuming for good)."""
-    client.hdel(keys.worker_queues(), worker)
-
-
-def registered_consumers(client: redis.Redis) -> dict[str, list[str]]:
-    """Queue name -> the registered workers that consume it."""
-    found: dict[str, list[str]] = {}
-    for worker, raw in client.hgetall(keys.worker_queues()).items():
-        try:
-            queues = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        for queue in queues if isinstance(queues, list) else []:
-            if queue in keys.QUEUES:
-                found.setdefault(queue, []).append(worker.decode() if isinstance(worker, bytes) else worker)
     return found
 
 

@@ -17,7 +17,7 @@ import redis
 
 from server_mgr.config import ServerConfig
 from server_mgr.consumers import ConsumerGate, celery_control
-from server_mgr.sink import RedisSink, clear_stop_request
+from server_mgr.reporting import RedisReporter, clear_stop_request
 from server_mgr.supervisor import Supervisor
 from tokenmill import servers
 from tokenmill.settings import Settings
@@ -50,8 +50,8 @@ def serve(
     stop = threading.Event()
     changed = threading.Event()  # a state changed: the main thread syncs the gate (off the
     # supervisors' threads, since a pause asks the workers first)
-    sink = RedisSink(client, (settings or Settings()).series_keep_s)
-    supervisors = [Supervisor(c, sink, stop_event=stop, on_change=changed.set) for c in configs]
+    reporter = RedisReporter(client, (settings or Settings()).series_keep_s)
+    supervisors = [Supervisor(c, reporter, stop_event=stop, on_change=changed.set) for c in configs]
     for c in configs:
         clear_stop_request(client, c.name)
     _install_signals(stop, supervisors)

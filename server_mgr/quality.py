@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 
 from server_mgr.config import ServerConfig
-from server_mgr.sink import LogSink
+from server_mgr.reporting import LogReporter
 from server_mgr.supervisor import Supervisor
 from tokenmill import servers
 from tokenmill.errors import InputError, InvalidRequestError, ServerStartError, ServerUnavailableError
@@ -174,7 +174,7 @@ def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
     if side.config is None:
         yield (side.url or "").rstrip("/")
         return
-    supervisor = Supervisor(side.config, LogSink())
+    supervisor = Supervisor(side.config, LogReporter())
     thread = threading.Thread(target=supervisor.run, name=f"quality-{side.label}", daemon=True)
     thread.start()
     try:

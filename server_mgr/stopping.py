@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import redis
 
-from server_mgr.sink import clear_stop_request, request_stop
+from server_mgr.reporting import clear_stop_request, request_stop
 from tokenmill import keys, servers
 
 STALE_AFTER_S = 30.0

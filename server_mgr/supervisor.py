@@ -1,7 +1,7 @@
 """One server's life: launch, readiness, watch, restart with backoff, OOM steps, drain, stop.
 
 ``Supervisor.run`` blocks until the server is stopped (``down``) or given up on (``failed``).
-Every action is reported to a :class:`~server_mgr.sink.Sink` (Redis for ``server up``) and to
+Every action is reported to a :class:`~server_mgr.reporting.Reporter` (Redis for ``server up``) and to
 the manager's log. Stopping: set ``stop_event`` (signals) or leave a stop request in Redis
 (``tokenmill server stop``); ``hurry`` skips the drain.
 """
@@ -22,7 +22,7 @@ from server_mgr.command import display_command, launch_argv, launch_env, write_k
 from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, RESTART, Crash, classify, dooms_the_start
 from server_mgr.policy import FAIL, RestartPolicy
-from server_mgr.sink import Sink
+from server_mgr.reporting import Reporter
 from tokenmill import capacity, server_report, servers
 from tokenmill.servers import ServerRecord
 
@@ -50,13 +50,13 @@ class Supervisor:
     def __init__(
         self,
         config: ServerConfig,
-        sink: Sink,
+        reporter: Reporter,
         *,
         stop_event: threading.Event | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
-        self.sink = sink
+        self.reporter = reporter
         self.stop_event = stop_event or threading.Event()
         self.hurry = threading.Event()
         self.on_change = on_change or (lambda: None)
@@ -307,14 +307,14 @@ class Supervisor:
         self.live.changed = False
         self.record.live = dict(self.live.figures)
         self.record.updated_at = time.time()
-        self.sink.publish(self.record)
+        self.reporter.publish(self.record)
 
     # --- stopping ------------------------------------------------------------------------------
 
     def _stop_orphan(self) -> None:
         """Stop a server this config left running on this host (its manager died)."""
         c = self.config
-        pid = self.sink.previous_pid(c.name)
+        pid = self.reporter.previous_pid(c.name)
         if pid is None or not process.is_stale_server(pid, c.port):
             return
         self._event("orphan", f"pid {pid} of an earlier run still serves port {c.port}; stopping it", pid=pid)
@@ -327,7 +327,7 @@ class Supervisor:
             self._stop = {"drain": True, "by": "signal"}
         if self._stop is None and time.monotonic() >= self._next_stop_poll:
             self._next_stop_poll = time.monotonic() + STOP_POLL_S
-            self._stop = self.sink.take_stop_request(self.config.name)
+            self._stop = self.reporter.take_stop_request(self.config.name)
         if self._stop is not None and not self._stop.get("drain", True):
             self.hurry.set()
         return self._stop is not None
@@ -422,7 +422,7 @@ class Supervisor:
         self.record.state = state
         self.record.live = dict(self.live.figures)
         self.record.updated_at = time.time()
-        self.sink.publish(self.record, **(extra or {}))
+        self.reporter.publish(self.record, **(extra or {}))
         with self.changed:
             self.changed.notify_all()
         if state != previous:
@@ -430,7 +430,7 @@ class Supervisor:
             self.on_change()
 
     def _event(self, kind: str, message: str, **data: Any) -> None:
-        self.sink.event(self.config.name, kind, message, **data)
+        self.reporter.event(self.config.name, kind, message, **data)
 
     def wait_for(self, states: tuple[str, ...], timeout_s: float) -> str:
         """Block until the state is one of ``states`` (or the timeout); returns the state."""

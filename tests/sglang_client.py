@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tests.engines import Engine
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 from workers.stream import STREAM_OPTIONS, Progress, StreamClient, stream_chat
 
 

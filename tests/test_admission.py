@@ -13,7 +13,6 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
-from tokenmill.admission import YOUNG_CURVE_ENDED, YOUNG_CURVE_TTL_S, Admission, LengthTracker, Slot
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.errors import ConfigError
 from tokenmill.lengths import (
@@ -28,8 +27,9 @@ from tokenmill.lengths import (
 )
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
-from workers.loop import LoopThread
-from workers.loop import run as run_on_worker_loop
+from workers.admission.limiter import YOUNG_CURVE_ENDED, YOUNG_CURVE_TTL_S, Admission, LengthTracker, Slot
+from workers.event_loop import LoopThread
+from workers.event_loop import run as run_on_worker_loop
 
 
 def adm(rclient: redis.Redis, **kw: object) -> Admission:

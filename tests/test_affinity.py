@@ -16,8 +16,9 @@ import redis
 
 from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import ROOT, Proc, start_sim, start_worker, worker_env
-from tokenmill import affinity, keys
+from tokenmill import keys
 from tokenmill.settings import Settings
+from workers.admission import affinity
 
 SERVERS = ["http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"]
 
@@ -88,7 +89,7 @@ def test_keys_and_ranks_are_the_same_in_every_process() -> None:
     # computes them, Then they are the same: no Python hash() anywhere
     req = user("stable?", {"role": "system", "content": "s"})
     code = (
-        "import orjson, sys; from tokenmill import affinity; r = orjson.loads(sys.argv[1]); "
+        "import orjson, sys; from workers.admission import affinity; r = orjson.loads(sys.argv[1]); "
         "k = affinity.prefix(r).key; print(k.hex(), affinity.ranked(k, r['servers']))"
     )
     here = f"{prefix_key(req).hex()} {affinity.ranked(prefix_key(req), SERVERS)}"

@@ -339,7 +339,7 @@ def test_resume_requeues_and_republishes_after_a_crash_of_redis_and_every_worker
     chaos.wait_mid_stream(c.client, wl.run, 3)
 
     # When the worker and Redis are SIGKILLed, Redis restarts from its AOF, and once the dead
-    # worker's leases expired, `tokenmill resume` is run (nothing else runs: no pump)
+    # worker's leases expired, `tokenmill resume` is run (nothing else runs: no upkeep)
     worker.kill()
     c.workers.remove(worker)
     c.redis.kill()

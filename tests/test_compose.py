@@ -18,9 +18,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from producer.flower import is_loopback
 from server_mgr.config import load_config
 from tokenmill.cli import cli
-from tokenmill.flower import is_loopback
 from tokenmill.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,12 +21,12 @@ import pytest
 import redis
 
 from producer.dashboard.server import HOSTS_SETTING, SECURITY_HEADERS, static_dir
+from producer.web_access import allowed_hosts, host_allowed
 from tests.finishing import finish_jobs
 from tests.pipeline import cli
 from tests.procs import ROOT, Proc, http_status, spawn, wait_for
 from tokenmill import Client
 from tokenmill.errors import ConfigError
-from tokenmill.exposure import allowed_hosts, host_allowed
 from tokenmill.local_redis import free_port
 
 AUTH = "TOKENMILL_DASHBOARD_BASIC_AUTH"

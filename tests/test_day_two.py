@@ -15,13 +15,13 @@ import redis
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from producer.metrics import registry_for
 from producer.status import run_status
 from server_mgr.sim.textgen import expected_completion
 from tests.pipeline import cli, expected_for, read_export, wait_run_finished, write_jsonl
 from tests.procs import Proc, sim_stats, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.jobspec import sample_seed
-from tokenmill.metrics import registry_for
 
 
 def _sim_and_env(

@@ -12,10 +12,10 @@ import orjson
 import pytest
 import redis
 
+from producer.flower import check_exposure, is_loopback, parse_basic_auth
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, http_status, spawn, start_sim, start_worker, wait_for, worker_env
 from tokenmill.errors import ConfigError
-from tokenmill.flower import check_exposure, is_loopback, parse_basic_auth
 from tokenmill.ledger import Ledger
 from tokenmill.local_redis import free_port
 

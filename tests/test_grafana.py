@@ -16,11 +16,11 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from producer.metrics import registry_for
 from server_mgr.logparse import FIELD_NAMES
 from tests.test_compose import ENV, interpolate
 from tokenmill import Client, keys, servers
 from tokenmill.ledger import Claim, JobError, Ledger
-from tokenmill.metrics import registry_for
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "docker" / "grafana"

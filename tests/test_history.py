@@ -1,7 +1,7 @@
 """The dashboard's history and outputs: who writes the series, what a point holds, how a run's
 history, outputs and samples read back through the Python API.
 
-Writers are the real ones: the pump's pass (``pump_once``), the server manager's sink, the load
+Writers are the real ones: the upkeep's pass (``upkeep_once``), the server manager's sink, the load
 watch's point of what a server reported; the last test runs a real worker against the sim.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from server_mgr.sink import RedisSink
+from server_mgr.reporting import RedisReporter
 from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
@@ -23,7 +23,7 @@ from tokenmill.outputs import RECENT_KEPT
 from tokenmill.server_report import Load
 from tokenmill.servers import ServerRecord
 from tokenmill.settings import Settings
-from workers.pump import Reconciler, pump_once
+from workers.upkeep import Reconciler, upkeep_once
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def run_points(client: redis.Redis, run: str) -> list[dict[str, float]]:
 def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_it_changes(
     rclient: redis.Redis,
 ) -> None:
-    # Given a run of four jobs, one done and one failed, and the pump's recorder (step 50 ms)
+    # Given a run of four jobs, one done and one failed, and the upkeep's recorder (step 50 ms)
     ledger = Ledger(rclient, "r1")
     jobs = [spec(i) for i in range(4)]
     ledger.enqueue_batch("P", jobs, 100)
@@ -50,9 +50,9 @@ def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_i
     recorder = series.SeriesWriter(rclient, step_s=0.05, keep_s=3600)
 
     def pass_() -> int:
-        return pump_once(rclient, settings, Reconciler(), recorder)["recorded"]
+        return upkeep_once(rclient, settings, Reconciler(), recorder)["recorded"]
 
-    # When the pump passes while two jobs still run
+    # When the upkeep passes while two jobs still run
     assert pass_() == 1
     wait_for(pass_, 5, "a second point a step later")
     # Then each point holds the run's counts, tokens and failures by class
@@ -72,7 +72,7 @@ def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_i
 
 
 def test_the_server_manager_records_each_state_change_and_restart(rclient: redis.Redis) -> None:
-    sink = RedisSink(rclient)
+    sink = RedisReporter(rclient)
     record = ServerRecord(name="s1", url="http://127.0.0.1:1", state="starting", engine="sim")
     for state, restarts in [("starting", 0), ("ready", 0), ("ready", 0), ("down", 0), ("starting", 1),
                             ("ready", 1), ("ready", 1)]:  # fmt: skip

@@ -1,7 +1,7 @@
 """What a job costs a real worker beyond its stream: Redis round trips, task events, logs.
 
 Real redis-server, real ``tokenmill worker`` processes, the sim; round trips are counted with
-``MONITOR`` (:class:`tokenmill.trips.TripCounter`), task events read off Redis pub/sub.
+``MONITOR`` (:class:`tests.trips.TripCounter`), task events read off Redis pub/sub.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import redis
 
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
+from tests.trips import TripCounter
 from tokenmill.ledger import Ledger
-from tokenmill.trips import TripCounter
 
-# Round trips a worker makes on a timer (pump, load watch, length curve), not per job.
+# Round trips a worker makes on a timer (upkeep, load watch, length curve), not per job.
 PERIODIC = {
     "get", "set", "pexpire", "ping", "hello", "client", "select", "info", "time", "llen", "lrange",
     "hgetall", "smembers", "zrange", "zrangebyscore", "zrem", "del", "echo", "script",

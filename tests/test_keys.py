@@ -38,7 +38,7 @@ def test_shared_keys_live_under_the_shared_prefix() -> None:
         keys.server("a"),
         keys.server_events("a"),
         keys.admission("a"),
-        keys.pump_lock(),
+        keys.upkeep_lock(),
         keys.seal_lock(),
         keys.worker_control(),
         keys.server_series("a"),

@@ -23,7 +23,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.loop_redis import LoopRedis, LoopScript
 from tokenmill.redis_conn import DEADLINES
 from tokenmill.settings import Settings
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 
 
 def test_replies_reach_their_own_callers_when_hundreds_are_in_flight(redis_url: str) -> None:

@@ -13,13 +13,13 @@ from prometheus_client import generate_latest
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from producer.metrics import registry_for
 from producer.status import run_status
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tokenmill import dead_letters, keys
 from tokenmill.local_redis import free_port
 from tokenmill.messages import task_message
-from tokenmill.metrics import registry_for
 
 
 def envelope(args: Any = ("r", "P", "P:x"), *, body: bytes | None = None, **fields: Any) -> dict[str, Any]:

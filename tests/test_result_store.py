@@ -11,11 +11,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from producer import shards
 from producer.repair import shard_problem
-from tokenmill import shards
-from tokenmill.errors import ResultStoreError
-from tokenmill.results import ResultStore
-from tokenmill.shards import (
+from producer.result_store import ResultStore
+from producer.shards import (
     ROW_GROUP_ROWS,
     ShardFile,
     ShardRow,
@@ -24,6 +23,7 @@ from tokenmill.shards import (
     shard_bytes,
     specs_bytes,
 )
+from tokenmill.errors import ResultStoreError
 
 
 class Crash(Exception):

@@ -20,14 +20,14 @@ import redis
 from producer.export import export_row
 from producer.export_parquet import ParquetRows
 from producer.export_rows import RowCounts, ShardReader, partition_rows
+from producer.result_store import ResultStore
+from producer.sealing import Sealer, new_shard_id
 from tests import sealing
 from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
 from tokenmill.errors import ExportError
 from tokenmill.ledger import Claim, Ledger
-from tokenmill.results import ResultStore
-from tokenmill.sealing import Sealer, new_shard_id
 
 SIZES = {"B1": 250, "B2": 150}
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from producer.sealing import MARK_CHUNK, STEPS
 from tests import sealing
 from tests.finishing import all_job_ids
 from tests.pipeline import cli, expected_for, read_export, wait_run_finished
 from tests.procs import Proc, RedisServer, spawn, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
-from tokenmill.sealing import MARK_CHUNK, STEPS
 
 ROWS = 2 * MARK_CHUNK + 100  # one shard, marked in three chunks: "half_marked" falls between two
 

@@ -16,13 +16,13 @@ from server_mgr.consumers import (
     celery_control,
     pause_consumers,
     paused_reason,
-    registered_consumers,
     resume_consumers,
 )
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tokenmill import servers
 from tokenmill.servers import ServerRecord
 from tokenmill.settings import Settings
+from tokenmill.worker_registry import registered_consumers
 
 
 class FakeControl:

@@ -1,6 +1,6 @@
 """Prefix affinity's leader rule against real SGLang 0.5.23: what it relies on is that SGLang sends
 a stream's first chunk after the prefill, with the prompt then in its radix cache, so that the
-samples sent at the leader's first token find it cached (``tokenmill/affinity.py``).
+samples sent at the leader's first token find it cached (``workers/admission/affinity.py``).
 
 One real server is listed twice, once through a TCP proxy on loopback: tokenmill sees two
 servers (and applies its rules), SGLang one radix cache and one log, whose ``Prefill batch``

@@ -26,7 +26,7 @@ from tests.procs import http_status, wait_for
 from tests.sglang_client import chat, client, get_json, post_json, sse_frames, stream, stream_options
 from tokenmill import capacity, errors
 from tokenmill.server_report import parse_metrics
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 from workers.stream import Progress, stream_chat
 
 MODEL = "tm-model"

@@ -14,7 +14,7 @@ import pytest
 from tests.engines import ENGINE_PARAMS, start_engine
 from tests.procs import http_status, wait_for
 from tests.sglang_client import client
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 from workers.stream import Progress, stream_chat
 
 FIRED_UP = "The server is fired up and ready to roll!"

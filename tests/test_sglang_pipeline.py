@@ -186,7 +186,7 @@ def _hold_while_alone(client: redis.Redis, run: str, passes: int) -> list[dict[s
     samples = []
     seen = 0
     pattern = keys.RunKeys(run).job("*")
-    with key_events(client, keys.pump_lock()) as events:
+    with key_events(client, keys.upkeep_lock()) as events:
 
         def look() -> bool:
             nonlocal seen

@@ -8,9 +8,9 @@ import redis
 from tests.test_admission import spread_in_flight
 from tests.test_ledger import counts, spec
 from tokenmill import keys
-from tokenmill.admission import Admission
 from tokenmill.ledger import Claim, Full, JobError, Ledger
 from tokenmill.settings import Settings
+from workers.admission.limiter import Admission
 
 RUN = "sf"
 SERVER = "srv"

@@ -17,7 +17,7 @@ import pytest
 from tests.certs import self_signed
 from tests.httpproxy import ForwardProxy
 from tokenmill import errors
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 from workers.stream import Progress, StreamClient, stream_chat, whole_chat
 
 REQUEST = {"model": "tm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -18,7 +18,7 @@ HUNG_TESTS = """
 import asyncio
 import time
 
-from workers.loop import run
+from workers.event_loop import run
 
 
 def test_a_wait_on_the_worker_loop_with_no_deadline():

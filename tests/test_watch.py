@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 
 from producer.cancel import cancel_run
 from tests.test_ledger import claimed, spec
+from tests.trips import TripCounter
 from tokenmill import errors
 from tokenmill.ledger import ALIVE, AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
 from tokenmill.settings import Settings
-from tokenmill.trips import TripCounter
-from workers.loop import run as run_on_worker_loop
+from workers.event_loop import run as run_on_worker_loop
 from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
 

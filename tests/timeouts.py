@@ -3,7 +3,7 @@
 pytest-timeout's ``signal`` method raises its failure from a SIGALRM handler. uvloop runs a
 Python signal handler inside a callback of its own (``Loop._read_from_self``) and only logs what
 it raises, unless that is a ``SystemExit`` or a ``KeyboardInterrupt``: a test waiting on
-``workers.loop.run`` with no deadline hung past its timeout, and under xdist its worker never
+``workers.event_loop.run`` with no deadline hung past its timeout, and under xdist its worker never
 finished. Here the handler raises :class:`TimedOut`, a ``SystemExit``, which uvloop's and
 asyncio's loops let through and pytest reports as the test's failure. Should even that not end
 the test (the main thread stuck in C, the exception swallowed, a teardown that hangs in turn),

@@ -1,7 +1,7 @@
 """What ``status`` shows of admission: a server's last decisions and a run's length curve.
 
 Read-only, on a synchronous client, and light to import: ``tokenmill status`` reads these
-without loading the limiter itself (:mod:`tokenmill.admission`, which pulls in the event loop's
+without loading the limiter itself (:mod:`workers.admission.limiter`, which pulls in the event loop's
 Redis client and the servers' metrics parser).
 """
 

@@ -6,12 +6,12 @@ so ``tokenmill --help`` stays fast.
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import click
 
 from tokenmill.errors import TokenmillError
+from tokenmill.lazy_group import LazyGroup
 
 # command name -> "module:attribute" of a click command or group
 COMMANDS: dict[str, str] = {
@@ -27,10 +27,10 @@ COMMANDS: dict[str, str] = {
     "delete": "producer.results_cli:delete",
     "worker": "workers.cli:worker",
     "server": "server_mgr.cli:server",
-    "flower": "tokenmill.flower:flower",
+    "flower": "producer.flower:flower",
     "dashboard": "producer.dashboard.cli:dashboard",
     "api": "producer.api.cli:api",
-    "metrics": "tokenmill.metrics:metrics",
+    "metrics": "producer.metrics:metrics",
     "demo": "tokenmill.demo:demo",
 }
 
@@ -55,29 +55,9 @@ HELP: dict[str, str] = {
 }
 
 
-class LazyGroup(click.Group):
-    """A click group whose subcommands are imported only when used."""
-
-    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.lazy = lazy
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.lazy:
-            module_name, attr = self.lazy[cmd_name].split(":")
-            return getattr(importlib.import_module(module_name), attr)
-        return super().get_command(ctx, cmd_name)
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, HELP.get(name, "")) for name in self.list_commands(ctx)]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
-
-
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup, lazy=COMMANDS, summaries=HELP, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(package_name="tokenmill")
 def cli() -> None:
     """tokenmill: datasets of prompts in, datasets of completions out, exactly once."""

@@ -6,7 +6,7 @@ one writer at a time:
 ============== ========================= =========================== ==================================
 series         key                       writer                      a point
 ============== ========================= =========================== ==================================
-a run's        ``tm:{run}:series``       the pump (its lock), each   jobs by state, completion tokens,
+a run's        ``tm:{run}:series``       the upkeep (its lock), each   jobs by state, completion tokens,
                                          pass                        sealed jobs, shards, and
                                                                      ``failures:<class>`` (every job
                                                                      that ended failed with it)
@@ -77,7 +77,7 @@ def run_point(client: redis.Redis, run: str) -> tuple[dict[str, float], bool]:
 
 
 def record_run(writer: series.SeriesWriter, client: redis.Redis, run: str) -> bool:
-    """Add the run's point if one is due (the pump, under its lock); whether one was added."""
+    """Add the run's point if one is due (the upkeep, under its lock); whether one was added."""
     key = keys.RunKeys(run).series()
     if not writer.due(key):
         return False

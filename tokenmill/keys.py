@@ -130,8 +130,9 @@ def series_servers() -> str:
     return f"{PREFIX}:_:series:servers"
 
 
-def pump_lock() -> str:
-    """Lock held by the one worker that runs the reaper/feeder at a time."""
+def upkeep_lock() -> str:
+    """Lock held by the one worker that runs the upkeep at a time (the key keeps its first name,
+    ``pump``, so that workers of either version share it)."""
     return f"{PREFIX}:_:lock:pump"
 
 
@@ -276,10 +277,10 @@ class RunKeys:
 
     def series(self) -> str:
         """Stream: the run's counters over time, one point a step while it moves, written by the
-        pump (:mod:`tokenmill.history`)."""
+        upkeep (:mod:`tokenmill.history`)."""
         return f"{self.prefix}:series"
 
-    # -- sealing: done results move into shards of the result store (tokenmill/sealing.py) ------
+    # -- sealing: done results move into shards of the result store (producer/sealing.py) ------
 
     def unsealed(self, partition: str) -> str:
         """Sorted set: done job id not yet sealed → its enqueue sequence."""

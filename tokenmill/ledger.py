@@ -113,7 +113,7 @@ class Claim:
 
 
 class AdmitRequest(NamedTuple):
-    """What ``admit.lua`` needs to take a slot on one server (built by tokenmill.admission)."""
+    """What ``admit.lua`` needs to take a slot on one server (built by workers.admission.limiter)."""
 
     keys: tuple[str, str]  # the server's slots zset and used hash
     args: list[Any]  # admit.lua's ARGV; the first is the slot's member id
@@ -289,7 +289,7 @@ class Ledger:
             )
         )
 
-    # -- the pump (reaper, delayed retries, backlog feeder) ---------------------------------
+    # -- the upkeep (reaper, delayed retries, backlog feeder) ---------------------------------
 
     def reap_expired(self, limit: int = 500) -> list[str]:
         """Requeue jobs whose lease expired; returns their ids."""

@@ -3,7 +3,7 @@ admit and claim), commit.
 
 The same scripts, keys and arguments as :class:`~tokenmill.ledger.Ledger`'s (built by the same
 functions), sent through the loop's pipelined client (:mod:`tokenmill.loop_redis`), so that a job
-runs from delivery to commit in one hand-off to the loop (:mod:`workers.onloop`). Settling an
+runs from delivery to commit in one hand-off to the loop (:mod:`workers.job_path`). Settling an
 error, and riding out Redis, are left to the synchronous ledger, on the task's thread.
 """
 

@@ -1,7 +1,7 @@
 """Redis from an event loop: commands pipelined on one connection, replies parsed by hiredis.
 
 The worker runs a job's ledger transitions on its event loop, beside the job's stream
-(:mod:`workers.onloop`). Through redis-py's asyncio client a command cost that loop 95-118 µs of
+(:mod:`workers.job_path`). Through redis-py's asyncio client a command cost that loop 95-118 µs of
 CPU; here it costs 9-26 µs (one ``hiredis.pack_command``, a write, and a reply parsed in the
 connection's ``data_received``; measured on this machine class, docs/benchmarks.md). Every
 command of a process shares one connection: replies come back in the order the commands were

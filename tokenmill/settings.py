@@ -74,14 +74,14 @@ class Settings:
     # and they go at once, so the server prefills them in one batch
     admission_pace_group: int = 2
     # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
-    # tokenmill/affinity.py), the rest least full first; off: least full first
+    # workers/admission/affinity.py), the rest least full first; off: least full first
     server_affinity: bool = True
     # with affinity, how long a job whose sibling (same prefix key) this process admitted on a
     # server in the last minute waits for that server before it spills; 0: it spills at once
     server_affinity_wait_s: float = 0.0
     # with affinity, how long the siblings of a job (same prefix key) this process is sending
     # first wait for its first token, so that its prompt is in its server's cache before they
-    # go there (tokenmill/affinity.py, Prefills); 0: they go at once
+    # go there (workers/admission/affinity.py, Prefills); 0: they go at once
     server_prefill_wait_s: float = 10.0
     max_queued: int = 5000  # messages per queue in the broker; ~940 bytes each, the rest are ids
 
@@ -129,7 +129,7 @@ class Settings:
     api_poll_s: float = 1.0
     api_allowed_hosts: str = ""  # as dashboard_allowed_hosts, for the API
 
-    # the result store: done results are sealed into Parquet shards there (tokenmill/sealing.py)
+    # the result store: done results are sealed into Parquet shards there (producer/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
     seal_after_s: float = 60.0  # ...or once they have waited this long (from a sealer's first sight)

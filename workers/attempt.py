@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenmill import errors, outputs
-from tokenmill.admission import LengthTracker, Slot
 from tokenmill.ledger import Checkpoint, Claim, LengthReport
 from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
 from tokenmill.settings import Settings
 from tokenmill.url_secrets import redact_url
+from workers.admission.limiter import LengthTracker, Slot
 from workers.stream import Progress, StopGuard, StreamClient, stream_chat, whole_chat
 from workers.watch import AttemptState, Watch
 

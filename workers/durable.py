@@ -2,12 +2,12 @@
 
 Transitions are fenced and idempotent, so repeating one after a lost reply is safe. Both forms
 try for up to ``REDIS_RETRY_S``, backing off from 0.1 to 2 s, then let the error through (the
-job's lease then expires and the pump requeues it). Each try is bounded by the client's own
+job's lease then expires and the upkeep requeues it). Each try is bounded by the client's own
 deadline (``socket_timeout``), so a Redis host that vanished costs a try seconds, not minutes.
 
 Two things are not ridden out: credentials Redis refused (a wrong password does not heal by
 waiting: one clear error, at once), and a worker whose shutdown grace is over (``stop``: one
-more try, then the error; the job's lease and the pump take it from there).
+more try, then the error; the job's lease and the upkeep take it from there).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The generate task's body: the job runs on the worker's loop from peek to commit
-(:mod:`workers.onloop`); an attempt that ends in an error is settled here, on the task's thread.
+(:mod:`workers.job_path`); an attempt that ends in an error is settled here, on the task's thread.
 
 Errors are mapped to ledger states here and only here: terminal → ``failed``; retryable →
 ``queued`` with a backoff (no retry burned while the server is down); shutdown → checkpointed
@@ -22,7 +22,7 @@ import redis
 
 from tokenmill import errors
 from tokenmill.ledger import Claim, JobError, Ledger
-from workers import onloop
+from workers import job_path
 from workers.attempt import Attempted
 from workers.durable import durable
 from workers.runtime import Runtime
@@ -34,11 +34,11 @@ WAIT_SLICE_S = 1.0  # how often a waiting thread looks at the shutdown
 
 
 def run_job(rt: Runtime, run: str, job_id: str) -> str:
-    """Run one delivery of ``job_id`` on the worker's loop (:mod:`workers.onloop`); settle here
+    """Run one delivery of ``job_id`` on the worker's loop (:mod:`workers.job_path`); settle here
     the error its attempt ended with. Returns what happened (for logs and tests)."""
     if rt.auth_error is not None or rt.stopping.is_set():
         return "skipped"
-    left = wait_on_loop(rt, rt.loop.submit(onloop.run_job(rt, run, job_id)), f"{run}/{job_id}")
+    left = wait_on_loop(rt, rt.loop.submit(job_path.run_job(rt, run, job_id)), f"{run}/{job_id}")
     if isinstance(left, str):
         return left
     return conclude(rt, rt.ledger(run), left)

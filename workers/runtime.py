@@ -8,13 +8,14 @@ import socket
 import threading
 from typing import Any
 
-from tokenmill import affinity, ledger_loop, redis_conn
-from tokenmill.admission import Admission
+from tokenmill import ledger_loop, redis_conn
 from tokenmill.ledger import AsyncHeartbeat, Ledger
 from tokenmill.ledger_loop import LoopLedger
 from tokenmill.loop_redis import LoopRedis
 from tokenmill.settings import Settings
-from workers.loop import LoopThread
+from workers.admission import affinity
+from workers.admission.limiter import Admission
+from workers.event_loop import LoopThread
 from workers.pool import ServerPool
 from workers.stream import StreamClient
 from workers.watch import Watch

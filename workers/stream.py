@@ -12,18 +12,20 @@ its status and body in :mod:`workers.taxonomy`.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from tokenmill import __version__, errors
+from tokenmill import errors
 from tokenmill.options import SGLEXT_OUTPUT_IDS
 from tokenmill.url_secrets import split_userinfo
 from workers import taxonomy
 from workers.transport import HttpClient
 
+VERSION = importlib.metadata.version("tokenmill")
 _DATA = b"data: "
 # Every chunk carries the running usage, so checkpoints count tokens exactly even when a chunk
 # holds several (``--stream-interval``): a continuation's max_tokens depends on that count.
@@ -77,7 +79,7 @@ class StreamClient:
         self.http = HttpClient(connect_timeout_s, answer_timeout_s)
         self.headers = {
             "Authorization": f"Bearer {api_key}" if api_key else basic or "Bearer EMPTY",
-            "User-Agent": f"tokenmill/{__version__}",
+            "User-Agent": f"tokenmill/{VERSION}",
             "Accept": "text/event-stream",
             "Accept-Encoding": "identity",
             "Content-Type": "application/json",

@@ -12,18 +12,17 @@ import redis
 from celery import Task
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
 
-from server_mgr import consumers
-from tokenmill import redis_conn
+from tokenmill import redis_conn, worker_registry
 from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
 from workers import celery_logs
 from workers.job import ABANDON_AFTER_S, run_job
 from workers.loadwatch import LoadWatch
-from workers.pump import Pump
 from workers.runtime import current, get_runtime
+from workers.upkeep import Upkeep
 
 log = logging.getLogger("tokenmill.worker")
-_pump: dict[str, Pump] = {}
+_upkeep: dict[str, Upkeep] = {}
 _hostname: list[str] = [""]  # this worker's Celery name, once ready
 STOP_SLACK_S = 15.0  # past the grace and the jobs' last wait: Celery's own stop (acks, consumer)
 
@@ -38,7 +37,7 @@ def generate(self: Task, run: str, partition: str, job_id: str) -> str:
         try:
             rt.ledger(run).republish([job_id])
         except redis.RedisError as exc:  # its waiting lease, else the reconciler, puts it back
-            log.warning("job %s/%s: not republished (%s); the pump will put it back", run, job_id, exc)
+            log.warning("job %s/%s: not republished (%s); the upkeep will put it back", run, job_id, exc)
         if rt.auth_error is not None:
             _stop_consuming(self)
     return outcome
@@ -64,15 +63,17 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     if sender is not None:  # (the consumer) its queues, for a server manager's resume
         _hostname[0] = sender.hostname
         try:
-            consumers.register_worker(rt.redis, sender.hostname, list(sender.app.amqp.queues.consume_from))
+            worker_registry.register_worker(
+                rt.redis, sender.hostname, list(sender.app.amqp.queues.consume_from)
+            )
         except redis.RedisError as exc:
             log.warning("cannot register this worker's queues: %s", exc)
     loop = type(rt.loop.loop)
     log.info("streams run on one event loop: %s.%s", loop.__module__, loop.__qualname__)
     redis_conn.warn_durability(rt.redis)
-    if "pump" not in _pump:
-        _pump["pump"] = Pump(rt.redis, rt.settings)
-        _pump["pump"].start()
+    if "upkeep" not in _upkeep:
+        _upkeep["upkeep"] = Upkeep(rt.redis, rt.settings)
+        _upkeep["upkeep"].start()
         if rt.settings.admission and rt.settings.admission_closed_loop:
             LoadWatch(rt).start()
 
@@ -95,8 +96,8 @@ def _on_shutting_down(**_: Any) -> None:
     )
     deadline.daemon = True
     deadline.start()
-    if "pump" in _pump:
-        _pump["pump"].stop()
+    if "upkeep" in _upkeep:
+        _upkeep["upkeep"].stop()
     if _hostname[0]:
         _unregister(_hostname[0])
 
@@ -106,7 +107,7 @@ def _unregister(worker: str) -> None:
     if rt is None:
         return
     try:
-        consumers.unregister_worker(rt.redis, worker)
+        worker_registry.unregister_worker(rt.redis, worker)
     except redis.RedisError as exc:  # left behind: a resume sends it a harmless add_consumer
         log.warning("cannot unregister this worker's queues: %s", exc)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from tokenmill import exposure
+from producer import web_access
 from tokenmill.errors import ConfigError
 from tokenmill.url_secrets import redact_url
 
@@ -34,15 +34,15 @@ def api(port: int, address: str, redis_url: str | None) -> None:
 
     from producer.api.files import Files
     from producer.api.server import HOSTS_SETTING, make_app
+    from producer.result_store import ResultStore
     from tokenmill import redis_conn
-    from tokenmill.results import ResultStore
     from tokenmill.settings import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.load(redis_url=redis_url)
     keys_ = [k.strip() for k in settings.api_keys.split(",") if k.strip()]
-    exposure.check_exposure(address, keys_, "the API", "TOKENMILL_API_KEYS=key1,key2")
-    hosts = exposure.allowed_hosts(address, settings.api_allowed_hosts, HOSTS_SETTING)
+    web_access.check_exposure(address, keys_, "the API", "TOKENMILL_API_KEYS=key1,key2")
+    hosts = web_access.allowed_hosts(address, settings.api_allowed_hosts, HOSTS_SETTING)
     client = redis_conn.connect(settings, name="tokenmill-api")
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
     store = ResultStore(settings.results_location)

@@ -14,8 +14,8 @@ import orjson
 import redis
 
 from producer.api.errors import ApiError, bad, not_found
+from producer.result_store import ResultStore
 from tokenmill import keys
-from tokenmill.results import ResultStore
 
 CHUNK = 1 << 20
 

@@ -27,7 +27,7 @@ from producer.api.errors import ApiError, bad
 from producer.api.files import Files
 from producer.api.lifecycle import Lifecycle
 from producer.dashboard.server import SECURITY_HEADERS
-from tokenmill.exposure import host_allowed
+from producer.web_access import host_allowed
 from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill.api")

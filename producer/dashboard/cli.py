@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from tokenmill import exposure
+from producer import web_access
 from tokenmill.errors import ConfigError
 from tokenmill.url_secrets import redact_url
 
@@ -43,10 +43,10 @@ def dashboard(port: int, address: str, basic_auth: str | None, redis_url: str | 
     from producer.dashboard.server import HOSTS_SETTING, make_app
     from tokenmill.settings import Settings
 
-    credentials = exposure.parse_basic_auth(basic_auth, f"--basic-auth or {AUTH_ENVVAR}")
-    exposure.check_exposure(address, credentials, "the dashboard", f"{AUTH_ENVVAR}=user:password")
+    credentials = web_access.parse_basic_auth(basic_auth, f"--basic-auth or {AUTH_ENVVAR}")
+    web_access.check_exposure(address, credentials, "the dashboard", f"{AUTH_ENVVAR}=user:password")
     settings = Settings.load(redis_url=redis_url)
-    hosts = exposure.allowed_hosts(address, settings.dashboard_allowed_hosts, HOSTS_SETTING)
+    hosts = web_access.allowed_hosts(address, settings.dashboard_allowed_hosts, HOSTS_SETTING)
     client = Client(redis_url=settings.redis_url)
     shown = f"[{address}]" if ":" in address else address
     auth = "basic auth" if credentials else "no auth: loopback only"

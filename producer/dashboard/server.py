@@ -22,8 +22,8 @@ import orjson
 import redis
 from aiohttp import web
 
+from producer.web_access import authorized, host_allowed
 from tokenmill.errors import ConfigError, RedisUnavailableError, TokenmillError
-from tokenmill.exposure import authorized, host_allowed
 
 if TYPE_CHECKING:
     from producer.client import Client

@@ -6,7 +6,7 @@
 -- back as one), and a stored field may hold anything (`abc`, 2^63 - 1, which HINCRBY overflows).
 local INT_MAX = 9007199254740991  -- 2^53 - 1: the largest integer a double holds exactly
 -- The most tokens one admission slot holds (2^40, far past any KV pool), so that the sums of
--- slots stay exact (tokenmill.admission.MAX_SLOT_TOKENS)
+-- slots stay exact (workers.admission.limiter.MAX_SLOT_TOKENS)
 local SLOT_MAX = 1099511627776
 -- `v` as a number within [lo, hi] (by default +-INT_MAX); `default` when it is absent, not a
 -- number, or NaN

@@ -23,7 +23,7 @@ from tokenmill.servers import ServerRecord
 log = logging.getLogger("tokenmill.server")
 
 
-class Sink(Protocol):
+class Reporter(Protocol):
     """What a supervisor reports to."""
 
     def publish(self, record: ServerRecord, **extra: Any) -> None:
@@ -39,7 +39,7 @@ class Sink(Protocol):
         """The pid an earlier run published for ``name`` (to find an orphaned server)."""
 
 
-class LogSink:
+class LogReporter:
     """Reports to the manager's log only (a quality check must not attract workers)."""
 
     def publish(self, record: ServerRecord, **extra: Any) -> None:
@@ -55,7 +55,7 @@ class LogSink:
         return None
 
 
-class RedisSink(LogSink):
+class RedisReporter(LogReporter):
     """Publishes records and events in Redis (:mod:`tokenmill.servers`) and reads stop requests;
     each publish that changes a server's state or restarts adds a point to its state series
     (:mod:`tokenmill.history`), kept ``series_keep_s``."""

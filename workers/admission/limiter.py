@@ -19,7 +19,7 @@ Each queue may use at most ``admission_queue_share`` of the budget (or of the wi
 prompts cannot starve short ones or the reverse. Slots are leases renewed with the job's lease: a dead
 worker's slots expire.
 
-Jobs of one process that wait for room stand in a line (:mod:`tokenmill.waitline`): only the
+Jobs of one process that wait for room stand in a line (:mod:`workers.admission.waitline`): only the
 first asks Redis (at once when this process frees a slot, when a paced start is due, every
 ``admission_wait_s`` for slots freed elsewhere), so hundreds of waiting jobs cost one poll, not
 hundreds, and are served in order.
@@ -44,7 +44,7 @@ from tokenmill.loop_redis import LoopRedis
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
-from tokenmill.waitline import WaitLine
+from workers.admission.waitline import WaitLine
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
 # ... while fewer than YOUNG_CURVE_ENDED of its requests have ended: each end then moves the

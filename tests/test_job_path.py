@@ -1,4 +1,4 @@
-"""A job's path on the worker's loop (``workers/onloop.py``), and what it hands back to the task's
+"""A job's path on the worker's loop (``workers/job_path.py``), and what it hands back to the task's
 thread: a worker's runtime in this process, the real redis-server and the sim, and
 ``workers.job.run_job`` called from a thread as Celery's pool calls it."""
 
@@ -16,13 +16,13 @@ import redis
 
 from tests.procs import Proc, RedisServer, start_sim, wait_for
 from tests.test_ledger import spec
+from tests.trips import TripCounter
 from tokenmill import keys
 from tokenmill.jobspec import JobSpec
 from tokenmill.ledger import Ledger
 from tokenmill.ledger_loop import LoopLedger
 from tokenmill.lengths import parse_counts
 from tokenmill.settings import Settings
-from tokenmill.trips import TripCounter
 from workers.job import run_job
 from workers.runtime import Runtime
 

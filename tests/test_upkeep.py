@@ -1,4 +1,4 @@
-"""The pump: reaper, delayed retries, backlog feeding, and reconciliation with the broker."""
+"""The upkeep: reaper, delayed retries, backlog feeding, and reconciliation with the broker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.procs import wait_for
 from tests.test_ledger import spec
 from tokenmill.ledger import Claim, Ledger
 from tokenmill.settings import Settings
-from workers.pump import Pump, Reconciler, pump_once
+from workers.upkeep import Reconciler, Upkeep, upkeep_once
 
 
 def test_queued_jobs_that_lost_their_messages_are_republished(rclient: redis.Redis) -> None:
@@ -25,10 +25,10 @@ def test_queued_jobs_that_lost_their_messages_are_republished(rclient: redis.Red
     settings = Settings.load(env={})
     rec = Reconciler()
 
-    # When the pump passes twice, then a third time
-    first = pump_once(rclient, settings, rec)
-    second = pump_once(rclient, settings, rec)
-    third = pump_once(rclient, settings, rec)
+    # When the upkeep passes twice, then a third time
+    first = upkeep_once(rclient, settings, rec)
+    second = upkeep_once(rclient, settings, rec)
+    third = upkeep_once(rclient, settings, rec)
 
     # Then the 4 queued jobs are republished once (the first pass only suspects them)
     assert first["republished"] == 0 and second["republished"] == 4 and third["republished"] == 0
@@ -41,7 +41,7 @@ def test_nothing_is_republished_while_messages_are_in_the_broker(rclient: redis.
     settings = Settings.load(env={})
     rec = Reconciler()
     for _ in range(3):
-        assert pump_once(rclient, settings, rec)["republished"] == 0
+        assert upkeep_once(rclient, settings, rec)["republished"] == 0
     assert rclient.llen("short") == 3
 
 
@@ -52,15 +52,15 @@ def test_the_feeder_keeps_the_broker_bounded(rclient: redis.Redis) -> None:
     settings = Settings.load(env={}, max_queued=4)
     for _ in range(3):
         rclient.rpop("short")  # a worker consumes
-        pump_once(rclient, settings, Reconciler())
+        upkeep_once(rclient, settings, Reconciler())
         assert rclient.llen("short") == 4
 
 
 def test_a_worker_killed_in_its_pass_holds_up_reaping_no_longer_than_a_lease(rclient: redis.Redis) -> None:
-    # Given a worker that took the pump's lock and died during its pass (it never releases it),
+    # Given a worker that took the upkeep's lock and died during its pass (it never releases it),
     # and a job whose worker died too: its lease (2 s) runs out
     settings = Settings.load(env={}, lease_ttl_s=2.0, reaper_period_s=0.2)
-    dead = Pump(rclient, settings)
+    dead = Upkeep(rclient, settings)
     assert dead.lock.acquire(blocking=False)
     ledger = Ledger(rclient, "r1")
     job = spec(1)
@@ -70,7 +70,7 @@ def test_a_worker_killed_in_its_pass_holds_up_reaping_no_longer_than_a_lease(rcl
     started = time.monotonic()
 
     # When another worker's pump runs
-    alive = Pump(rclient, settings)
+    alive = Upkeep(rclient, settings)
     alive.start()
     try:
         # Then the job is requeued within about a lease and a period, not when a longer lock

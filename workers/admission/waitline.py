@@ -1,6 +1,6 @@
 """A process's jobs waiting for admission, first come first served: only the head asks Redis.
 
-The jobs wait on the worker's event loop (``workers/onloop.py``). The one at the head asks for
+The jobs wait on the worker's event loop (``workers/job_path.py``). The one at the head asks for
 room, then sleeps until woken (a slot freed in this process, a wider window) or a timeout; the
 others sleep until they reach the head. So hundreds of waiting jobs cost one poll, not hundreds.
 A job whose earlier attempt was cut stands ``ahead`` of the jobs that never ran: interrupted

@@ -1,4 +1,4 @@
-"""The pump: in every worker, one at a time under a Redis lock, every ``reaper_period_s``.
+"""The upkeep: in every worker, one at a time under a Redis lock, every ``reaper_period_s``.
 
 It requeues jobs whose lease expired (a killed worker's jobs run again within about one lease
 TTL plus one period, whatever the broker's visibility timeout), publishes delayed retries
@@ -58,7 +58,7 @@ class Reconciler:
         return 0
 
 
-def pump_once(
+def upkeep_once(
     client: redis.Redis,
     settings: Settings,
     reconciler: Reconciler | None = None,
@@ -86,7 +86,7 @@ def pump_once(
 
 
 def _record(recorder: SeriesWriter, client: redis.Redis, run: str) -> bool:
-    """The run's history point; a failure to record never stops the pump's work."""
+    """The run's history point; a failure to record never stops the upkeep's work."""
     try:
         return history.record_run(recorder, client, run)
     except redis.ResponseError as exc:
@@ -94,11 +94,11 @@ def _record(recorder: SeriesWriter, client: redis.Redis, run: str) -> bool:
         return False
 
 
-class Pump(threading.Thread):
-    """The pump's thread: takes the lock without blocking; whoever holds it does the pass."""
+class Upkeep(threading.Thread):
+    """The upkeep's thread: takes the lock without blocking; whoever holds it does the pass."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
-        super().__init__(name="tokenmill-pump", daemon=True)
+        super().__init__(name="tokenmill-upkeep", daemon=True)
         self.r = client
         self.settings = settings
         self.stop_event = threading.Event()
@@ -110,7 +110,7 @@ class Pump(threading.Thread):
         # lock may overlap the next holder's; every step of a pass is atomic on its own.
         period = settings.reaper_period_s
         self.lock = client.lock(
-            keys.pump_lock(), timeout=min(max(2 * period, 10), settings.lease_ttl_s), blocking=False
+            keys.upkeep_lock(), timeout=min(max(2 * period, 10), settings.lease_ttl_s), blocking=False
         )
 
     def run(self) -> None:
@@ -119,13 +119,13 @@ class Pump(threading.Thread):
             try:
                 if lock.acquire(blocking=False):
                     try:
-                        pump_once(self.r, self.settings, self.reconciler, self.recorder)
+                        upkeep_once(self.r, self.settings, self.reconciler, self.recorder)
                     finally:
                         lock.release()
             except redis.RedisError as exc:
-                log.warning("pump pass skipped: %s", exc)
+                log.warning("upkeep pass skipped: %s", exc)
             except Exception:
-                log.exception("pump pass failed")
+                log.exception("upkeep pass failed")
 
     def stop(self) -> None:
         self.stop_event.set()

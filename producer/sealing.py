@@ -34,10 +34,10 @@ from typing import Any
 import orjson
 import redis
 
+from producer.result_store import Hook, ResultStore, no_hook
+from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
 from tokenmill.ledger import register
-from tokenmill.results import Hook, ResultStore, no_hook
-from tokenmill.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.seal")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
-from tokenmill import exposure
-from tokenmill.exposure import is_loopback
+from producer import web_access
+from producer.web_access import is_loopback
 
 __all__ = ["check_exposure", "flower", "flower_argv", "is_loopback", "parse_basic_auth"]
 
@@ -23,13 +23,13 @@ AUTH_ENVVARS = ("TOKENMILL_FLOWER_BASIC_AUTH", "FLOWER_BASIC_AUTH")
 
 def parse_basic_auth(value: str | None) -> list[str]:
     """``user:password[,user2:password2]`` as Flower's list; raises naming the entry, not the secret."""
-    return exposure.parse_basic_auth(value, f"--basic-auth or {AUTH_ENVVARS[0]}")
+    return web_access.parse_basic_auth(value, f"--basic-auth or {AUTH_ENVVARS[0]}")
 
 
 def check_exposure(address: str, credentials: list[str]) -> None:
     """Refuse to serve Flower beyond loopback without authentication."""
     how = f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth)"
-    exposure.check_exposure(address, credentials, "Flower", how)
+    web_access.check_exposure(address, credentials, "Flower", how)
 
 
 def flower_argv(

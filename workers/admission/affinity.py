@@ -20,7 +20,7 @@ that reach one server together, in one prefill batch, are each prefilled in full
    the home's window or budget refuses, the sibling spills only to a server emptier than the
    home by more than :data:`BALANCE_SLACK` of a budget; otherwise it waits for its home, and
    steps back in this process's line so that the jobs behind it may go elsewhere
-   (:meth:`tokenmill.waitline.Turn.step_back`). A server where a sibling is *cold* (admitted,
+   (:meth:`workers.admission.waitline.Turn.step_back`). A server where a sibling is *cold* (admitted,
    on its way to its first token, the prefix not cached there yet) is left out, its home too:
    two copies in one prefill batch both prefill it. ``server_affinity_wait_s`` (default 0)
    makes a sibling wait that long for its home alone, spilling nowhere.

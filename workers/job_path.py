@@ -6,7 +6,7 @@ before), the peek, the waiting lease, each ask for room, the claim and the commi
 it on a Redis round trip and handed the GIL back and forth with the loop: about 150-200 µs of a
 worker's CPU a round trip (bench/jobcost.py), on top of redis-py's own ~60 µs a command; on the
 loop the same scripts cost ~10-25 µs each (:mod:`tokenmill.loop_redis`). Jobs waiting for room
-stand in this process's line (:class:`~tokenmill.waitline.WaitLine`).
+stand in this process's line (:class:`~workers.admission.waitline.WaitLine`).
 
 Nothing here blocks the loop: the server and run figures admission decides by are refreshed on
 a helper thread when due (about once a second), Redis is ridden out by waiting on the loop
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from tokenmill import affinity
-from tokenmill.admission import Slot
 from tokenmill.ledger import Claim, Full, Peek
 from tokenmill.ledger_loop import LoopLedger
 from tokenmill.url_secrets import redact_url
+from workers.admission import affinity
+from workers.admission.limiter import Slot
 from workers.attempt import Attempted, attempt_job, committed
 from workers.durable import adurable
 from workers.pool import ServerView
@@ -90,7 +90,7 @@ async def _admit(
     one, and the claim drops it (no Redis call of its own).
 
     A job whose sibling (same prefix key) this process is sending first waits, before it
-    joins the line, for that sibling's first token (:class:`tokenmill.affinity.Prefills`)."""
+    joins the line, for that sibling's first token (:class:`workers.admission.affinity.Prefills`)."""
     s = rt.settings
     said = False
     held_at = 0.0
@@ -146,7 +146,7 @@ async def _try_servers(
     rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
 ) -> tuple[ServerView, Slot, Claim] | str | float | None:
     """Admitted and claimed on a ready server: the one a sibling went to, or the one the job's
-    prefix key prefers, else the least full (:func:`tokenmill.affinity.dispatch_order`; no key:
+    prefix key prefers, else the least full (:func:`workers.admission.affinity.dispatch_order`; no key:
     least full first); why the job cannot be claimed; when a server is ready but full (or left
     out for the job's prefix: its siblings' server, a cold one), how long to wait before asking
     again (``admission_wait_s``, jittered, or sooner when a paced server's next start is due

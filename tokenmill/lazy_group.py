@@ -1,0 +1,38 @@
+"""A click group whose subcommands are imported only when they run, so that ``--help`` stays fast."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported only when used."""
+
+    def __init__(
+        self, *args: object, lazy: dict[str, str], summaries: dict[str, str] | None = None, **kwargs: object
+    ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lazy = lazy
+        self.summaries = summaries or {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, self._summary(name)) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def _summary(self, name: str) -> str:
+        """A lazy command's given summary (no import), an eager one's own short help."""
+        if name in self.summaries or name not in self.commands:
+            return self.summaries.get(name, "")
+        return self.commands[name].get_short_help_str(limit=70)
