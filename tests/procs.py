@@ -68,7 +68,8 @@ class RedisServer(LocalRedis):
     def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
         super().__init__(workdir, port or free_port(), password)
 
-    def client(self) -> redis.Redis:
+    def client(self, retries: int = 1) -> redis.Redis:
+        """redis-py's own client with its defaults (the tests' view of Redis, not tokenmill's)."""
         return redis.Redis.from_url(self.url)
 
     def restart(self) -> None:

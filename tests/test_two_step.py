@@ -1,7 +1,7 @@
-"""The README's two-step example, run as written: answers for a small dataset, then a judging
-prompt per answer into a second run, each waited for, the two joined by id, on the sim with real
-celery worker processes. The block is read from README.md; only the environment points the
-client at the test's Redis and sim. And a ``datasets.Dataset`` in, a Dataset out."""
+"""The Python API doc's two-step example, run as written: answers for a small dataset, then a
+judging prompt per answer into a second run, each waited for, the two joined by id, on the sim
+with real celery worker processes. The block is read from docs/python-api.md; only the environment
+points the client at the test's Redis and sim. And a ``datasets.Dataset`` in, a Dataset out."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ MEAN = 40  # the sim's mean output tokens (tests.procs.start_sim)
 
 
 def two_step_block() -> str:
-    """The README's Python block that enqueues a second run from the first one's answers."""
-    section = (ROOT / "README.md").read_text().split("## From Python", 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "judging" in b]
-    assert len(blocks) == 1, "README.md's 'From Python' has no (or several) two-step blocks"
+    """docs/python-api.md's Python block that enqueues a second run from the first one's answers."""
+    doc = (ROOT / "docs" / "python-api.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "judging" in b]
+    assert len(blocks) == 1, "docs/python-api.md has no (or several) two-step blocks"
     return blocks[0]
 
 
-def test_the_readmes_two_step_example_generates_judges_and_joins_by_id(
+def test_the_python_api_docs_two_step_example_generates_judges_and_joins_by_id(
     tmp_path: Path, redis_url: str, procs: list[Proc], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given the sim and a real short-queue worker, and the client's settings in the environment
@@ -37,9 +37,9 @@ def test_the_readmes_two_step_example_generates_judges_and_joins_by_id(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 
-    # When the README's block runs
+    # When the doc's block runs
     scope: dict[str, object] = {}
-    exec(compile(two_step_block(), "README.md (two-step example)", "exec"), scope)
+    exec(compile(two_step_block(), "docs/python-api.md (two-step example)", "exec"), scope)
 
     # Then every question has one answer and one judgment, joined by its id
     joined = scope["joined"]

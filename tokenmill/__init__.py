@@ -1,6 +1,6 @@
 """tokenmill: prompts in, completions out, exactly once, on Celery and Redis.
 
-The Python API (README, "From Python")::
+The Python API (docs/python-api.md)::
 
     import tokenmill
 
