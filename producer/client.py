@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import pandas
 
     from producer.cancel import CancelSummary
+    from producer.export_rows import ShardReader
     from producer.retry import RetrySummary
     from tokenmill.ledger import Ledger
 
@@ -110,7 +111,7 @@ class Client:
         enqueued, unless ``skip_invalid``; an id enqueued before with other content raises
         :class:`~tokenmill.errors.IdConflictError` once everything else is enqueued.
 
-        ``params`` are request options for every row (``enqueue --param``; README, "Request
+        ``params`` are request options for every row (``enqueue --param``; docs/usage.md, "Request
         options"), checked now (an :class:`~tokenmill.errors.InputError` names a bad one);
         ``temperature``, ``top_p`` and ``seed`` win over them, and a row's own value over both.
         """
@@ -235,15 +236,22 @@ class Client:
         its order (partition by partition, each in enqueue order), from Redis and the sealed
         shards, streamed. Every sealed shard is checked first: a lost one raises
         :class:`~tokenmill.errors.ShardLostError`. ``results_url``: where the shards are, if
-        they moved."""
-        from producer.export import open_shards, run_rows
+        they moved. Truncated rows (``finish_reason`` ``"length"``) are left out unless
+        ``include_truncated``, as the export does; once the rows are read to the end, a
+        ``UserWarning`` says how many were left out."""
+        return _warned(self._export_rows(run, partition, include_truncated, results_url), run)
+
+    def _export_rows(
+        self, run: str, partition: str | None, include_truncated: bool, results_url: str | None
+    ) -> _ExportRows:
+        from producer.export import open_shards
         from producer.export_rows import run_store
         from producer.scope import partitions
 
         ledger = self._ledger(run)
         scope = partitions(ledger, partition)
         readers = open_shards(ledger, run_store(ledger, results_url), sorted(scope))
-        return (orjson.loads(row) for row in run_rows(ledger, readers, include_truncated))
+        return _ExportRows(ledger, readers, include_truncated)
 
     def to_dataset(
         self,
@@ -256,10 +264,10 @@ class Client:
         """:meth:`results` as a ``datasets.Dataset`` (``pip install 'tokenmill[datasets]'``)."""
         from producer.dataframes import to_dataset
 
-        rows = self.results(
-            run, partition=partition, include_truncated=include_truncated, results_url=results_url
-        )
-        return to_dataset(run, rows)
+        rows = self._export_rows(run, partition, include_truncated, results_url)
+        dataset = to_dataset(run, rows)
+        rows.warn(run, stacklevel=2)
+        return dataset
 
     def to_pandas(
         self,
@@ -272,10 +280,10 @@ class Client:
         """:meth:`results` as a pandas DataFrame (``pip install 'tokenmill[pandas]'``)."""
         from producer.dataframes import to_pandas
 
-        rows = self.results(
-            run, partition=partition, include_truncated=include_truncated, results_url=results_url
-        )
-        return to_pandas(rows)
+        rows = self._export_rows(run, partition, include_truncated, results_url)
+        frame: pandas.DataFrame = to_pandas(rows)
+        rows.warn(run, stacklevel=2)
+        return frame
 
     # -- day two ----------------------------------------------------------------------------
 
@@ -318,6 +326,47 @@ class Client:
         from producer.scope import existing_run
 
         return existing_run(self._redis, run)
+
+
+class _ExportRows:
+    """The export rows of ``readers`` as dicts, streamed; without ``include_truncated``, the
+    truncated ones (``finish_reason`` ``"length"``) are left out and counted in ``left_out``."""
+
+    def __init__(self, ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool) -> None:
+        self.left_out = 0
+        self._rows = self._read(ledger, readers, include_truncated)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self._rows
+
+    def _read(
+        self, ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool
+    ) -> Iterator[dict[str, Any]]:
+        from producer.export import run_rows
+
+        for line in run_rows(ledger, readers, include_truncated=True):
+            row = orjson.loads(line)
+            if not include_truncated and row.get("finish_reason") == "length":
+                self.left_out += 1
+                continue
+            yield row
+
+    def warn(self, run: str, stacklevel: int) -> None:
+        """A ``UserWarning`` naming how many truncated rows were left out, if any (``stacklevel``
+        as ``warnings.warn``'s, counted from the caller of this method)."""
+        if self.left_out:
+            warnings.warn(
+                f"run {run}: {self.left_out} truncated row(s) (finish_reason 'length', cut at "
+                "max_tokens) left out; pass include_truncated=True to include them",
+                UserWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+
+def _warned(rows: _ExportRows, run: str) -> Iterator[dict[str, Any]]:
+    """``rows``, then the warning naming the truncated rows they left out."""
+    yield from rows
+    rows.warn(run, stacklevel=2)  # the code that read the last row
 
 
 def _check_counts(**values: int | None) -> None:

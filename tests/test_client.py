@@ -10,6 +10,7 @@ import pty
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import datasets
@@ -50,12 +51,12 @@ def tm(redis_url: str) -> Client:
         yield client
 
 
-def test_every_public_name_loads_on_first_use_and_the_readme_lists_it() -> None:
-    readme = (ROOT / "README.md").read_text().split("## From Python", 1)[1].split("\n## ", 1)[0]
+def test_every_public_name_loads_on_first_use_and_the_python_api_doc_lists_it() -> None:
+    doc = (ROOT / "docs" / "python-api.md").read_text()
     for name in tokenmill.__all__:
         assert getattr(tokenmill, name) is not None
         if name != "__version__":
-            assert f"`{name}" in readme, f"{name} is public but the README's 'From Python' omits it"
+            assert f"`{name}" in doc, f"{name} is public but docs/python-api.md omits it"
     probe = (
         "import sys, tokenmill\n"
         "heavy = ('producer', 'redis', 'click', 'celery', 'orjson', 'rich')\n"
@@ -333,6 +334,38 @@ def test_results_are_the_exports_rows_from_redis_and_sealed_shards_in_its_order(
     assert df.to_dict("records") == [{**dict.fromkeys(df.columns), **r} for r in got]
     ds = tm.to_dataset("r", include_truncated=True)
     assert len(ds) == 30 and [without_nulls(r) for r in ds] == got
+
+
+def test_results_and_frames_warn_how_many_truncated_rows_they_left_out(
+    tm: Client, rclient: redis.Redis
+) -> None:
+    # Given a run whose short max_tokens cut some outputs (finish_reason "length") and a run that
+    # has none cut
+    rows = [{"prompt": f"question {i}", "max_tokens": 3 if i % 2 else 400} for i in range(10)]
+    tm.enqueue(rows, run="cut")
+    tm.enqueue([{"prompt": "whole", "max_tokens": 400}], run="whole")
+    finish_jobs(rclient, "cut", mean_output_tokens=10)
+    finish_jobs(rclient, "whole", mean_output_tokens=10)
+    every = list(tm.results("cut", include_truncated=True))
+    cut = sum(r["finish_reason"] == "length" for r in every)
+    assert 0 < cut < len(every) == 10
+
+    # When the rows are read without include_truncated, as rows, a DataFrame and a Dataset
+    # Then each says how many rows it left out and how to include them, from the caller's line
+    said = rf"run cut: {cut} truncated row\(s\) \(finish_reason 'length'.*include_truncated=True"
+    with pytest.warns(UserWarning, match=said) as seen:
+        assert len(list(tm.results("cut"))) == 10 - cut
+    with pytest.warns(UserWarning, match=said) as framed:
+        assert len(tm.to_pandas("cut")) == 10 - cut
+    with pytest.warns(UserWarning, match=said) as built:
+        assert len(tm.to_dataset("cut")) == 10 - cut
+    assert [w.filename for w in (*seen, *framed, *built)] == [__file__] * 3
+    # and nothing is said when nothing was left out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(tm.results("cut", include_truncated=True))) == 10
+        assert len(tm.to_pandas("cut", include_truncated=True)) == 10
+        assert len(tm.to_pandas("whole")) == 1
 
 
 def test_to_dataset_without_the_datasets_package_names_the_extra(tm: Client, redis_url: str) -> None:
