@@ -213,7 +213,7 @@ def main() -> None:
             rounds.append(r)
             with Children() as ch:
                 _, url = start_sim(ch, work / f"stream-{rnd}", k.sim)
-                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, True)
+                cpu, _tokens = stream_path(url, reqs, k.short_concurrency, "worker")
             stream.append(cpu / len(reqs))
             print(
                 f"round {rnd}: worker {r['cpu_s']:.2f} CPU s for {a.jobs} jobs "

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from producer.scope import existing_run, partitions
-from tokenmill.ledger_ops import Operations
+from tokenmill import transitions as t
 
 
 @dataclass(slots=True)
@@ -46,6 +46,8 @@ def cancel_run(
     ledger = existing_run(client, run)
     scope = partitions(ledger, partition)
     busy = [p for p, c in sorted(scope.items()) if c["queued"] or c["running"]]
-    ops = Operations(ledger)
-    done = ops.cancel(ops.pick(busy, (b"queued", b"running")), now)
-    return CancelSummary(run, partition, now, done.queued, done.running)
+    summary = CancelSummary(run, partition, now)
+    for chunk in ledger.pick(busy, ("queued", "running")):
+        queued, running = ledger.call(t.cancel(ledger.k, [j.job_id for j in chunk], now))
+        summary.cancelled, summary.running = summary.cancelled + queued, summary.running + running
+    return summary

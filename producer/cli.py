@@ -14,6 +14,7 @@ from tokenmill import keys
 
 if TYPE_CHECKING:
     import redis
+    from rich.progress import Progress
 
     from tokenmill.quick_redis import ReadClient
     from tokenmill.settings import Settings
@@ -175,7 +176,7 @@ def enqueue(
         raise SystemExit(1)
 
 
-def _progress():
+def _progress() -> Progress | None:
     if not sys.stderr.isatty():
         return None
     from rich.console import Console

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import redis
 
 from producer.result_store import ResultStore
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.errors import RunBusyError
 
 
@@ -62,7 +62,7 @@ def delete_run(
         )
     recorded = client.get(k.results_store())
     if store is None and recorded:
-        store = ResultStore(recorded.decode())
+        store = ResultStore(transitions.text(recorded))
     summary = DeleteSummary(store=store.shown if store else None)
     if results and store is not None:
         summary.files = store.delete_run(run)

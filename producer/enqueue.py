@@ -185,7 +185,7 @@ class Enqueuer:
         taken = 0
         with self.ledger.enqueue_stream() as stream:
             try:
-                with _collector_paused():
+                with collector_paused():
                     for rec in records:
                         if limit is not None and taken >= limit:
                             break
@@ -200,6 +200,14 @@ class Enqueuer:
             finally:
                 # Everything read before a bad row is enqueued before the error surfaces.
                 self._send(stream, part, batch, 0)
+
+    def enqueue_specs(self, batches: Iterable[list[JobSpec]], partition: str) -> None:
+        """Enqueue jobs already built into ``partition``, a batch (up to :data:`BATCH` jobs) at a
+        time, sent as :meth:`enqueue_records` sends its own (``tokenmill api``'s checked jobs)."""
+        with self.ledger.enqueue_stream() as stream, collector_paused():
+            for batch in batches:
+                self._send(stream, partition, batch, IN_FLIGHT)
+            self._send(stream, partition, [], 0)
 
     def _send(self, stream: EnqueueStream, partition: str, batch: list[JobSpec], in_flight: int) -> None:
         """Send ``batch``, then tally outcomes until at most ``in_flight`` batches are unread."""
@@ -250,7 +258,7 @@ class Enqueuer:
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector for a bulk enqueue.
 
     Rows, specs and messages hold no reference cycles, so reference counting frees them; the

@@ -103,20 +103,20 @@ def export_run(
     summary = ExportSummary()
     readers = open_shards(ledger, store)
     batch = fmt == "openai-batch"
-    ended = _batch_ended(ledger.run) if batch else None
     for partition, reader in readers.items():
         target = out / f"{partition}.{'jsonl' if batch else fmt}"
         tmp = target.with_name(f".{target.name}.tmp")
         counts = RowCounts()
         n = 0
+        rows: Iterator[tuple[bytes, bool]]  # (row, truncated)
+        if batch:  # a truncated job's line is written too, as OpenAI would return it
+            rows = ((line, False) for line, _ in batch_lines(ledger, reader, counts))
+        else:
+            rows = ((x.row, x.truncated) for x in partition_rows(ledger, reader, counts, export_row))
         try:
             with _writer(fmt, tmp) as write:
-                for job_id, truncated, row, was_ended in partition_rows(
-                    ledger, reader, counts, export_row, ended
-                ):
-                    if batch and not was_ended:
-                        row = orjson.dumps(export_batch.done_line(ledger.run, job_id, orjson.loads(row)))
-                    elif truncated and not include_truncated:
+                for row, truncated in rows:
+                    if truncated and not include_truncated:
                         summary.skipped_truncated += 1
                         continue
                     write(row)
@@ -163,8 +163,25 @@ def run_rows(
             yield line.row
 
 
-def _batch_ended(run: str) -> EndedBuilder:
+def batch_lines(
+    ledger: Ledger, reader: ShardReader, counts: RowCounts, cancelled: tuple[str, str] | None = None
+) -> Iterator[tuple[bytes, bool]]:
+    """The ``openai-batch`` lines (JSON) of the reader's partition, in enqueue order, each with
+    whether it is a done job's (answered 200) rather than a failed or cancelled one's (its error).
+    With ``cancelled`` (a code and a message), a cancelled job's error is that, not
+    ``batch_cancelled``."""
+    run = ledger.run
+    for job_id, _, row, ended in partition_rows(ledger, reader, counts, export_row, _ended(run, cancelled)):
+        if ended:
+            yield row, False
+        else:
+            yield orjson.dumps(export_batch.done_line(run, job_id, orjson.loads(row))), True
+
+
+def _ended(run: str, cancelled: tuple[str, str] | None) -> EndedBuilder:
     def ended(job_id: str, spec: dict[str, Any], error_class: str, message: str) -> dict[str, Any]:
+        if error_class == "cancelled" and cancelled is not None:
+            error_class, message = cancelled
         row = {"id": row_id(job_id, spec), "sample": spec.get("sample")}
         return export_batch.failed_line(run, job_id, export_batch.custom_id(row), error_class, message)
 

@@ -133,7 +133,7 @@ class ParquetRows:
             self.writer.close()
 
 
-def _cell(f: pa.Field, value: Any) -> Any:
+def _cell(f: pa.Field[Any], value: Any) -> Any:
     if value is None:
         return None
     if f.name == "matched_stop":

@@ -25,9 +25,10 @@ from producer.result_store import ResultStore
 from producer.shards import RowGroup, ShardFile, ShardRow
 from tokenmill.errors import ResultStoreError, ShardLostError
 from tokenmill.ledger import Ledger
+from tokenmill.transitions import F, text
 
-FIELDS = ("state", "spec", "result", "truncated", "shard")
-ENDED_FIELDS = ("error_class", "error", "last_error_class", "last_error")
+FIELDS = (F.STATE, F.SPEC, F.RESULT, F.TRUNCATED, F.SHARD)
+ENDED_FIELDS = (F.ERROR_CLASS, F.ERROR, F.LAST_ERROR_CLASS, F.LAST_ERROR)
 RowBuilder = Callable[[str, str, dict[str, Any], dict[str, Any]], dict[str, Any]]
 # (job id, spec, error class, message) -> the line of a job that ended failed or cancelled
 EndedBuilder = Callable[[str, dict[str, Any], str, str], dict[str, Any]]
@@ -146,13 +147,13 @@ class RowCounts:
 
 
 def sealed_shards(ledger: Ledger, partition: str) -> list[str]:
-    return sorted(x.decode() for x in ledger.r.smembers(ledger.k.shards(partition)))
+    return sorted(text(x) for x in ledger.r.smembers(ledger.k.shards(partition)))
 
 
 def sealed_by_shard(ledger: Ledger, partition: str) -> dict[str, list[str]]:
     """Shard id → the jobs the ledger says it seals (one scan of the partition's jobs)."""
     out: dict[str, list[str]] = {}
-    for job_id, (state, shard) in ledger.iter_jobs(partition, ("state", "shard"), batch=2000):
+    for job_id, (state, shard) in ledger.iter_jobs(partition, (F.STATE, F.SHARD), batch=2000):
         if state == b"sealed" and shard is not None:
             out.setdefault(shard.decode(), []).append(job_id)
     return out
@@ -270,4 +271,4 @@ def run_store(ledger: Ledger, override: str | None = None) -> ResultStore | None
     if override:
         return ResultStore(override)
     recorded = ledger.r.get(ledger.k.results_store())
-    return ResultStore(recorded.decode()) if recorded else None
+    return ResultStore(text(recorded)) if recorded else None

@@ -93,6 +93,7 @@ def flower(
     credentials = parse_basic_auth(basic_auth)
     check_exposure(address, credentials)
     app = configure(Settings.load(redis_url=redis_url))
-    code = app.start(flower_argv(address, port, credentials, max_tasks, url_prefix))
+    # celery-types says start() does not return; Celery's returns the exit code its command raised
+    code: int | None = app.start(flower_argv(address, port, credentials, max_tasks, url_prefix))
     if code:
         raise SystemExit(code)

@@ -25,6 +25,7 @@ from tokenmill import keys
 from tokenmill import servers as server_records
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
+from tokenmill.transitions import text
 from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.metrics")
@@ -52,13 +53,9 @@ ADMISSION_FIELDS = {
 }
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _num(value: Any) -> float | None:
     try:
-        return float(_s(value))
+        return float(text(value))
     except (TypeError, ValueError):
         return None
 
@@ -86,7 +83,7 @@ class LedgerCollector(Collector):
 
     def _run_names(self) -> list[str]:
         names = []
-        for raw in sorted(_s(x) for x in self.r.smembers(keys.runs())):
+        for raw in sorted(text(x) for x in self.r.smembers(keys.runs())):
             try:
                 names.append(keys.check_run(raw))
             except ConfigError:
@@ -106,8 +103,8 @@ class LedgerCollector(Collector):
                 pipe.llen(k.backlog(queue))
             run_stats, failed_now, retried, n_delayed, *backlogs = pipe.execute()
             # Every job that ever ended failed: those failed now, and those `retry` sent back.
-            ever = Counter({_s(c): int(n) for c, n in failed_now.items()})
-            ever.update({_s(c): int(n) for c, n in retried.items()})
+            ever = Counter({text(c): int(n) for c, n in failed_now.items()})
+            ever.update({text(c): int(n) for c, n in retried.items()})
             families.add(run, Ledger(self.r, run).counts(), run_stats, ever, n_delayed, backlogs)
         return families.all()
 
@@ -180,11 +177,11 @@ class _RunFamilies:
         for partition, by_state in sorted(counts.items()):
             for state, n in by_state.items():
                 self.jobs.add_metric([run, partition, state], n)
-        stats = {_s(a): b for a, b in stats.items()}
+        stats = {text(a): b for a, b in stats.items()}
         for field, family in self.stats.items():
             family.add_metric([run], _num(stats.get(field)) or 0)
         for cls, n in sorted(failures.items()):
-            self.failures.add_metric([run, _s(cls)], _num(n) or 0)
+            self.failures.add_metric([run, text(cls)], _num(n) or 0)
         self.delayed.add_metric([run], delayed)
         for queue, n in zip(keys.QUEUES, backlogs, strict=True):
             self.backlog.add_metric([run, queue], n)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -425,7 +425,7 @@ def _is_text_format(options: Mapping[str, Any], name: str) -> bool:
     return name == "response_format" and options[name].get("type") == "text"
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -125,7 +125,8 @@ def _pass(lock: Lock, token: str, sealer: Sealer, runs: list[str] | None, force:
     """One pass under the seal lock (waited for with ``once``, else skipped when taken)."""
     # A pass cut short by a Redis outage could not release the lock; the restarted Redis has it
     # back from its AOF, still ours: release it (compare-and-delete) rather than wait it out.
-    lock.lua_release(keys=[lock.name], args=[token], client=lock.redis)
+    # redis-py types Lock.lua_release as its class default, None; Lock() registers the script
+    lock.lua_release(keys=[lock.name], args=[token], client=lock.redis)  # type: ignore[misc]
     if not lock.acquire(blocking=once, blocking_timeout=LOCK_TTL_S if once else None, token=token):
         if once:
             raise click.ClickException("another sealer held the seal lock for a minute; try again")

@@ -8,6 +8,7 @@ Typical use: ``--class context_length`` after the server's context length was ra
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +16,8 @@ import redis
 
 from producer.scope import existing_run, partitions
 from tokenmill import errors
+from tokenmill import transitions as t
 from tokenmill.errors import ConfigError
-from tokenmill.ledger_ops import Operations
 
 # Released without burning a retry, so never the class of a failed job.
 _NEVER_FAILED = (errors.ShutdownError, errors.JobCancelledError)
@@ -83,23 +84,24 @@ def retry_run(
         raise ConfigError("--class picks failed jobs and --cancelled picks cancelled ones: give one")
     ledger = existing_run(client, run)
     scope = partitions(ledger, partition)
-    ops = Operations(ledger)
     summary = RetrySummary(run, partition, cancelled)
-    if cancelled:
-        busy = [p for p, c in sorted(scope.items()) if c.get("cancelled")]
-        done = ops.retry(ops.pick(busy, (b"cancelled",)), "cancelled", max_queued)
-    else:
+    state = "cancelled" if cancelled else "failed"
+    if not cancelled:
         _check_classes(client, ledger.k.failures(), classes)
-        busy = [p for p, c in sorted(scope.items()) if c["failed"]]
-        jobs = ops.failed_class(busy, set(classes)) if classes else ops.pick(busy, (b"failed",))
-        done = ops.retry(jobs, "failed", max_queued, classes)
-    summary.by_class, summary.backlogged = dict(done.by_class), done.backlogged
+    busy = [p for p, c in sorted(scope.items()) if c.get(state)]
+    by_class: Counter[str] = Counter()
+    for chunk in ledger.pick(busy, (state,), set(classes) if classes else None):
+        for outcome, cls in ledger.call(t.retry(ledger.k, chunk, state, max_queued, classes)):
+            if outcome:
+                by_class[cls] += 1
+                summary.backlogged += outcome == "backlog"
+    summary.by_class = dict(by_class)
     return summary
 
 
 def _check_classes(client: redis.Redis, failures_key: str, classes: tuple[str, ...]) -> None:
     """Each of ``classes`` must be a failure class tokenmill knows, or one this run's jobs have."""
-    current = {k.decode(): int(v) for k, v in client.hgetall(failures_key).items()}
+    current = {t.text(k): int(v) for k, v in client.hgetall(failures_key).items()}
     known = failure_classes() | set(current)
     for cls in classes:
         if cls not in known:

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from producer.status import totals_of
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.counts import run_counts
 from tokenmill.errors import ConfigError
 
@@ -27,14 +27,14 @@ def list_runs(client: ReadClient) -> list[dict[str, Any]]:
     """One document per run: ``run``, ``partitions`` ({name: counts}), ``totals``,
     ``completion_tokens``, ``prompt_tokens``, ``first_enqueue_at`` and ``last_activity_at``
     (unix seconds, null when unknown); newest first enqueue first."""
-    out = []
+    out: list[dict[str, Any]] = []
     for raw in client.smembers(keys.runs()):
         try:
-            run = keys.check_run(raw.decode())
+            run = keys.check_run(transitions.text(raw))
         except ConfigError:
             continue  # not a tokenmill run name: nothing of ours can live under it
         parts = run_counts(client, run)
-        stats = {a.decode(): int(b) for a, b in client.hgetall(keys.RunKeys(run).stats()).items()}
+        stats = {transitions.text(a): int(b) for a, b in client.hgetall(keys.RunKeys(run).stats()).items()}
         out.append(
             {
                 "run": run,

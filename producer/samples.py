@@ -19,8 +19,9 @@ from producer.export_rows import run_store
 from producer.shards import ShardFile
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
+from tokenmill.transitions import F
 
-FIELDS = ("state", "spec", "result", "truncated", "shard")
+FIELDS = (F.STATE, F.SPEC, F.RESULT, F.TRUNCATED, F.SHARD)
 
 
 def recent_samples(

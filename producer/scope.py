@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import redis
 
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
 
@@ -19,7 +19,7 @@ def existing_run(client: redis.Redis, run: str) -> Ledger:
     """The ledger of ``run``; :class:`ConfigError` naming it when this Redis has no such run."""
     keys.check_run(run)
     if not client.sismember(keys.runs(), run):
-        names = sorted(x.decode() for x in client.smembers(keys.runs()))
+        names = sorted(transitions.text(x) for x in client.smembers(keys.runs()))
         raise ConfigError(f"--run {run!r}: no run of that name in this Redis ({_listing('runs', names)})")
     return Ledger(client, run)
 

@@ -38,6 +38,7 @@ from producer.result_store import Hook, ResultStore, no_hook
 from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
 from tokenmill.ledger import register
+from tokenmill.transitions import F, text
 from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.seal")
@@ -46,7 +47,7 @@ log = logging.getLogger("tokenmill.seal")
 STEPS = ("reserved", "specs_written", "tmp_written", "shard_written", "half_marked")
 MARK_CHUNK = 250  # jobs per seal.lua call: bounds how long one call blocks Redis
 READ_CHUNK = 500
-_FIELDS = ("state", "seq", "spec", "result", "truncated", "queue", "hash", "source", "shard")
+_FIELDS = (F.STATE, F.SEQ, F.SPEC, F.RESULT, F.TRUNCATED, F.QUEUE, F.HASH, F.SOURCE, F.SHARD)
 
 RowBuilder = Callable[[str, str, dict[str, Any], dict[str, Any]], dict[str, Any]]
 
@@ -91,7 +92,7 @@ class _Job:
 
     @property
     def state(self) -> str:
-        raw = self.get("state")
+        raw = self.get(F.STATE)
         return raw.decode() if raw else "missing"
 
 
@@ -127,7 +128,7 @@ class Sealer:
     def seal_runs(self, runs: Sequence[str] | None = None, force: bool = False) -> SealReport:
         """One pass over ``runs`` (default: every run in this Redis)."""
         report = SealReport()
-        names = runs if runs is not None else sorted(x.decode() for x in self.r.smembers(keys.runs()))
+        names = runs if runs is not None else sorted(text(x) for x in self.r.smembers(keys.runs()))
         for run in names:
             report.add(self.seal_run(run, force))
         return report
@@ -139,12 +140,12 @@ class Sealer:
         k = keys.RunKeys(run)
         report = SealReport()
         recorded = self.r.get(k.results_store())
-        if recorded is not None and recorded.decode() != self.store.url:
-            return self._elsewhere(report, run, recorded.decode())
+        if recorded is not None and text(recorded) != self.store.url:
+            return self._elsewhere(report, run, text(recorded))
         report.recovered = self.recover(run)
         counts: dict[str, dict[str, int]] = {}
         for field_, value in self.r.hgetall(k.counts()).items():
-            state, partition = keys.split_count_field(field_.decode())
+            state, partition = keys.split_count_field(text(field_))
             counts.setdefault(partition, {})[state] = int(value)
         for partition in sorted(counts):
             idle = counts[partition].get("queued", 0) + counts[partition].get("running", 0) == 0
@@ -175,10 +176,11 @@ class Sealer:
         """Step 1 (``seal_reserve.lua``) for a new ``shard_id``: its reply. Sent again with the
         same id (redis-py resends a call after a connection error) it answers the same jobs."""
         k = keys.RunKeys(run)
-        return self._reserve(
+        reply: list[Any] = self._reserve(
             [k.unsealed(partition), k.seal_since(), k.shard(shard_id), k.seals_pending(), k.results_store()],
             [shard_id, partition, self.batch_jobs, self.after_ms, int(force), self.store.url],
         )
+        return reply
 
     def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
@@ -195,16 +197,16 @@ class Sealer:
         k = keys.RunKeys(run)
         done = 0
         for raw in sorted(self.r.smembers(k.seals_pending())):
-            shard_id = raw.decode()
-            manifest = {a.decode(): b for a, b in self.r.hgetall(k.shard(shard_id)).items()}
+            shard_id = text(raw)
+            manifest = {text(a): b for a, b in self.r.hgetall(k.shard(shard_id)).items()}
             if manifest.get("state") not in (b"pending", b"marking"):  # gone, or finished meanwhile
                 self.r.srem(k.seals_pending(), shard_id)
                 continue
-            partition = manifest["partition"].decode()
+            partition = text(manifest["partition"])
             ids = orjson.loads(manifest.get("jobs") or b"[]")
             self.store.remove_temporaries(run, partition, shard_id)
             log.warning("run %s: completing shard %s (%d jobs) left %s", run, shard_id, len(ids),
-                        manifest["state"].decode())  # fmt: skip
+                        text(manifest["state"]))  # fmt: skip
             if manifest["state"] == b"pending":
                 self._write_and_mark(run, partition, shard_id, ids)
             else:
@@ -228,12 +230,12 @@ class Sealer:
     def _write_and_mark(self, run: str, partition: str, shard_id: str, ids: Sequence[str]) -> tuple[int, int]:
         """Steps 2 and 3 for a ``pending`` manifest; returns (rows, shard bytes)."""
         jobs = self._read(run, ids)
-        if any(j.state == "sealed" and j.get("shard") == shard_id.encode() for j in jobs):
+        if any(j.state == "sealed" and j.get(F.SHARD) == shard_id.encode() for j in jobs):
             return self._mark_from_file(run, partition, shard_id, ids)  # another sealer is marking
         done = [j for j in jobs if j.state == "done"]
         specs = [
-            SpecRow(j.job_id, int(j.get("seq") or 0), _str(j.get("queue")), _str(j.get("hash")),
-                    _str(j.get("source")), j.get("spec") or b"")
+            SpecRow(j.job_id, int(j.get(F.SEQ) or 0), _str(j.get(F.QUEUE)), _str(j.get(F.HASH)),
+                    _str(j.get(F.SOURCE)), j.get(F.SPEC) or b"")
             for j in done
         ]  # fmt: skip
         rows = [self._shard_row(j, partition) for j in done]
@@ -246,10 +248,10 @@ class Sealer:
         return len(rows), len(data)
 
     def _shard_row(self, job: _Job, partition: str) -> ShardRow:
-        spec = orjson.loads(job.get("spec") or b"{}")
-        result = orjson.loads(job.get("result") or b"{}")
+        spec = orjson.loads(job.get(F.SPEC) or b"{}")
+        result = orjson.loads(job.get(F.RESULT) or b"{}")
         row = orjson.dumps(self.build_row(job.job_id, partition, spec, result))
-        return ShardRow(job.job_id, int(job.get("seq") or 0), job.get("truncated") == b"1", row)
+        return ShardRow(job.job_id, int(job.get(F.SEQ) or 0), job.get(F.TRUNCATED) == b"1", row)
 
     def _mark(
         self, run: str, partition: str, shard_id: str, ids: Sequence[str], rows: int, nbytes: int
@@ -287,7 +289,7 @@ class Sealer:
         strays = [j for j in done if j.job_id not in in_file]
         if strays:
             unsealed = keys.RunKeys(run).unsealed(partition)
-            self.r.zadd(unsealed, {j.job_id: int(j.get("seq") or 0) for j in strays})
+            self.r.zadd(unsealed, {j.job_id: int(j.get(F.SEQ) or 0) for j in strays})
         marked = [j.job_id for j in done if j.job_id in in_file]
         self._mark(run, partition, shard_id, marked, len(in_file), nbytes)
         return len(marked), nbytes

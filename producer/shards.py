@@ -17,31 +17,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, Literal, NamedTuple, TypedDict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROW_GROUP_ROWS = 256
-SHARD_SCHEMA = pa.schema(
-    [
-        pa.field("job_id", pa.string(), nullable=False),
-        pa.field("seq", pa.int64(), nullable=False),
-        pa.field("truncated", pa.bool_(), nullable=False),
-        pa.field("row", pa.string(), nullable=False),
-    ]
-)
-SPEC_SCHEMA = pa.schema(
-    [
-        pa.field("job_id", pa.string(), nullable=False),
-        pa.field("seq", pa.int64(), nullable=False),
-        pa.field("queue", pa.string(), nullable=False),
-        pa.field("hash", pa.string(), nullable=False),
-        pa.field("source", pa.string()),
-        pa.field("spec", pa.string(), nullable=False),
-    ]
-)
-_WRITE = {"compression": "zstd", "write_page_checksum": True, "write_statistics": ["seq"]}
+_SHARD_FIELDS: list[pa.Field[Any]] = [
+    pa.field("job_id", pa.string(), nullable=False),
+    pa.field("seq", pa.int64(), nullable=False),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("row", pa.string(), nullable=False),
+]
+SHARD_SCHEMA = pa.schema(_SHARD_FIELDS)
+_SPEC_FIELDS: list[pa.Field[Any]] = [
+    pa.field("job_id", pa.string(), nullable=False),
+    pa.field("seq", pa.int64(), nullable=False),
+    pa.field("queue", pa.string(), nullable=False),
+    pa.field("hash", pa.string(), nullable=False),
+    pa.field("source", pa.string()),
+    pa.field("spec", pa.string(), nullable=False),
+]
+SPEC_SCHEMA = pa.schema(_SPEC_FIELDS)
+
+
+class _WriteOptions(TypedDict):
+    compression: Literal["zstd"]
+    write_page_checksum: bool
+    write_statistics: list[str]
+
+
+_WRITE: _WriteOptions = {"compression": "zstd", "write_page_checksum": True, "write_statistics": ["seq"]}
 
 
 class ShardRow(NamedTuple):
@@ -83,7 +89,7 @@ def shard_bytes(rows: Sequence[ShardRow]) -> bytes:
     with pq.ParquetWriter(sink, SHARD_SCHEMA, **_WRITE) as writer:
         for start, stop in row_groups([r.seq for r in ordered]):
             part = ordered[start:stop]
-            columns = [
+            columns: list[pa.Array[Any]] = [
                 pa.array([r.job_id for r in part], pa.string()),
                 pa.array([r.seq for r in part], pa.int64()),
                 pa.array([r.truncated for r in part], pa.bool_()),
@@ -95,7 +101,7 @@ def shard_bytes(rows: Sequence[ShardRow]) -> bytes:
 
 def specs_bytes(rows: Sequence[SpecRow]) -> bytes:
     """A spec file holding ``rows``."""
-    columns = [
+    columns: list[pa.Array[Any]] = [
         pa.array([r.job_id for r in rows], pa.string()),
         pa.array([r.seq for r in rows], pa.int64()),
         pa.array([r.queue for r in rows], pa.string()),
@@ -162,7 +168,7 @@ class ShardFile:
         seqs = table.column("seq").to_pylist()
         truncated = table.column("truncated").to_pylist()
         rows = table.column("row").cast(pa.binary()).to_pylist()
-        return [ShardRow(*r) for r in zip(ids, seqs, truncated, rows, strict=True)]
+        return [ShardRow._make(r) for r in zip(ids, seqs, truncated, rows, strict=True)]
 
     def job_ids(self) -> list[str]:
         """Every job id in the shard (one column read)."""

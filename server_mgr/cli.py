@@ -211,8 +211,10 @@ def check_quality(
             ("candidate", candidate, candidate_url),
         )
     ]
+    reference_side, candidate_side = sides
     result = quality.run_check(
-        *sides,
+        reference_side,
+        candidate_side,
         quality.load_prompts(prompts),
         threshold=threshold,
         max_tokens=max_tokens,
@@ -238,10 +240,10 @@ def _required(config_path: Path | None) -> Path:
 def _side(label: str, path: Path | None, url: str | None, settings: Settings) -> Any:
     from server_mgr.quality import Side
 
-    if (path is None) == (url is None):
-        raise click.UsageError(f"give exactly one of --{label} and --{label}-url")
-    if url is not None:
+    if url is not None and path is None:
         return Side(label, url=url, api_key=settings.api_key, model=settings.model)
+    if path is None or url is not None:
+        raise click.UsageError(f"give exactly one of --{label} and --{label}-url")
     config: ServerConfig = load_config(path)[0]
     return Side(label, config=config, api_key=config.api_key, model=config.model_name)
 

@@ -263,9 +263,9 @@ def _validate(c: ServerConfig, table: dict[str, Any], where: str) -> None:
             raise _bad(where, key, f"{problem}, got {getattr(c, key, None)!r}")
     _validate_kv_cache(c, where)
     _validate_fraction(c, where)
-    problem = sglang_flags.extra_args_problem(c.extra_args)
-    if problem:
-        raise _bad(where, "extra_args", problem)
+    flags_problem = sglang_flags.extra_args_problem(c.extra_args)
+    if flags_problem:
+        raise _bad(where, "extra_args", flags_problem)
     if c.engine != "sim" and "sim" in table:
         raise _bad(where, "sim", '[server.sim] is only for engine = "sim"')
     _validate_sim(c.sim, where)

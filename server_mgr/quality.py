@@ -131,7 +131,8 @@ def load_prompts(path: Path) -> list[list[dict[str, Any]]]:
 
 def _messages(row: Any, source: str) -> list[dict[str, Any]]:
     if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-        return row["messages"]
+        messages: list[dict[str, Any]] = row["messages"]
+        return messages
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
         return [{"role": "user", "content": row["prompt"]}]
     raise InputError(source, "expected an object with 'messages' (a list) or 'prompt' (a string)")

@@ -64,7 +64,7 @@ def _wait_down(client: redis.Redis, names: list[str], timeout_s: float, echo: Ca
             record = servers.load(client, name)
             taken = not client.exists(keys.server_stop(name))
             failed = record is not None and record.state == servers.FAILED
-            if not (failed or (record is not None and taken and record.state == servers.DOWN)):
+            if record is None or not (failed or (taken and record.state == servers.DOWN)):
                 continue
             if failed:
                 clear_stop_request(client, name)

@@ -15,7 +15,8 @@ import redis
 
 from server_mgr.sim.textgen import expected_completion
 from tokenmill import keys
-from tokenmill.ledger import Claim, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Claim
 
 
 def all_job_ids(client: redis.Redis, run: str) -> list[str]:

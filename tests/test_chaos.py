@@ -20,7 +20,8 @@ from server_mgr.sim.textgen import Completion, expected_completion
 from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.procs import RedisServer, wait_for, worker_env
-from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Checkpoint, Claim, JobError
 
 ENV = worker_env("", "")
 LEASE_TTL_S = float(ENV["TOKENMILL_LEASE_TTL_S"])

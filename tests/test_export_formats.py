@@ -16,7 +16,8 @@ import redis
 from tests import sealing
 from tests.finishing import all_job_ids
 from tests.pipeline import cli, write_jsonl
-from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Claim, JobError
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 TOOL = {

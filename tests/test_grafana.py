@@ -20,7 +20,8 @@ from producer.metrics import registry_for
 from server_mgr.logparse import FIELD_NAMES
 from tests.test_compose import ENV, interpolate
 from tokenmill import Client, keys, servers
-from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Claim, JobError
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "docker" / "grafana"

@@ -18,11 +18,12 @@ from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tests.test_ledger import spec
 from tokenmill import Client, history, keys, series
-from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
 from tokenmill.server_report import Load
 from tokenmill.servers import ServerRecord
 from tokenmill.settings import Settings
+from tokenmill.transitions import Claim, JobError
 from workers.upkeep import Reconciler, upkeep_once
 
 

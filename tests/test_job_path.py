@@ -18,9 +18,10 @@ from tests.procs import Proc, RedisServer, start_sim, wait_for
 from tests.test_ledger import spec
 from tests.trips import TripCounter
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.jobspec import JobSpec
 from tokenmill.ledger import Ledger
-from tokenmill.ledger_loop import LoopLedger
+from tokenmill.ledger_async import AsyncLedger
 from tokenmill.lengths import parse_counts
 from tokenmill.settings import Settings
 from workers.job import run_job
@@ -171,12 +172,12 @@ def test_a_commit_whose_reply_was_lost_is_sent_again_and_counts_once(
     redis_url: str, rclient: redis.Redis, sim: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rt = runtime(redis_url, sim)
-    sent = LoopLedger.commit
+    sent = AsyncLedger.call
     lost: list[bool] = []
 
-    async def lost_reply(self: LoopLedger, *args: object, **kw: object) -> str:
-        verdict = await sent(self, *args, **kw)  # type: ignore[arg-type]
-        if not lost:  # the first reply is lost, after Redis committed
+    async def lost_reply(self: AsyncLedger, call: t.Call[object]) -> object:
+        verdict = await sent(self, call)
+        if call.script in ("commit", "finish") and not lost:  # the first reply is lost, after Redis committed
             lost.append(True)
             raise redis.ConnectionError("the connection to Redis was lost")
         return verdict
@@ -184,7 +185,7 @@ def test_a_commit_whose_reply_was_lost_is_sent_again_and_counts_once(
     try:
         warm, job = enqueue(rclient, 2)
         assert run_job(rt, RUN, warm.job_id) == "done"
-        monkeypatch.setattr(LoopLedger, "commit", lost_reply)
+        monkeypatch.setattr(AsyncLedger, "call", lost_reply)
         outcome = run_job(rt, RUN, job.job_id)
     finally:
         rt.loop.stop()

@@ -10,7 +10,8 @@ import redis
 
 from tokenmill import keys
 from tokenmill.jobspec import JobSpec
-from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Checkpoint, Claim, JobError
 
 RUN = "r1"
 

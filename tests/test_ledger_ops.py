@@ -12,9 +12,10 @@ from producer.retry import retry_run
 from tests.procs import wait_for
 from tests.test_ledger import claimed, spec
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.errors import ConfigError
-from tokenmill.ledger import ALIVE, CANCEL_NOW, AsyncHeartbeat, Checkpoint, JobError, Ledger
-from tokenmill.ledger_ops import Operations
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import ALIVE, CANCEL_NOW, Beat, Checkpoint, JobError
 
 RUN = "ops"
 K = keys.RunKeys(RUN)
@@ -81,25 +82,13 @@ def test_a_marked_job_released_or_reaped_ends_cancelled_with_its_checkpoint(
     assert ledger.counts()["P"] == {"queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 2}
 
 
-def test_cancel_now_is_the_heartbeats_reply(ledger: Ledger, rclient: redis.Redis, redis_url: str) -> None:
-    import asyncio
-
-    import redis.asyncio as aioredis
-
+def test_cancel_now_is_the_heartbeats_reply(ledger: Ledger, rclient: redis.Redis) -> None:
     job = spec(1)
     ledger.enqueue_batch("P", [job], 100)
-    c = claimed(ledger, job)
-
-    async def beat() -> int:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            return await AsyncHeartbeat(client)(c, 30, Checkpoint("abc", "", 3), 3)
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(beat()) == ALIVE
+    beat = t.heartbeat(Beat(claimed(ledger, job), Checkpoint("abc", "", 3), 3), 30)
+    assert ledger.call(beat) == ALIVE
     cancel_run(rclient, RUN, now=True)
-    assert asyncio.run(beat()) == CANCEL_NOW
+    assert ledger.call(beat) == CANCEL_NOW
     assert ledger.job(job.job_id)["ckpt_content"] == "abc", "the last checkpoint is still written"
     # a later cancel without --now does not lower the mark
     cancel_run(rclient, RUN)
@@ -119,7 +108,8 @@ def test_cancel_of_one_partition_leaves_the_others(ledger: Ledger, rclient: redi
 def test_the_feeder_drops_backlogged_ids_of_cancelled_jobs(ledger: Ledger, rclient: redis.Redis) -> None:
     ledger.enqueue_batch("P", [spec(i) for i in range(5)], 2)  # 2 published, 3 on the backlog
     job = spec(3)
-    Operations(ledger).cancel(Operations(ledger).pick(["P"], (b"queued",)), now=False)
+    for chunk in ledger.pick(["P"], ("queued",)):
+        ledger.call(t.cancel(ledger.k, [j.job_id for j in chunk], now=False))
     ledger.enqueue_batch("P", [spec(9)], 2)  # one more queued job, on the backlog too
     rclient.delete("short")
     assert ledger.feed_backlog("short", 10) == 1

@@ -28,7 +28,8 @@ from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tests.sglang_client import post_json
 from tokenmill import keys
-from tokenmill.ledger import Checkpoint, Claim, JobError, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Checkpoint, Claim, JobError
 
 # SGLang's JSON grammar allows any whitespace, and the random model writes whitespace until
 # max_tokens unless the server restricts it.

@@ -14,9 +14,10 @@ from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
 from tokenmill.jobspec import JobSpec
-from tokenmill.ledger import Claim, JobError, Ledger, LengthReport, register
+from tokenmill.ledger import Ledger, register
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
+from tokenmill.transitions import Claim, JobError, LengthReport
 from workers.admission.limiter import MAX_SLOT_TOKENS, Admission, output_tokens
 
 SLOTS, USED = keys.admission("srv"), keys.admission_used("srv")

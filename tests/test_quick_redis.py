@@ -122,13 +122,10 @@ def test_an_unreachable_redis_is_an_error_naming_it() -> None:
     assert f"cannot reach Redis at {url}" in str(failed.value)
 
 
-def test_a_host_that_accepts_and_never_answers_is_reported_after_the_read_deadline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_host_that_accepts_and_never_answers_is_reported_after_the_read_deadline() -> None:
     # Given a listener that takes connections and never answers (a vanished host behind a proxy)
-    monkeypatch.setattr(quick_redis, "READ_TIMEOUT_S", 0.5)
     with socket.create_server(("127.0.0.1", 0)) as silent:
-        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0?socket_timeout=0.5"  # the URL's deadline
         t0 = time.monotonic()
         # When a read-only command connects and reads (on a thread, waited for 10 s at most: an
         # upper bound a few times the deadline is one a loaded machine misses)
@@ -196,10 +193,12 @@ def test_rediss_verifies_the_servers_certificate_against_the_ca_given(
     assert "certificate verify failed" in str(refused.value)
 
 
-def test_a_url_with_options_only_redis_py_handles_is_left_to_redis_py(redis_url: str) -> None:
-    assert isinstance(quick_redis.connect(Settings(redis_url=redis_url)), QuickRedis)
-    client = quick_redis.connect(Settings(redis_url=f"{redis_url}?socket_timeout=7"))
-    assert isinstance(client, redis.Redis) and client.ping()
+def test_a_urls_deadlines_are_honoured_as_redis_py_honours_them(redis_url: str) -> None:
+    # Given a URL that names its own deadline
+    client = quick_redis.connect(Settings(redis_url=f"{redis_url}?socket_timeout=7&socket_connect_timeout=2"))
+    # Then the read client keeps it, as redis-py would
+    assert isinstance(client, QuickRedis) and client.ping()
+    assert client._sock is not None and client._sock.gettimeout() == 7
 
 
 @pytest.mark.parametrize(
@@ -208,8 +207,8 @@ def test_a_url_with_options_only_redis_py_handles_is_left_to_redis_py(redis_url:
 def test_the_read_only_commands_do_not_import_redis_py(
     command: list[str], tmp_path: Path, redis_url: str, rclient: redis.Redis
 ) -> None:
-    """What keeps ``tokenmill status`` fast to start (docs/benchmarks.md): redis-py's import is
-    most of a call's CPU."""
+    """What keeps ``tokenmill status`` fast to start (docs/benchmarks-history/startup.md): redis-py's import
+    is most of a call's CPU."""
     Enqueuer(Ledger(rclient, "r"), Routing(model="m"), 10).enqueue_file(
         write_jsonl(tmp_path / "A.jsonl", [{"prompt": "p"}])
     )

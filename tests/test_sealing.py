@@ -27,7 +27,8 @@ from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
 from tokenmill.errors import ExportError
-from tokenmill.ledger import Claim, Ledger
+from tokenmill.ledger import Ledger
+from tokenmill.transitions import Claim
 
 SIZES = {"B1": 250, "B2": 150}
 

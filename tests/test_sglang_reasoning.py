@@ -13,8 +13,8 @@ import pytest
 
 from tests.engines import DEEPSEEK_INTERVAL, Engine
 from tests.sglang_client import chat, sse_frames, stream, stream_options
-from tokenmill.ledger import Checkpoint, Claim
 from tokenmill.settings import Settings
+from tokenmill.transitions import Checkpoint, Claim
 from workers.attempt import build_request
 
 INTERVAL = DEEPSEEK_INTERVAL  # the shared deepseek engine's --stream-interval

@@ -8,8 +8,9 @@ import redis
 from tests.test_admission import spread_in_flight
 from tests.test_ledger import counts, spec
 from tokenmill import keys
-from tokenmill.ledger import Claim, Full, JobError, Ledger
+from tokenmill.ledger import Ledger
 from tokenmill.settings import Settings
+from tokenmill.transitions import Claim, Full, JobError
 from workers.admission.limiter import Admission
 
 RUN = "sf"

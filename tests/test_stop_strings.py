@@ -19,8 +19,8 @@ from tests.chaos import mid_stream, results, wait_finished
 from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
-from tokenmill.ledger import Checkpoint, Claim
 from tokenmill.outputs import StopCut, cut_at_stop, tokens_through
+from tokenmill.transitions import Checkpoint, Claim
 from workers.attempt import _outcome
 from workers.stream import Progress
 from workers.watch import AttemptState

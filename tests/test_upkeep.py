@@ -8,8 +8,9 @@ import redis
 
 from tests.procs import wait_for
 from tests.test_ledger import spec
-from tokenmill.ledger import Claim, Ledger
+from tokenmill.ledger import Ledger
 from tokenmill.settings import Settings
+from tokenmill.transitions import Claim
 from workers.upkeep import Reconciler, Upkeep, upkeep_once
 
 

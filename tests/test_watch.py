@@ -8,17 +8,21 @@ import asyncio
 import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from producer.cancel import cancel_run
 from tests.test_ledger import claimed, spec
 from tests.trips import TripCounter
 from tokenmill import errors
-from tokenmill.ledger import ALIVE, AsyncHeartbeat, Beat, Checkpoint, Claim, Ledger, SlotUpdate
+from tokenmill import transitions as t
+from tokenmill.ledger import Ledger
+from tokenmill.ledger_async import AsyncLedger
+from tokenmill.loop_redis import LoopRedis
 from tokenmill.settings import Settings
+from tokenmill.transitions import ALIVE, Beat, Checkpoint, Claim, SlotUpdate
 from workers.event_loop import run as run_on_worker_loop
 from workers.stream import Progress
 from workers.watch import AttemptState, Watch, Watched
@@ -28,16 +32,16 @@ URL = "http://127.0.0.1:30000"
 SETTINGS = Settings.load(env={}, checkpoint_every_s=5.0, checkpoint_every_tokens=256, stall_timeout_s=30.0)
 
 
-class CountingHeartbeat(AsyncHeartbeat):
-    """The real heartbeat; counts the batches it sends."""
+class CountingLedger(AsyncLedger):
+    """The real executor; counts the batches it sends."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: LoopRedis) -> None:
         super().__init__(client)
         self.batches: list[int] = []
 
-    async def many(self, beats: Sequence[Beat], lease_ttl_s: float) -> list[int | redis.RedisError]:
-        self.batches.append(len(beats))
-        return await super().many(beats, lease_ttl_s)
+    async def calls(self, calls: Sequence[t.Call[Any]]) -> list[Any]:
+        self.batches.append(len(calls))
+        return await super().calls(calls)
 
 
 @pytest.fixture
@@ -57,17 +61,17 @@ def _streaming(tokens: int, at: float) -> AttemptState:
 
 
 async def _watch(redis_url: str, fn) -> None:  # type: ignore[no-untyped-def]
-    client = aioredis.Redis.from_url(redis_url)
+    client = LoopRedis(redis_url)
     try:
-        await fn(CountingHeartbeat(client))
+        await fn(CountingLedger(client))
     finally:
-        await client.aclose()
+        client.close()
 
 
 def test_the_due_heartbeats_of_all_streams_go_in_one_batch(ledger: Ledger, redis_url: str) -> None:
     claims = _claims(ledger, 4)
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, threading.Event())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -107,7 +111,7 @@ def test_a_stale_claim_and_cancel_now_stop_only_their_own_streams(
     cancel_run(rclient, RUN, now=True)  # marks every running job; only `cancelled` hears it below
     outcome: dict[str, Watched] = {}
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, threading.Event())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -133,7 +137,7 @@ def test_deadlines_hold_while_a_heartbeat_hangs(ledger: Ledger, rclient: redis.R
     (c,) = _claims(ledger, 1)
     stopping = threading.Event()
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, stopping)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -158,7 +162,7 @@ def test_the_shutdown_cuts_every_stream(ledger: Ledger, redis_url: str) -> None:
     stopping = threading.Event()
     watched: list[Watched] = []
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, stopping)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -180,7 +184,7 @@ def test_a_request_with_no_first_token_is_cut_once_its_server_fails_its_health_c
     down: set[str] = set()
     watched: dict[str, Watched] = {}
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, threading.Event(), down.__contains__)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -219,7 +223,7 @@ def test_a_heartbeat_that_cannot_be_built_spares_the_other_streams(ledger: Ledge
     def unreachable(_: int) -> SlotUpdate:
         raise redis.ConnectionError("Redis is restarting")
 
-    async def body(hb: CountingHeartbeat) -> None:
+    async def body(hb: CountingLedger) -> None:
         watch = Watch(SETTINGS, hb, threading.Event())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -244,8 +248,8 @@ def test_a_batch_is_one_round_trip_and_survives_an_emptied_script_cache(
     claims = _claims(ledger, 3)
     beats = [Beat(c, Checkpoint("ab", "", 2), 2) for c in claims]
 
-    async def send(hb: CountingHeartbeat) -> None:
-        assert await hb.many(beats, 30) == [ALIVE] * 3
+    async def send(hb: CountingLedger) -> None:
+        assert await hb.calls([t.heartbeat(b, 30) for b in beats]) == [ALIVE] * 3
 
     run_on_worker_loop(_watch(redis_url, send))  # loads the script
     with TripCounter(redis_url) as trips:

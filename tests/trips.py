@@ -17,7 +17,7 @@ from collections import Counter
 
 import redis
 
-from tokenmill.ledger import SCRIPT_NAMES, script_source
+from tokenmill.transitions import SCRIPT_NAMES, script_source
 
 _SHAS = {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in SCRIPT_NAMES}
 

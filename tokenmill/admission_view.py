@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.lengths import Survival, parse_counts
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ def admission_view(client: ReadClient, server: str) -> dict[str, Any]:
     raw = client.hgetall(keys.admission_used(server))
     out: dict[str, Any] = {}
     for f, v in raw.items():
-        name, text = f.decode(), v.decode()
+        name, text = transitions.text(f), transitions.text(v)
         if not name.startswith("slot"):
             out[name] = _number(text)
     out["slots"] = int(client.zcard(keys.admission(server)))

@@ -10,75 +10,42 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
-import hiredis
 import redis
 from redis.commands.core import Script
-from redis.connection import AbstractConnection
 
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.jobspec import JobSpec
-from tokenmill.messages import task_messages
+from tokenmill.redis_conn import CommandStream
 
 # Two batches in flight beat one by ~8%, three were slower than two (bench/enqueue.py, 200 rows).
 IN_FLIGHT = 2
 
 
-def enqueue_args(
-    k: keys.RunKeys, partition: str, jobs: Sequence[JobSpec], max_depth: int
-) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of ``enqueue.lua`` for ``jobs`` (all of ``partition``)."""
-    script_keys = [
-        keys.runs(),
-        k.partitions(),
-        k.counts(),
-        k.jobs(partition),
-        keys.broker_queue("short"),
-        keys.broker_queue("long"),
-        k.backlog("short"),
-        k.backlog("long"),
-        k.stats(),
-    ]
-    args: list[Any] = [k.run, partition, max_depth]
-    messages = task_messages(k.run, partition, [(job.job_id, job.queue) for job in jobs])
-    job_key = k.job
-    for job, message in zip(jobs, messages, strict=True):
-        script_keys.append(job_key(job.job_id))
-        args += (job.job_id, job.digest, job.source, job.queue, job.to_json(), message)
-    return script_keys, args
-
-
 class EnqueueStream:
-    """Enqueue batches sent back to back on ``conn``; outcomes read oldest first."""
+    """Enqueue batches sent back to back on one connection; outcomes read oldest first."""
 
-    def __init__(
-        self, client: redis.Redis, conn: AbstractConnection, script: Script, k: keys.RunKeys
-    ) -> None:
+    def __init__(self, client: redis.Redis, conn: CommandStream, script: Script, k: keys.RunKeys) -> None:
         self.client = client
         self.conn = conn
         self.script = script
         self.k = k
-        self.sent: deque[tuple[Sequence[JobSpec], list[str], list[Any]]] = deque()
+        self.sent: deque[tuple[Sequence[JobSpec], transitions.Call[list[str]]]] = deque()
 
     def send(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> None:
         """Send the enqueue script for ``jobs`` (all of ``partition``) without waiting for it."""
-        script_keys, args = enqueue_args(self.k, partition, jobs, max_depth)
-        # Packed by hiredis directly: redis-py's packer first re-checks every argument in Python,
-        # ~1 us a row of the producer's ~15 (measured on 200-row batches of bench/enqueue.py's rows).
-        command = ("EVALSHA", self.script.sha, len(script_keys), *script_keys, *args)
-        self.conn.send_packed_command([hiredis.pack_command(command)])
-        self.sent.append((jobs, script_keys, args))
+        call = transitions.enqueue(self.k, partition, jobs, max_depth)
+        self.conn.send("EVALSHA", self.script.sha, len(call.keys), *call.keys, *call.args)
+        self.sent.append((jobs, call))
 
     def read(self) -> tuple[Sequence[JobSpec], list[str]]:
-        """The oldest unread batch and its outcomes, one per job: ``new``, ``backlog``, the state
-        the ledger already held, or ``conflict:<source>``."""
-        jobs, script_keys, args = self.sent.popleft()
+        """The oldest unread batch and its outcomes, one per job (:func:`tokenmill.transitions.enqueue`)."""
+        jobs, call = self.sent.popleft()
         try:
-            outcomes = self.conn.read_response()
+            outcomes = self.conn.read()
         except redis.exceptions.NoScriptError:  # script cache flushed since the load: the slow way
-            outcomes = self.script(script_keys, args, client=self.client)
-        return jobs, [x.decode() if isinstance(x, bytes) else str(x) for x in outcomes]
+            outcomes = self.script(call.keys, call.args, client=self.client)
+        return jobs, call.decode(outcomes)
 
     def __len__(self) -> int:
         return len(self.sent)

@@ -33,7 +33,8 @@ def request(url: str, api_key: str | None = None) -> urllib.request.Request:
 def get_bytes(url: str, api_key: str | None, timeout_s: float) -> bytes:
     """GET ``url``'s body (bearer auth when ``api_key``); raises OSError."""
     with urllib.request.urlopen(request(url, api_key), timeout=timeout_s) as resp:
-        return resp.read()
+        body: bytes = resp.read()
+        return body
 
 
 def get_json(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The ledger's transitions keep the counts; this reads them, on redis-py's client or on
 :class:`~tokenmill.quick_redis.QuickRedis` (``status`` and ``runs`` read with either), without
-importing the ledger's transitions.
+importing the ledger's executors.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokenmill import keys
+from tokenmill.transitions import text
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
@@ -21,15 +22,11 @@ def run_counts(client: ReadClient, run: str) -> dict[str, dict[str, int]]:
     k = keys.RunKeys(run)
     out: dict[str, dict[str, int]] = {}
     for p in client.smembers(k.partitions()):
-        out[_s(p)] = dict.fromkeys(keys.STATES, 0)
+        out[text(p)] = dict.fromkeys(keys.STATES, 0)
     for field, value in client.hgetall(k.counts()).items():
-        state, part = keys.split_count_field(_s(field))
+        state, part = keys.split_count_field(text(field))
         out.setdefault(part, dict.fromkeys(keys.STATES, 0))[state] = int(value)
     if any(keys.CANCELLED in c for c in out.values()):
         for c in out.values():
             c.setdefault(keys.CANCELLED, 0)
     return out
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

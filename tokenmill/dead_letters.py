@@ -40,8 +40,7 @@ def problem(envelope: Any) -> str | None:
     if "delivery_tag" not in envelope["properties"]:
         return "no delivery_tag in the message's properties"
     headers = envelope.get("headers")
-    task = headers.get("task") if isinstance(headers, dict) else None
-    if task is None:
+    if not isinstance(headers, dict) or (task := headers.get("task")) is None:
         return "no task header"
     if task != TASK_NAME:
         return f"unknown task {task!r:.80}: tokenmill's queues carry only {TASK_NAME}"

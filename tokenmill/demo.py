@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tokenmill import transitions
 from tokenmill.ledger import Ledger
 from tokenmill.local_redis import LocalRedis, free_port
 
@@ -170,7 +171,7 @@ def demo(out_dir: str, keep: bool, hold: bool) -> None:
         if enq.returncode:
             raise click.ClickException(f"enqueue failed: {enq.stderr.strip()}")
         console.print(f"[bold]enqueue[/] {enq.stdout.strip()}")
-        client = redis.Redis.from_url(rds.url)
+        client = rds.client()
         _watch(console, client, timeout_s=600)
         _wait_sealed(console, client, timeout_s=60)
         exp = subprocess.run(
@@ -263,5 +264,5 @@ def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
                 raise click.ClickException(f"the demo run did not finish within {timeout_s}s")
             time.sleep(0.25)
     console.line()
-    stats = {k.decode(): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
+    stats = {transitions.text(k): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
     console.print(f"[bold]done[/]    {stats.get('completion_tokens', 0)} completion tokens generated")

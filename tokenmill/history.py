@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys, series
 from tokenmill import servers as server_records
+from tokenmill.transitions import text
 
 if TYPE_CHECKING:
     import redis
@@ -60,18 +61,18 @@ def run_point(client: redis.Redis, run: str) -> tuple[dict[str, float], bool]:
     counts, tokens, failed_now, retried, sealed, partitions = pipe.execute()
     pipe = client.pipeline(transaction=False)
     for partition in partitions:
-        pipe.scard(k.shards(_s(partition)))
+        pipe.scard(k.shards(text(partition)))
     shards = pipe.execute()
     point: dict[str, float] = dict.fromkeys(keys.STATES, 0)
     for field, n in counts.items():
-        state, _ = keys.split_count_field(_s(field))
+        state, _ = keys.split_count_field(text(field))
         point[state] = point.get(state, 0) + int(n)
     point["completion_tokens"] = int(tokens or 0)
     point["sealed"] = sum(int(n) for n in sealed)
     point["shards"] = sum(shards)
     for hash_ in (failed_now, retried):  # failed now, and failed before `retry` sent them back
         for cls, n in hash_.items():
-            name = FAILURES + _s(cls)
+            name = FAILURES + text(cls)
             point[name] = point.get(name, 0) + int(n)
     return point, point["queued"] + point["running"] > 0
 
@@ -149,20 +150,18 @@ def run_history(client: redis.Redis, run: str, since_ms: int | None = None) -> d
     the Redis clock's now: a point can still be written in the current one, and the next read
     starts after ``cursor``, so no point comes twice and none is skipped."""
     k = keys.RunKeys(run)
-    (sec, usec), (first, last), names = (
-        client.pipeline(transaction=False)
-        .time()
-        .hmget(k.stats(), ["first_enqueue_ms", "last_activity_ms"])
-        .smembers(keys.series_servers())
-        .execute()
-    )
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    pipe.hmget(k.stats(), ["first_enqueue_ms", "last_activity_ms"])
+    pipe.smembers(keys.series_servers())
+    (sec, usec), (first, last), names = pipe.execute()
     cursor = int(sec) * 1000 + int(usec) // 1000 - 1
     run_raw = client.xrange(k.series(), series.after(since_ms) if since_ms is not None else "-", str(cursor))
-    run_points = [series.parse_entry(e) for e in run_raw]
+    run_points = [series.parse_entry(e) for e in run_raw or ()]  # None only in redis-py's type
     moving = bool(run_points) and _moving(run_points[-1][1])
     start = since_ms if since_ms is not None else int(first or cursor) - MARGIN_MS
     end = cursor if moving or not last else min(cursor, int(last) + MARGIN_MS)
-    servers, states = _servers(client, sorted(_s(n) for n in names), start, end, since_ms is None)
+    servers, states = _servers(client, sorted(text(n) for n in names), start, end, since_ms is None)
     if since_ms is None:
         run_points = series.downsample(run_points, MAX_POINTS, RUN_COUNTERS)
     return {
@@ -205,7 +204,3 @@ def _servers(
 
 def _moving(point: Mapping[str, float]) -> bool:
     return point.get("queued", 0) + point.get("running", 0) > 0
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

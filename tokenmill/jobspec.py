@@ -156,4 +156,5 @@ class JobSpec:
 
 def load_spec(raw: bytes | str) -> dict[str, Any]:
     """The stored spec: ``{"request": {...}, "metadata": {...}, "record_id": ..., ["sample": k]}``."""
-    return orjson.loads(raw)
+    spec: dict[str, Any] = orjson.loads(raw)
+    return spec

@@ -41,9 +41,11 @@ from tokenmill import dead_letters, keys
 
 log = logging.getLogger("tokenmill.kombu")
 _original_restore = kombu_redis.QoS.restore_unacked
-_original_connparams = kombu_redis.Channel._connparams
-_original_create_client = kombu_redis.Channel._create_client
-_original_brpop_read = kombu_redis.Channel._brpop_read
+# kombu's Channel has these private methods; celery-types' stub of it (which mypy reads before
+# kombu's own annotations) leaves them out
+_original_connparams = kombu_redis.Channel._connparams  # type: ignore[attr-defined]
+_original_create_client = kombu_redis.Channel._create_client  # type: ignore[attr-defined]
+_original_brpop_read = kombu_redis.Channel._brpop_read  # type: ignore[attr-defined]
 _original_deliver = kombu_redis.Transport._deliver
 
 
@@ -85,19 +87,18 @@ def _brpop_read(self: Any, **options: Any) -> Any:
         return True
 
 
-def _deliver(self: Any, message: Any, queue: str) -> Any:
-    reason = dead_letters.problem(message) if queue in keys.QUEUES else None
-    if reason is None:
-        return _original_deliver(self, message, queue)
+def _deliver(self: Any, message: Any, queue: str | None) -> None:
+    if queue not in keys.QUEUES or (reason := dead_letters.problem(message)) is None:
+        _original_deliver(self, message, queue)
+        return
     # any channel's client reaches the broker's Redis: the one acks go through
     dead_letters.bury(self.channels[0]._create_client(), queue, reason, orjson.dumps(message), message)
-    return None
 
 
 def apply() -> None:
     """Install the guards and the shared client (idempotent)."""
     kombu_redis.QoS.restore_unacked = _restore_unacked  # type: ignore[method-assign]
-    kombu_redis.Channel._connparams = _connparams  # type: ignore[method-assign]
-    kombu_redis.Channel._create_client = _create_client  # type: ignore[method-assign]
-    kombu_redis.Channel._brpop_read = _brpop_read  # type: ignore[method-assign]
+    kombu_redis.Channel._connparams = _connparams  # type: ignore[attr-defined]
+    kombu_redis.Channel._create_client = _create_client  # type: ignore[attr-defined]
+    kombu_redis.Channel._brpop_read = _brpop_read  # type: ignore[attr-defined]
     kombu_redis.Transport._deliver = _deliver  # type: ignore[method-assign]

@@ -23,7 +23,8 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.lazy:
             module_name, attr = self.lazy[cmd_name].split(":")
-            return getattr(importlib.import_module(module_name), attr)
+            command: click.Command = getattr(importlib.import_module(module_name), attr)
+            return command
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import redis
 
+from tokenmill import redis_conn
 from tokenmill.errors import ConfigError
+from tokenmill.settings import Settings
 
 
 def redis_binary() -> str:
@@ -87,15 +89,19 @@ class LocalRedis:
 
     def ping(self) -> bool:
         try:
-            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=1).ping())
+            return bool(self.client(retries=0).ping())
         except redis.RedisError:
             return False
+
+    def client(self, retries: int = 1) -> redis.Redis:
+        """A redis-py client of this server (not yet connected)."""
+        return redis_conn.connect(Settings(redis_url=self.url), check=False, retries=retries)
 
     def stop(self) -> None:
         """A clean shutdown (the AOF is flushed)."""
         if self.proc and self.proc.poll() is None:
             try:
-                redis.Redis.from_url(self.url).shutdown(nosave=True)
+                self.client().shutdown(nosave=True)
             except redis.RedisError:
                 pass
             try:

@@ -3,8 +3,8 @@
 The worker runs a job's ledger transitions on its event loop, beside the job's stream
 (:mod:`workers.job_path`). Through redis-py's asyncio client a command cost that loop 95-118 µs of
 CPU; here it costs 9-26 µs (one ``hiredis.pack_command``, a write, and a reply parsed in the
-connection's ``data_received``; measured on this machine class, docs/benchmarks.md). Every
-command of a process shares one connection: replies come back in the order the commands were
+connection's ``data_received``; measured on this machine class, docs/benchmarks-history/short-outputs.md).
+Every command of a process shares one connection: replies come back in the order the commands were
 sent, so each caller's future is the next one waiting.
 
 Only what the worker's transitions need: commands, ``EVALSHA`` with a load on ``NOSCRIPT``,
@@ -33,23 +33,18 @@ import asyncio
 import hashlib
 import logging
 import socket
-import ssl
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 import hiredis
 import redis
-from redis.connection import SSLConnection, parse_url
 
 from tokenmill import redis_url
 
 log = logging.getLogger("tokenmill.redis")
-SOCKET_TIMEOUT_S = 5.0  # redis-py's defaults
-CONNECT_TIMEOUT_S = 5.0
 # TCP keepalive: first probe after 30 s idle, then every 10 s, 3 unanswered drop the connection
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
-_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
 class LoopScript:
@@ -160,22 +155,22 @@ class LoopRedis:
         self.sentinel: redis_url.SentinelURL | None = None
         if redis_url.is_sentinel(url):
             self.sentinel = s = redis_url.parse_sentinel(url)
-            opts: dict[str, Any] = {**s.options, "db": s.db, "username": s.username, "password": s.password}
+            at = redis_url.Endpoint(
+                db=s.db,
+                username=s.username,
+                password=s.password,
+                socket_timeout_s=s.socket_timeout_s,
+                connect_timeout_s=s.connect_timeout_s,
+            )
         else:
-            redis_url.check(url)  # a ConfigError naming an option this client cannot honour
-            opts = parse_url(url)
-        self._path: str | None = opts.get("path")
-        self._host = opts.get("host") or "localhost"
-        self._port = int(opts.get("port") or 6379)
-        self._db = int(opts.get("db") or 0)
-        self._user: str | None = opts.get("username")
-        self._password: str | None = opts.get("password")
-        self.timeout_s: float | None = opts.get("socket_timeout", SOCKET_TIMEOUT_S)
-        self.connect_timeout_s: float = opts.get("socket_connect_timeout") or CONNECT_TIMEOUT_S
-        self.keepalive = bool(opts.get("socket_keepalive", True))
-        self.health_check_s = float(opts.get("health_check_interval") or 0)
-        cls = opts.get("connection_class")
-        self._ssl = _ssl_context(opts) if cls is SSLConnection else None
+            at = redis_url.endpoint(url)  # a ConfigError naming an option this client cannot honour
+        self._path, self._host, self._port, self._db = at.path, at.host, at.port, at.db
+        self._user, self._password = at.username, at.password
+        self.timeout_s = at.socket_timeout_s
+        self.connect_timeout_s = at.connect_timeout_s
+        self.keepalive = at.keepalive
+        self.health_check_s = at.health_check_s
+        self._ssl = at.tls_context()
         self._conn: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self.connections = 0  # opened so far (tests)
@@ -245,17 +240,19 @@ class LoopRedis:
         return conn
 
     async def _hello(self, conn: _Protocol) -> None:
+        # the type: ignore[arg-type]s: hiredis's stub types pack_command's argument as a 1-tuple
+        # (Tuple[str | int | ...]); it packs a command of any length
         hello = []
         if self._password is not None:
             auth = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
-            hello.append(conn.send(hiredis.pack_command(auth)))
+            hello.append(conn.send(hiredis.pack_command(auth)))  # type: ignore[arg-type]
         if self.sentinel:  # a demoted primary the sentinels still named: not written to
             hello.append(conn.send(hiredis.pack_command(("ROLE",))))
         if self._db:
-            hello.append(conn.send(hiredis.pack_command(("SELECT", self._db))))
+            hello.append(conn.send(hiredis.pack_command(("SELECT", self._db))))  # type: ignore[arg-type]
         if self.name:
-            hello.append(conn.send(hiredis.pack_command(("CLIENT", "SETNAME", self.name))))
-        hello += [conn.send(hiredis.pack_command(("SCRIPT", "LOAD", sc.source))) for sc in self.scripts]
+            hello.append(conn.send(hiredis.pack_command(("CLIENT", "SETNAME", self.name))))  # type: ignore[arg-type]
+        hello += [conn.send(hiredis.pack_command(("SCRIPT", "LOAD", sc.source))) for sc in self.scripts]  # type: ignore[arg-type]
         replies = [await reply for reply in hello]
         if self.sentinel:
             role = replies[1 if self._password is not None else 0]
@@ -277,7 +274,8 @@ class LoopRedis:
                     _, conn = await loop.create_connection(lambda: _Protocol(None), host, port)
                     try:
                         got = await conn.send(
-                            hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))
+                            # hiredis's stub: a 1-tuple argument (see _hello)
+                            hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))  # type: ignore[arg-type]
                         )
                     finally:
                         if conn.transport is not None:
@@ -304,15 +302,3 @@ def _keepalive(transport: asyncio.BaseTransport | None) -> None:
     for name, value in KEEPALIVE.items():
         if hasattr(socket, name):  # Linux; macOS has TCP_KEEPALIVE instead of TCP_KEEPIDLE
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def _ssl_context(opts: dict[str, Any]) -> ssl.SSLContext:
-    """The TLS context redis-py would build for a ``rediss://`` URL's ``ssl_*`` options."""
-    reqs = opts.get("ssl_cert_reqs", "required")
-    verify = ssl.CERT_NONE if reqs is None else _CERT_REQS[reqs] if isinstance(reqs, str) else reqs
-    ctx = ssl.create_default_context(cafile=opts.get("ssl_ca_certs"))
-    ctx.check_hostname = bool(opts.get("ssl_check_hostname", True)) and verify != ssl.CERT_NONE
-    ctx.verify_mode = verify
-    if opts.get("ssl_certfile"):
-        ctx.load_cert_chain(opts["ssl_certfile"], opts.get("ssl_keyfile"))
-    return ctx

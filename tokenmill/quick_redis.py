@@ -1,7 +1,7 @@
 """A small synchronous Redis client for the commands that only read (``status``, ``runs``).
 
 Scripts and watch loops call ``tokenmill status`` often, and importing redis-py costs a process
-~0.3 s of CPU, most of such a call (``bench/startup.py``, docs/benchmarks.md). These commands
+~0.3 s of CPU, most of such a call (``bench/startup.py``, docs/benchmarks-history/startup.md). These commands
 read a few hashes and sets, so they talk to Redis through this client instead: hiredis parses
 the replies (a C extension, imported in milliseconds) and nothing of redis-py is imported.
 
@@ -22,27 +22,18 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
+from tokenmill import redis_url
 from tokenmill.errors import RedisUnavailableError
 from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
-    import ssl
-
     import redis
 
     from tokenmill.settings import Settings
 
-CONNECT_TIMEOUT_S = 5.0  # as tokenmill.redis_conn gives redis-py
-READ_TIMEOUT_S = 5.0  # socket_timeout as tokenmill.redis_conn gives redis-py: a vanished host in seconds
-_TLS_OPTIONS = frozenset(
-    {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
-)
-_TRUE = ("1", "true", "yes", "on", "y")
-_CERT_REQS = ("none", "optional", "required")
 Convert = Callable[[Any], Any] | None
 
 
@@ -117,48 +108,35 @@ class QuickRedis(_Reads):
         self,
         url: str,
         address: str | tuple[str, int],
-        tls: ssl.SSLContext | None,
+        at: redis_url.Endpoint,
         hello: list[tuple[Any, ...]],
     ) -> None:
         self.url = url
         self._address = address
-        self._tls = tls
+        self._at = at  # deadlines from the URL, else redis-py's (5 s)
+        self._tls = at.tls_context()
         self._hello = hello  # AUTH, SELECT, CLIENT SETNAME: sent first on every connection
         self._sock: socket.socket | None = None
         self._reader = hiredis.Reader()
 
     @classmethod
     def from_url(cls, url: str, name: str | None = None) -> QuickRedis | None:
-        """The client for ``url``; None for a URL with options only redis-py handles."""
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        if parts.scheme not in ("redis", "rediss", "unix") or set(query) - _TLS_OPTIONS - {"db"}:
+        """The client for ``url``; None for a Sentinel URL (redis-py's client finds the primary)."""
+        if redis_url.is_sentinel(url):
             return None
-        if parts.scheme != "rediss" and set(query) & _TLS_OPTIONS:
-            return None
-        if query.get("ssl_cert_reqs", "required").lower() not in _CERT_REQS:
-            return None  # redis-py says what is wrong with it
-        db = query.get("db") or (parts.path.strip("/") if parts.scheme != "unix" else "") or "0"
-        if not db.isdigit():
-            return None
+        at = redis_url.endpoint(url)
         hello: list[tuple[Any, ...]] = []
-        if parts.password is not None:
-            user = unquote(parts.username) if parts.username else None
-            hello.append(
-                ("AUTH", user, unquote(parts.password)) if user else ("AUTH", unquote(parts.password))
-            )
-        if int(db):
-            hello.append(("SELECT", int(db)))
-        if name:
-            hello.append(("CLIENT", "SETNAME", name))
-        if parts.scheme == "unix":
-            return cls(url, unquote(parts.path), None, hello)
-        address = (unquote(parts.hostname or "localhost"), parts.port or 6379)
-        tls = _tls_context(query) if parts.scheme == "rediss" else None
-        return cls(url, address, tls, hello)
+        if at.password is not None:
+            hello.append(("AUTH", at.username, at.password) if at.username else ("AUTH", at.password))
+        if at.db:
+            hello.append(("SELECT", at.db))
+        if name or at.client_name:
+            hello.append(("CLIENT", "SETNAME", name or at.client_name))
+        return cls(url, at.path or (at.host, at.port), at, hello)
 
     def ping(self) -> bool:
-        return self._run(None, "PING") == b"PONG"
+        reply: bytes = self._run(None, "PING")
+        return reply == b"PONG"
 
     def pipeline(self, transaction: bool = False) -> Pipeline:
         """Commands queued and sent in one write by :meth:`Pipeline.execute` (never MULTI)."""
@@ -182,7 +160,7 @@ class QuickRedis(_Reads):
         try:
             replies = self._exchange(packed, len(commands))
         except TimeoutError:
-            raise self._unreachable(f"no answer within {READ_TIMEOUT_S:g} s") from None
+            raise self._unreachable(f"no answer within {self._at.socket_timeout_s:g} s") from None
         except OSError as exc:  # ConnectionError included
             if not reused:
                 raise self._unreachable(f"it closed the connection: {exc}") from None
@@ -244,14 +222,14 @@ class QuickRedis(_Reads):
     def _connect(self) -> socket.socket:
         if isinstance(self._address, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.settimeout(self._at.connect_timeout_s)
             try:
                 sock.connect(self._address)
             except BaseException:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection(self._address, timeout=CONNECT_TIMEOUT_S)
+            sock = socket.create_connection(self._address, timeout=self._at.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 try:
@@ -259,7 +237,7 @@ class QuickRedis(_Reads):
                 except BaseException:
                     sock.close()
                     raise
-        sock.settimeout(READ_TIMEOUT_S)
+        sock.settimeout(self._at.socket_timeout_s)
         return sock
 
     def _error_reply(self, command: str, text: str) -> RedisUnavailableError:
@@ -301,18 +279,3 @@ class Pipeline(_Reads):
     def execute(self) -> list[Any]:
         queued, self._queued = self._queued, []
         return self._client.send(queued) if queued else []
-
-
-def _tls_context(query: dict[str, str]) -> ssl.SSLContext:
-    """The context redis-py builds for a ``rediss://`` URL's ``ssl_*`` options."""
-    import ssl
-
-    reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
-    verify = reqs[query.get("ssl_cert_reqs", "required").lower()]
-    ctx = ssl.create_default_context(cafile=query.get("ssl_ca_certs"))
-    check = query.get("ssl_check_hostname", "true").lower() in _TRUE
-    ctx.check_hostname = check and verify != ssl.CERT_NONE
-    ctx.verify_mode = verify
-    if query.get("ssl_certfile"):
-        ctx.load_cert_chain(query["ssl_certfile"], query.get("ssl_keyfile"))
-    return ctx

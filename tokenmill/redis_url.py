@@ -11,11 +11,14 @@ refused: Celery's Redis transport cannot use it (its queues are lists moved betw
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from tokenmill.errors import ConfigError
 from tokenmill.url_secrets import redact_url
+
+if TYPE_CHECKING:
+    import ssl
 
 SCHEMES = ("redis", "rediss", "unix", "sentinel")
 # redis-py's URL options the worker's event-loop client (tokenmill/loop_redis.py) honours; the
@@ -30,7 +33,8 @@ HONOURED = (
 )
 SSL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname")
 MOOT = ("max_connections", "retry_on_timeout", "retry_on_error", "socket_read_size", "timeout", "protocol")
-_URL_PARTS = ("host", "port", "db", "username", "password", "path", "connection_class")
+_FALSE = ("0", "F", "FALSE", "N", "NO")  # redis-py's to_bool
+_CERT_REQS = ("none", "optional", "required")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "cluster", "redis-cluster")
 # the options a Sentinel URL may carry, besides master_name (each client honours them)
 SENTINEL_OPTIONS = {"socket_timeout": float, "socket_connect_timeout": float}
@@ -63,6 +67,16 @@ def is_sentinel(url: str) -> bool:
 def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
     """Raise a :class:`ConfigError` naming ``what`` if tokenmill cannot use ``url``."""
     scheme = urlsplit(url).scheme
+    _refuse_cluster(scheme, what)
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{what} must start with redis://, rediss://, unix:// or sentinel://")
+    if scheme == "sentinel":
+        parse_sentinel(url, what)
+        return
+    endpoint(url, what)
+
+
+def _refuse_cluster(scheme: str, what: str) -> None:
     if scheme in CLUSTER_SCHEMES or "cluster" in scheme:
         raise ConfigError(
             f"{what}: Redis Cluster ({scheme}://) is not supported: Celery's Redis transport cannot "
@@ -70,27 +84,84 @@ def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
             "splits across nodes). Use one primary, with replicas and Sentinel for failover "
             "(sentinel://HOST:26379?master_name=NAME)"
         )
-    if scheme not in SCHEMES:
-        raise ConfigError(f"{what} must start with redis://, rediss://, unix:// or sentinel://")
-    if scheme == "sentinel":
-        parse_sentinel(url, what)
-        return
-    parts = urlsplit(url)
-    if not parts.query and (scheme == "unix" or parts.path.strip("/").isdigit() or not parts.path.strip("/")):
-        return  # no option to check: spare the read-only commands redis-py's import (0.3 s)
-    from redis.connection import parse_url
 
-    try:
-        opts = parse_url(url)
-    except ValueError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
-    unknown = sorted(set(opts) - set(_URL_PARTS) - set(HONOURED) - set(MOOT) - set(SSL_OPTIONS))
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A parsed ``redis://``, ``rediss://`` or ``unix://`` URL, as redis-py reads it: what every
+    hand-written client of tokenmill connects by (one parser, one TLS context)."""
+
+    host: str = "localhost"
+    port: int = 6379
+    path: str | None = None  # a unix socket
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: dict[str, str] | None = None  # the ssl_* options of a rediss:// URL
+    socket_timeout_s: float | None = 5.0
+    connect_timeout_s: float = 5.0
+    keepalive: bool = True
+    health_check_s: float = 0.0
+    client_name: str | None = None
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The context redis-py builds for the URL's ``ssl_*`` options (None: no TLS)."""
+        if self.tls is None:
+            return None
+        import ssl
+
+        reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+        verify = reqs[self.tls.get("ssl_cert_reqs", "required").lower()]
+        ctx = ssl.create_default_context(cafile=self.tls.get("ssl_ca_certs"))
+        check = self.tls.get("ssl_check_hostname", "true").upper() not in _FALSE
+        ctx.check_hostname = check and verify != ssl.CERT_NONE
+        ctx.verify_mode = verify
+        if self.tls.get("ssl_certfile"):
+            ctx.load_cert_chain(self.tls["ssl_certfile"], self.tls.get("ssl_keyfile"))
+        return ctx
+
+
+def endpoint(url: str, what: str = "TOKENMILL_REDIS_URL") -> Endpoint:
+    """``url`` parsed as redis-py parses it; a :class:`ConfigError` naming ``what`` and the option
+    for anything tokenmill's clients cannot honour."""
+    parts = urlsplit(url)
+    _refuse_cluster(parts.scheme, what)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{what} must start with redis://, rediss:// or unix:// here")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = sorted(set(query) - {"db", "username", "password", *HONOURED, *MOOT, *SSL_OPTIONS})
     if unknown:
         raise ConfigError(
             f"{what}: the option(s) {', '.join(unknown)} are not supported (tokenmill honours "
             f"{', '.join(HONOURED)}, the ssl_* options {', '.join(SSL_OPTIONS)}, and accepts "
             f"{', '.join(MOOT)})"
         )
+    tls = {k: v for k, v in query.items() if k in SSL_OPTIONS}
+    if tls.get("ssl_cert_reqs", "required").lower() not in _CERT_REQS:
+        raise ConfigError(f"{what}: ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")
+    db = query.get("db") or (parts.path.strip("/") if parts.scheme != "unix" else "") or "0"
+    try:
+        numbers = {name: float(query[name]) for name in _NUMBERS if name in query}
+        found = Endpoint(
+            host=unquote(parts.hostname or "localhost"),
+            port=parts.port or 6379,
+            path=unquote(parts.path) if parts.scheme == "unix" else None,
+            db=int(db),
+            username=unquote(parts.username) if parts.username else query.get("username"),
+            password=unquote(parts.password) if parts.password is not None else query.get("password"),
+            tls=tls if parts.scheme == "rediss" else None,
+            socket_timeout_s=numbers.get("socket_timeout", 5.0),
+            connect_timeout_s=numbers.get("socket_connect_timeout", 5.0),
+            keepalive=query.get("socket_keepalive", "true").upper() not in _FALSE,
+            health_check_s=numbers.get("health_check_interval", 0.0),
+            client_name=query.get("client_name"),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+    return found
+
+
+_NUMBERS = ("socket_timeout", "socket_connect_timeout", "health_check_interval")
 
 
 def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.ledger import register
+from tokenmill.transitions import text
 
 if TYPE_CHECKING:
     import redis
@@ -77,7 +78,8 @@ def read(
     """The points of ``key`` after ``since_ms`` (exclusive) up to ``until_ms`` (inclusive)."""
     start = after(since_ms) if since_ms is not None else "-"
     end = str(until_ms) if until_ms is not None else "+"
-    return [parse_entry(entry) for entry in client.xrange(key, start, end)]
+    # redis-py types XRANGE's reply as possibly None; Redis answers an empty list
+    return [parse_entry(entry) for entry in client.xrange(key, start, end) or ()]
 
 
 def after(ms: int) -> str:
@@ -90,12 +92,12 @@ def after(ms: int) -> str:
 def parse_entry(entry: Sequence[Any]) -> Point:
     """A stream entry (id, fields) as a point: the id's milliseconds and the values."""
     raw_id, raw = entry
-    ms = int(_s(raw_id).partition("-")[0])
+    ms = int(text(raw_id).partition("-")[0])
     if isinstance(raw, Mapping):
         items: Iterable[tuple[Any, Any]] = raw.items()
     else:  # a flat [field, value, ...] list
         items = zip(raw[::2], raw[1::2], strict=True)
-    return ms, {_s(f): float(_s(v)) for f, v in items}
+    return ms, {text(f): float(text(v)) for f, v in items}
 
 
 def downsample(points: list[Point], max_points: int, counters: Iterable[str] = ()) -> list[Point]:
@@ -130,7 +132,3 @@ def columns(points: Sequence[Point]) -> dict[str, list[float | None]]:
     for name in names:
         out[name] = [fields.get(name) for _, fields in points]
     return out
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

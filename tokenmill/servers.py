@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tokenmill import keys
+from tokenmill.transitions import text
 from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
     import redis
+    from redis.typing import EncodableT, FieldT
 
     from tokenmill.quick_redis import ReadClient
 
@@ -75,9 +77,9 @@ def _encode(value: Any) -> str:
     return str(value)
 
 
-def _mapping(values: dict[str, Any]) -> dict[str, str]:
+def _mapping(values: dict[str, Any]) -> dict[FieldT, EncodableT]:
     """Hash fields for ``values``: ``live`` flattened to ``live.<name>``, None stored as ``""``."""
-    out: dict[str, str] = {}
+    out: dict[FieldT, EncodableT] = {}
     for name, value in values.items():
         if name == "live":
             out.update({LIVE_PREFIX + k: _encode(v) for k, v in (value or {}).items()})
@@ -119,7 +121,7 @@ def load(redis_client: redis.Redis, name: str) -> ServerRecord | None:
 
 def load_all(redis_client: ReadClient) -> list[ServerRecord]:
     """Every published record, sorted by name."""
-    names = sorted(_s(n) for n in redis_client.smembers(keys.servers()))
+    names = sorted(text(n) for n in redis_client.smembers(keys.servers()))
     pipe = redis_client.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.server(name))
@@ -140,10 +142,6 @@ def load_events(redis_client: redis.Redis, name: str, limit: int = EVENTS_KEPT) 
     return [orjson.loads(e) for e in redis_client.lrange(keys.server_events(name), 0, limit - 1)]
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
     if value == "":
         return None
@@ -154,7 +152,7 @@ def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
 
 
 def _decode(name: str, raw: dict[Any, Any]) -> ServerRecord:
-    data = {_s(k): _s(v) for k, v in raw.items()}
+    data = {text(k): text(v) for k, v in raw.items()}
     live = {
         k[len(LIVE_PREFIX) :]: float(v)
         for k, v in data.items()

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenmill import errors, outputs
-from tokenmill.ledger import Checkpoint, Claim, LengthReport
 from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
 from tokenmill.settings import Settings
+from tokenmill.transitions import Checkpoint, Claim, LengthReport
 from tokenmill.url_secrets import redact_url
 from workers.admission.limiter import LengthTracker, Slot
 from workers.stream import Progress, StopGuard, StreamClient, stream_chat, whole_chat
@@ -35,7 +35,7 @@ class Outcome:
 
 
 class Commit(NamedTuple):
-    """What a commit sends (``Ledger.commit``'s arguments after the claim)."""
+    """What a commit sends (:func:`tokenmill.transitions.commit`'s arguments after the claim)."""
 
     result: dict[str, Any]
     new_tokens: int
@@ -286,8 +286,7 @@ def _cut_per_token(result: dict[str, Any], text: str, end: int) -> None:
     spell ``text``; otherwise (no log-probabilities, or special tokens or split characters in
     them) they stay as the server sent them."""
     entries = (result.get("logprobs") or {}).get("content")
-    n = outputs.tokens_through([e["token"] for e in entries], text, end) if entries else None
-    if n is None:
+    if not entries or (n := outputs.tokens_through([e["token"] for e in entries], text, end)) is None:
         return
     result["logprobs"]["content"] = entries[:n]
     if "output_token_ids" in result:

@@ -28,7 +28,8 @@ class ReconnectMessages(logging.Filter):
     """Rewrites Celery's per-task "Terminating it instead" and drops the traceback that follows."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == consumer.TERMINATING_TASK_ON_RESTART_AFTER_A_CONNECTION_LOSS:
+        # celery-types' stub of celery.worker.consumer.consumer leaves this module constant out
+        if record.msg == consumer.TERMINATING_TASK_ON_RESTART_AFTER_A_CONNECTION_LOSS:  # type: ignore[attr-defined]
             record.msg = CARRIES_ON
             return True
         exc = record.exc_info[1] if record.exc_info else None

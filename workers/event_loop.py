@@ -7,7 +7,8 @@ client's CPU per token (bench/e2e.py --per-token).
 
 The loop is uvloop's by default (the ``event_loop`` setting): on the short-output workload it cut
 the loop thread's CPU by 10-15% against asyncio's own loop (bench/e2e.py --short-outputs,
-docs/benchmarks.md). ``TOKENMILL_EVENT_LOOP=asyncio`` runs the standard library's loop instead.
+docs/benchmarks-history/short-outputs.md). ``TOKENMILL_EVENT_LOOP=asyncio`` runs the standard library's
+loop instead.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The generate task's body: the job runs on the worker's loop from peek to commit
-(:mod:`workers.job_path`); an attempt that ends in an error is settled here, on the task's thread.
+(:mod:`workers.job_path`); an attempt that ends in an error is settled here, on the loop too.
 
 Errors are mapped to ledger states here and only here: terminal → ``failed``; retryable →
 ``queued`` with a backoff (no retry burned while the server is down); shutdown → checkpointed
@@ -17,16 +17,18 @@ import concurrent.futures
 import logging
 import random
 import time
+from typing import TypeVar
 
 import redis
 
-from tokenmill import errors
-from tokenmill.ledger import Claim, JobError, Ledger
+from tokenmill import errors, keys
+from tokenmill import transitions as t
+from tokenmill.redis_retry import ride_out
 from workers import job_path
 from workers.attempt import Attempted
-from workers.durable import durable
 from workers.runtime import Runtime
-from workers.watch import AttemptState
+
+T = TypeVar("T")
 
 log = logging.getLogger("tokenmill.worker")
 ABANDON_AFTER_S = 5.0  # after the shutdown's grace: how long a thread still waits for its job
@@ -41,10 +43,10 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     left = wait_on_loop(rt, rt.loop.submit(job_path.run_job(rt, run, job_id)), f"{run}/{job_id}")
     if isinstance(left, str):
         return left
-    return conclude(rt, rt.ledger(run), left)
+    return conclude(rt, left)
 
 
-def wait_on_loop(rt: Runtime, fut: concurrent.futures.Future[str | Attempted], job: str) -> str | Attempted:
+def wait_on_loop(rt: Runtime, fut: concurrent.futures.Future[T], job: str) -> T | str:
     """The job's result from the loop; ``"abandoned"`` (the job cancelled on the loop, left to
     its lease) if it is still not there ``ABANDON_AFTER_S`` after the shutdown's grace."""
     aborted_at = 0.0
@@ -64,19 +66,18 @@ def wait_on_loop(rt: Runtime, fut: concurrent.futures.Future[str | Attempted], j
                 return "abandoned"
 
 
-def conclude(rt: Runtime, ledger: Ledger, done: Attempted) -> str:
-    """Settle the error an attempt ended with, riding out Redis, and give its admission slot
-    back."""
+def conclude(rt: Runtime, done: Attempted) -> str:
+    """Settle the error an attempt ended with, on the loop, riding out Redis, and give its
+    admission slot back."""
     try:
         if isinstance(done.error, errors.StaleClaimError):
             log.warning("%s", done.error)
             return "stale"
         assert done.error is not None
-        failure = done.error
+        call = _settle(rt, done.claim, done.url, done.error, done.state.checkpoint())
         try:
-            return durable(
-                lambda: _settle(rt, ledger, done.claim, done.url, failure, done.state), rt.abort_streams
-            )
+            settle = ride_out(lambda: rt.async_ledger.call(call), rt.abort_streams)
+            return wait_on_loop(rt, rt.loop.submit(settle), f"{done.claim.run}/{done.claim.job_id}")
         except redis.RedisError as exc:
             if not rt.abort_streams.is_set():
                 raise
@@ -92,22 +93,19 @@ def conclude(rt: Runtime, ledger: Ledger, done: Attempted) -> str:
 
 
 def _settle(
-    rt: Runtime, ledger: Ledger, claim: Claim, url: str, exc: errors.GenerationError, state: AttemptState
-) -> str:
-    s = rt.settings
-    err = JobError(exc.error_class, exc.message)
-    checkpoint = state.checkpoint()
+    rt: Runtime, claim: t.Claim, url: str, exc: errors.GenerationError, checkpoint: t.Checkpoint
+) -> t.Call[str]:
+    """The transition that settles ``exc``: fail or release (now, or after a backoff)."""
+    s, k = rt.settings, keys.RunKeys(claim.run)
+    err = t.JobError(exc.error_class, exc.message)
     if isinstance(exc, errors.AuthError):
         _auth_broken(rt, exc)
-        return ledger.release(
-            claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
-        )
-    if isinstance(exc, errors.TerminalError):
+    elif isinstance(exc, errors.TerminalError):
         log.warning("job %s/%s failed: %s: %s", claim.run, claim.job_id, err.error_class, err.message)
-        return ledger.fail(claim, err)
-    if isinstance(exc, errors.ShutdownError | errors.JobCancelledError):
-        return ledger.release(
-            claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
+        return t.fail(k, claim, err)
+    if isinstance(exc, errors.AuthError | errors.ShutdownError | errors.JobCancelledError):
+        return t.release(
+            k, claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
         )
     down = rt.pool.is_down(url)
     delay = backoff_s(s.retry_backoff_s, s.retry_backoff_max_s, claim.retries)
@@ -119,7 +117,8 @@ def _settle(
         err.message,
         "server down: released without burning a retry" if down else f"retry in {delay:.1f}s",
     )
-    return ledger.release(
+    return t.release(
+        k,
         claim,
         err,
         delay_s=s.server_wait_s if down else delay,
@@ -141,5 +140,5 @@ def _auth_broken(rt: Runtime, exc: errors.AuthError) -> None:
 
 def backoff_s(base: float, cap: float, retries: int) -> float:
     """Exponential backoff with full jitter on its upper half."""
-    ceiling = min(cap, base * (2**retries))
+    ceiling: float = min(cap, base * (2**retries))
     return ceiling / 2 + random.random() * ceiling / 2

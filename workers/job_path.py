@@ -10,8 +10,8 @@ stand in this process's line (:class:`~workers.admission.waitline.WaitLine`).
 
 Nothing here blocks the loop: the server and run figures admission decides by are refreshed on
 a helper thread when due (about once a second), Redis is ridden out by waiting on the loop
-(:func:`~workers.durable.adurable`), and an attempt that ends in an error goes back to the
-task's thread, which settles it (:mod:`workers.job`).
+(:func:`~tokenmill.redis_retry.ride_out`), and an attempt that ends in an error goes back to the
+task's thread, which settles it on the loop too (:mod:`workers.job`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from tokenmill.ledger import Claim, Full, Peek
-from tokenmill.ledger_loop import LoopLedger
+from tokenmill import keys
+from tokenmill import transitions as t
+from tokenmill.redis_retry import ride_out
+from tokenmill.transitions import Claim, Full, Peek
 from tokenmill.url_secrets import redact_url
 from workers.admission import affinity
 from workers.admission.limiter import Slot
 from workers.attempt import Attempted, attempt_job, committed
-from workers.durable import adurable
 from workers.pool import ServerView
 
 if TYPE_CHECKING:
@@ -45,8 +46,8 @@ WAIT_RETRY_S = 1.0  # after a Redis error while waiting for admission
 async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     """Run ``job_id`` on the loop. Returns what happened (as :func:`workers.job.run_job` does),
     or an attempt that ended in an error, for the task's thread to settle."""
-    ll = rt.loop_ledger(run)
-    peeked = await adurable(lambda: ll.peek(job_id), rt.abort_streams)
+    led, k = rt.async_ledger, keys.RunKeys(run)
+    peeked = await ride_out(lambda: led.call(t.peek(k, job_id)), rt.abort_streams)
     if peeked is None:
         return "missing"
     if peeked.state in FINAL_STATES:
@@ -58,7 +59,7 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     prefills = rt.prefills if s.server_prefill_wait_s > 0 else None
     aff = affinity.JobAffinity.of(prefix, rt.homes, s.server_affinity_wait_s, prefills)
     try:
-        started = await _admit(rt, ll, job_id, peeked, aff)
+        started = await _admit(rt, k, job_id, peeked, aff)
         if started is None:
             return "stopping"
         if isinstance(started, str):
@@ -71,19 +72,19 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
     if done.error is not None:
         return done
     commit = done.commit(rt.settings)
-    verdict = await adurable(lambda: ll.commit(done.claim, *commit), rt.abort_streams)
+    verdict = await ride_out(lambda: led.call(t.commit(k, done.claim, *commit)), rt.abort_streams)
     return committed(rt, done, commit, verdict)
 
 
 async def _admit(
-    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
+    rt: Runtime, k: keys.RunKeys, job_id: str, peeked: Peek, aff: affinity.JobAffinity
 ) -> tuple[ServerView, Slot, Claim] | str | None:
     """Wait in this process's line for a ready server with room, and claim the job with the slot
     in the same round trip (``start.lua``). Returns the server, the slot and the claim; why the
     job could not be claimed (nothing admitted); or None when the worker stops first.
 
     Only the head of the line asks Redis for room, at once when a slot is freed in this process,
-    when a paced server's next start is due (:class:`tokenmill.ledger.Full`), and every
+    when a paced server's next start is due (:class:`tokenmill.transitions.Full`), and every
     ``admission_wait_s`` for slots freed elsewhere. While it waits the job holds a
     waiting lease, so that if this worker dies the job is republished at once instead of when
     the broker's visibility timeout restores the message; a job admitted at once never needs
@@ -100,7 +101,7 @@ async def _admit(
     async def hold() -> None:  # about to wait: take (or renew) the waiting lease
         nonlocal held_at
         if loop.time() - held_at > s.lease_ttl_s / 3:
-            await ll.hold_waiting(job_id, s.lease_ttl_s)
+            await rt.async_ledger.call(t.wait(k, job_id, s.lease_ttl_s))
             held_at = loop.time()
 
     try:
@@ -117,7 +118,7 @@ async def _admit(
                         await turn.wait(LINE_CHECK_S)
                         continue
                     turn.arm()
-                    got = await _try_servers(rt, ll, job_id, peeked, aff)
+                    got = await _try_servers(rt, k, job_id, peeked, aff)
                     if isinstance(got, tuple):
                         aff.admitted(got[0].name, loop.time())
                     if isinstance(got, tuple | str):
@@ -139,11 +140,11 @@ async def _admit(
     finally:
         if held_at and not claimed:
             with contextlib.suppress(redis.RedisError):
-                await ll.hold_waiting(job_id, s.lease_ttl_s, hold=False)
+                await rt.async_ledger.call(t.wait(k, job_id, s.lease_ttl_s, hold=False))
 
 
 async def _try_servers(
-    rt: Runtime, ll: LoopLedger, job_id: str, peeked: Peek, aff: affinity.JobAffinity
+    rt: Runtime, k: keys.RunKeys, job_id: str, peeked: Peek, aff: affinity.JobAffinity
 ) -> tuple[ServerView, Slot, Claim] | str | float | None:
     """Admitted and claimed on a ready server: the one a sibling went to, or the one the job's
     prefix key prefers, else the least full (:func:`workers.admission.affinity.dispatch_order`; no key:
@@ -151,19 +152,19 @@ async def _try_servers(
     out for the job's prefix: its siblings' server, a cold one), how long to wait before asking
     again (``admission_wait_s``, jittered, or sooner when a paced server's next start is due
     sooner); None when no server is ready."""
-    adm, s = rt.admission, rt.settings
+    adm, s, led = rt.admission, rt.settings, rt.async_ledger
     views = rt.pool.ready_views_now()
     if views is None:  # due for a refresh: read Redis (and maybe a server) off the loop
         views = await asyncio.to_thread(rt.pool.ready_views)
-    curve = adm.fresh_survival(ll.run)
+    curve = adm.fresh_survival(k.run)
     if curve is None:
-        curve = await asyncio.to_thread(adm.survival, ll.run)
+        curve = await asyncio.to_thread(adm.survival, k.run)
     tokens = adm.held_on(curve, peeked.spec["request"])
     home, aff.for_home = None, False
     retry_s = s.admission_wait_s * (0.5 + random.random()) if views else None
     if len(views) > 1:
         names = [v.name for v in views]
-        loads = await adm.loads(ll.r, names)
+        loads = await adm.loads(led.r, names)
         fullness = [adm.fullness(load, v.capacity) for load, v in zip(loads, views, strict=True)]
         home, only_home = aff.home(asyncio.get_running_loop().time())
         order = affinity.dispatch_order(aff.key, names, fullness, home, aff.cold())
@@ -175,11 +176,12 @@ async def _try_servers(
         # at its home a sibling's shared prefix is cached: it holds only the rest of the KV
         shared = min(aff.shared, tokens - 1) if view.name == home else 0
         admit = adm.request(view.name, view.capacity, tokens - shared, peeked.queue)
+        claim: Claim | Full | str
         if admit is None:  # not limited: a plain claim, no slot
-            claim = await ll.claim(job_id, rt.worker_id, s.lease_ttl_s)
+            claim = await led.call(t.claim(k, job_id, rt.worker_id, s.lease_ttl_s))
             slot = Slot(view.name, "", 0)
         else:
-            claim = await ll.start(job_id, rt.worker_id, s.lease_ttl_s, admit, peeked.spec)
+            claim = await led.call(t.start(k, job_id, rt.worker_id, s.lease_ttl_s, admit, peeked.spec))
             if isinstance(claim, Full):
                 if claim.paced_s and retry_s is not None:
                     retry_s = min(retry_s, claim.paced_s)

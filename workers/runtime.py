@@ -8,9 +8,9 @@ import socket
 import threading
 from typing import Any
 
-from tokenmill import ledger_loop, redis_conn
-from tokenmill.ledger import AsyncHeartbeat, Ledger
-from tokenmill.ledger_loop import LoopLedger
+from tokenmill import ledger_async, redis_conn
+from tokenmill.ledger import Ledger
+from tokenmill.ledger_async import AsyncLedger
 from tokenmill.loop_redis import LoopRedis
 from tokenmill.settings import Settings
 from workers.admission import affinity
@@ -40,14 +40,14 @@ class Runtime:
         self.auth_error: str | None = None
         self._ledgers: dict[str, Ledger] = {}
         self.loop_redis = LoopRedis(
-            settings.redis_url, name=f"tokenmill-loop:{self.worker_id}", scripts=ledger_loop.SCRIPTS.values()
+            settings.redis_url, name=f"tokenmill-loop:{self.worker_id}", scripts=ledger_async.SCRIPTS.values()
         )
-        self._loop_ledgers: dict[str, LoopLedger] = {}
+        self.async_ledger = AsyncLedger(self.loop_redis)  # the ledger's transitions, on the loop
         self._clients: dict[str, StreamClient] = {}
         self._lock = threading.Lock()
         self.watch = Watch(
             settings,
-            self.loop.run(self._make_heartbeat()),
+            self.async_ledger,
             self.abort_streams,
             self.pool.found_down,
             self.redis,
@@ -56,21 +56,11 @@ class Runtime:
             self.client(url)
         self.inflight = 0
 
-    async def _make_heartbeat(self) -> AsyncHeartbeat:
-        return AsyncHeartbeat(redis_conn.connect_async(self.settings))
-
     def ledger(self, run: str) -> Ledger:
         with self._lock:
             if run not in self._ledgers:
                 self._ledgers[run] = Ledger(self.redis, run)
             return self._ledgers[run]
-
-    def loop_ledger(self, run: str) -> LoopLedger:
-        """``run``'s transitions on the loop's Redis client (call on the loop)."""
-        ledger = self._loop_ledgers.get(run)
-        if ledger is None:
-            ledger = self._loop_ledgers[run] = LoopLedger(self.loop_redis, run)
-        return ledger
 
     def client(self, url: str) -> StreamClient:
         """The stream client for ``url``, one per server per process (its connections are kept

@@ -28,7 +28,7 @@ STOP_SLACK_S = 15.0  # past the grace and the jobs' last wait: Celery's own stop
 
 
 @app.task(name=TASK_NAME, bind=True, ignore_result=True, acks_late=True)
-def generate(self: Task, run: str, partition: str, job_id: str) -> str:
+def generate(self: Task[Any, Any], run: str, partition: str, job_id: str) -> str:
     """Run one job of ``run``; duplicated deliveries and done jobs are no-ops."""
     rt = get_runtime(app_settings)
     outcome = run_job(rt, run, job_id)
@@ -43,7 +43,7 @@ def generate(self: Task, run: str, partition: str, job_id: str) -> str:
     return outcome
 
 
-def _stop_consuming(task: Task) -> None:
+def _stop_consuming(task: Task[Any, Any]) -> None:
     queue = (task.request.delivery_info or {}).get("routing_key")
     if queue and task.request.hostname:
         _unregister(task.request.hostname)  # or a server manager's resume would undo the stop

@@ -52,7 +52,7 @@ def from_answer(status: int, body: bytes) -> errors.GenerationError:
     return from_status(status, _message(parsed) or f"Error code: {status}" + (f" - {text}" if text else ""))
 
 
-def from_error_chunk(payload: dict) -> errors.GenerationError:
+def from_error_chunk(payload: dict[str, Any]) -> errors.GenerationError:
     """Classify an SSE ``{"error": {...}}`` chunk received mid-stream."""
     err = payload.get("error")
     if isinstance(err, dict):

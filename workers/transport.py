@@ -9,8 +9,8 @@ or ``SSL_CERT_FILE``/``SSL_CERT_DIR``.
 
 tokenmill streamed on a hand-written HTTP/1.1 protocol before: on the stream path alone it cost
 0.69x the CPU per token of aiohttp used directly, and aiohttp with the worker's own parser 0.97x
-(bench/e2e.py --per-token, docs/benchmarks.md). Both are within 1.2x of aiohttp used directly,
-so the one with fewer lines to own was kept.
+(bench/e2e.py --per-token, docs/benchmarks-history/end-to-end.md). Both are within 1.2x of aiohttp used
+directly, so the one with fewer lines to own was kept.
 
 Connections are kept alive per server and reused; one idle longer than ``idle_s`` is closed
 (uvicorn, SGLang's HTTP server, drops idle connections after 5 s), and a request whose connection

@@ -18,6 +18,7 @@ from tokenmill import history, keys
 from tokenmill.ledger import Ledger
 from tokenmill.series import SeriesWriter
 from tokenmill.settings import Settings
+from tokenmill.transitions import F, text
 
 log = logging.getLogger("tokenmill.pump")
 
@@ -47,7 +48,7 @@ class Reconciler:
             job_id
             for partition, c in counts.items()
             if c["queued"]
-            for job_id, (state,) in ledger.iter_jobs(partition, ("state",))
+            for job_id, (state,) in ledger.iter_jobs(partition, (F.STATE,))
             if state == b"queued" and job_id not in parked
         }
         orphans = queued & self.suspects.get(ledger.run, set())
@@ -68,7 +69,7 @@ def upkeep_once(
     each run's history gets its point when one is due (:mod:`tokenmill.history`)."""
     did = {"reaped": 0, "promoted": 0, "abandoned": 0, "fed": 0, "republished": 0, "recorded": 0}
     for raw in client.smembers(keys.runs()):
-        run = raw.decode()
+        run = text(raw)
         ledger = Ledger(client, run)
         reaped = ledger.reap_expired()
         if reaped:

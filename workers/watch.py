@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import redis
 
 from tokenmill import errors
-from tokenmill.ledger import CANCEL_NOW, AsyncHeartbeat, Beat, Checkpoint, Claim, SlotUpdate
+from tokenmill import transitions as t
+from tokenmill.ledger_async import AsyncLedger
 from tokenmill.settings import Settings
+from tokenmill.transitions import CANCEL_NOW, Beat, Checkpoint, Claim, SlotUpdate
 from workers.lost import QUIET_S, Heard, LostStreams
 from workers.stream import Progress
 
@@ -87,13 +89,13 @@ class Watch:
     def __init__(
         self,
         settings: Settings,
-        heartbeat: AsyncHeartbeat,
+        ledger: AsyncLedger,  # the heartbeats' executor
         stopping: threading.Event,
         found_down: Callable[[str], bool] = lambda server: False,
         client: redis.Redis | None = None,  # shares what it finds of the servers (workers.lost)
     ) -> None:
         self.settings = settings
-        self.heartbeat = heartbeat
+        self.ledger = ledger
         self.stopping = stopping  # the shutdown's grace is over: checkpoint and release
         self.found_down = found_down  # a server failed its health check (workers.pool)
         self.lost: LostStreams[Watched] = LostStreams(settings.api_key, client)  # restarted or replaced
@@ -178,7 +180,8 @@ class Watch:
 
     async def _beat(self, batch: list[tuple[Watched, Beat, int | None]], now: float) -> None:
         try:
-            replies = await self.heartbeat.many([b for _, b, _ in batch], self.settings.lease_ttl_s)
+            ttl = self.settings.lease_ttl_s
+            replies = await self.ledger.calls([t.heartbeat(b, ttl) for _, b, _ in batch])
         except redis.RedisError as exc:
             # Redis is restarting or paused: keep streaming; the next tick tries again.
             log.warning("heartbeat of %d job(s) failed (%s); will retry", len(batch), exc)

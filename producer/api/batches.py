@@ -13,14 +13,17 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
 
 from producer.api.errors import bad, not_found
-from tokenmill import keys
+from tokenmill import keys, transitions
 from tokenmill.counts import run_counts
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 ENDPOINT = "/v1/chat/completions"
 PARTITION = "batch"
@@ -82,7 +85,7 @@ class Batches:
         """Record a new batch, ``validating``; returns its id (which is also its run's name)."""
         batch_id = f"batch_{secrets.token_hex(12)}"
         now = time.time()
-        fields = {
+        fields: dict[FieldT, EncodableT] = {
             "id": batch_id,
             "status": "validating",
             "input_file_id": input_file_id,
@@ -101,7 +104,7 @@ class Batches:
 
     def fields(self, batch_id: str) -> dict[str, str] | None:
         raw = self.r.hgetall(keys.api_batch(batch_id)) if batch_id.startswith("batch_") else {}
-        return {k.decode(): v.decode() for k, v in raw.items()} or None
+        return {transitions.text(k): transitions.text(v) for k, v in raw.items()} or None
 
     def move(self, batch_id: str, sources: tuple[str, ...], to: str, **fields: Any) -> bool:
         """The batch from one of ``sources`` to ``to`` with ``fields`` set; False if it was not in
@@ -111,7 +114,7 @@ class Batches:
         return bool(self._transition(keys=[keys.api_batch(batch_id), keys.api_active()], args=args))
 
     def active(self) -> list[str]:
-        return sorted(i.decode() for i in self.r.smembers(keys.api_active()))
+        return sorted(transitions.text(i) for i in self.r.smembers(keys.api_active()))
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """OpenAI's Batch object, its request counts read from the run's ledger counts."""

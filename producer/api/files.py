@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 import redis
 
 from producer.api.errors import ApiError, bad, not_found
 from producer.result_store import ResultStore
-from tokenmill import keys
+from tokenmill import keys, transitions
 
 CHUNK = 1 << 20
 
@@ -33,14 +33,14 @@ def page(
     turns ids into objects, leaving out those it drops (a filter)."""
     start = 0
     if after:
-        rank = r.zrevrank(index, after)
+        rank = cast("int | None", r.zrevrank(index, after))  # redis-py's type allows withscore
         if rank is None:
             raise not_found("object", after, "after")
         start = rank + 1
     data: list[Any] = []
     has_more = False
     while len(data) <= limit:
-        ids = [i.decode() for i in r.zrevrange(index, start, start + limit)]
+        ids = [i.decode() for i in cast("list[bytes]", r.zrevrange(index, start, start + limit))]
         if not ids:
             break
         start += len(ids)
@@ -83,7 +83,7 @@ class Files:
         raw = self.r.hgetall(keys.api_file(file_id)) if file_id.startswith("file-") else {}
         if not raw:
             return None
-        h = {k.decode(): v.decode() for k, v in raw.items()}
+        h = {transitions.text(k): transitions.text(v) for k, v in raw.items()}
         return {
             "id": h["id"],
             "object": "file",
@@ -119,7 +119,7 @@ class Files:
         pipe.execute()
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def chunks(self, file_id: str) -> Iterator[bytes]:
+    def chunks(self, file_id: str) -> Generator[bytes, None, None]:
         """The file's bytes, a chunk at a time (a 404 when its record or its bytes are gone)."""
         self.get(file_id)
         try:

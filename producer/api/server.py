@@ -217,6 +217,7 @@ class _Api:
             raise bad(f"endpoint {shown} is not supported: tokenmill runs {ENDPOINT}", "endpoint")
         window = body.get("completion_window")
         window_s(window)
+        assert isinstance(window, str)  # window_s raised a 400 otherwise
         metadata = check_metadata(body.get("metadata"))
         found = await asyncio.to_thread(self.files.get, file_id, "input_file_id")
         if found["purpose"] != "batch":

@@ -17,9 +17,7 @@ from typing import IO
 import orjson
 
 from producer.enqueue import BATCH
-from tokenmill.bulk import IN_FLIGHT
 from tokenmill.jobspec import JobSpec
-from tokenmill.ledger import Ledger
 
 
 class SpecSpool:
@@ -43,18 +41,6 @@ class SpecSpool:
         self.fh.seek(0)
         while batch := [_spec(*lines) for lines in islice(_triples(self.fh), BATCH)]:
             yield batch
-
-    def enqueue(self, ledger: Ledger, partition: str, max_queued: int) -> None:
-        """Every spec into ``ledger``'s run, :data:`~tokenmill.bulk.IN_FLIGHT` batches in flight
-        as ``tokenmill enqueue`` sends them (an existing job is left as it is: a second enqueue
-        after a crash adds nothing)."""
-        with ledger.enqueue_stream() as stream:
-            for batch in self.batches():
-                stream.send(partition, batch, max_queued)
-                while len(stream) > IN_FLIGHT:
-                    stream.read()
-            while len(stream):
-                stream.read()
 
 
 def _triples(fh: IO[bytes]) -> Iterator[tuple[bytes, bytes, bytes]]:

@@ -147,7 +147,8 @@ class SchemaGen:
 
     def _number(self, schema: Mapping[str, Any]) -> float | int:
         if "multipleOf" in schema:
-            return self._integer({**schema, "multipleOf": 1}) * schema["multipleOf"]
+            multiple: float | int = schema["multipleOf"]
+            return self._integer({**schema, "multipleOf": 1}) * multiple
         low, high = _bounds(schema, integer=False)
         return min(max(round(low + (high - low) * self.rng.random(), 2), low), high)
 

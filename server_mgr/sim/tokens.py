@@ -59,7 +59,8 @@ def ids(tokens: list[str]) -> list[int]:
 
 def _unit(key: bytes, position: int, label: bytes) -> float:
     digest = hashlib.blake2b(key + label + position.to_bytes(8, "little"), digest_size=8).digest()
-    return struct.unpack("<Q", digest)[0] / 2**64
+    value: int = struct.unpack("<Q", digest)[0]
+    return value / 2**64
 
 
 def logprob(key: bytes, position: int, token: str) -> float:

@@ -39,7 +39,7 @@ def planned_calls(opts: Options, key: bytes) -> list[tuple[str, Any]]:
     the tools (one without ``parallel_tool_calls``), with arguments drawn from their schemas."""
     rng = rng_for(key, "tools", [t["function"]["name"] for t in opts.tools])
     by_name = {t["function"]["name"]: t["function"] for t in opts.tools}
-    if opts.tool_choice == "named" and opts.tool_name in by_name:
+    if opts.tool_choice == "named" and opts.tool_name is not None and opts.tool_name in by_name:
         names = [opts.tool_name]
     else:
         count = 1 if not opts.parallel_tool_calls else rng.choice((1, 1, 2))

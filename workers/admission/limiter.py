@@ -38,12 +38,13 @@ import redis
 
 from tokenmill import keys
 from tokenmill.admission_view import read_survival
-from tokenmill.ledger import AdmitRequest, LengthReport, SlotUpdate, register
+from tokenmill.ledger import register
 from tokenmill.lengths import Survival, bin_of, reached
 from tokenmill.loop_redis import LoopRedis
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
+from tokenmill.transitions import AdmitRequest, LengthReport, SlotUpdate
 from workers.admission.waitline import WaitLine
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be

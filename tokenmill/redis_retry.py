@@ -1,7 +1,7 @@
 """Riding out Redis: a ledger transition repeated through a restart, a blip or a failover.
 
-Transitions are fenced and idempotent, so repeating one after a lost reply is safe. Both forms
-try for up to ``REDIS_RETRY_S``, backing off from 0.1 to 2 s, then let the error through (the
+Transitions are fenced and idempotent, so repeating one after a lost reply is safe. A call is
+tried for up to ``REDIS_RETRY_S``, backing off from 0.1 to 2 s, then let the error through (the
 job's lease then expires and the upkeep requeues it). Each try is bounded by the client's own
 deadline (``socket_timeout``), so a Redis host that vanished costs a try seconds, not minutes.
 
@@ -52,17 +52,7 @@ class _Backoff:
         return delay
 
 
-def durable(fn: Callable[[], T], stop: threading.Event | None = None) -> T:
-    """``fn()``, repeated while Redis is unavailable (on a thread)."""
-    backoff = _Backoff(stop)
-    while True:
-        try:
-            return fn()
-        except _PASSING as exc:
-            time.sleep(backoff.pause(exc))
-
-
-async def adurable(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:
+async def ride_out(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:
     """``await fn()``, repeated while Redis is unavailable (on the loop, which goes on meanwhile)."""
     backoff = _Backoff(stop)
     while True:

@@ -1,0 +1,453 @@
+"""The ledger's protocol: each transition's script, KEYS and ARGV, and how to read its reply.
+
+Each transition (enqueue, wait, claim, start, heartbeat, commit, fail, release, reap, promote,
+feed, cancel, retry) is one Lua script in ``tokenmill/lua/`` whose header states its pre- and
+post-conditions. Every transition after a claim carries the claim's fencing token, so a worker
+whose lease was taken over cannot write. Counters per partition and state move inside the same
+script, so status is O(partitions).
+
+No Redis here: a function of this module returns a :class:`Call` (the script, its KEYS and ARGV,
+and its reply's decoder), and one of the two executors runs it: :class:`tokenmill.ledger.Ledger`
+on redis-py (producer, CLI, upkeep), :class:`tokenmill.ledger_async.AsyncLedger` on the worker's
+event loop. The job hash's fields are named once, in :class:`JobField`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache, partial
+from importlib import resources
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import orjson
+
+from tokenmill import keys, outputs
+from tokenmill.jobspec import JobSpec
+from tokenmill.lengths import ended_field, prompt_fields, reached_field
+from tokenmill.messages import task_message, task_messages
+
+R = TypeVar("R")
+SCRIPT_NAMES = tuple(
+    "enqueue seal_reserve seal unseal claim heartbeat commit fail release reap promote feed admit "
+    "unadmit adapt wait cancel retry start finish series".split()
+)
+# Every script opens with prelude.lua (clamped reads of ARGV and stored values). Scripts made of
+# others: each part's body becomes a local function of the same name, taking its own KEYS and ARGV
+# (one round trip doing what the parts do, by the parts' own code).
+COMPOSED = {"start": ("admit", "claim"), "finish": ("commit", "unadmit")}
+
+
+def _read(name: str) -> str:
+    return resources.files("tokenmill").joinpath(f"lua/{name}.lua").read_text()
+
+
+def _compose(name: str) -> str:
+    parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
+    return _read("prelude") + "".join(parts) + _read(name)
+
+
+@cache
+def script_source(name: str) -> str:
+    """The Lua source of the named script of ``tokenmill/lua/``."""
+    return _compose(name)
+
+
+def text(value: Any) -> str:
+    """A Redis reply or stored value as text (bytes decoded; anything else by ``str``)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class JobField:
+    """The job hash's fields (``tokenmill/lua/`` writes them; tests/test_transitions.py checks
+    that every field a script names is one of these)."""
+
+    STATE = "state"
+    PARTITION = "partition"
+    QUEUE = "queue"
+    SPEC = "spec"
+    HASH = "hash"  # the spec's digest
+    SOURCE = "source"
+    SEQ = "seq"
+    TOKEN = "token"  # the fencing token of the latest claim
+    ATTEMPTS = "attempts"
+    RETRIES = "retries"
+    WORKER = "worker"
+    LEASE = "lease"
+    CLAIMED_MS = "claimed_ms"
+    CANCEL = "cancel"  # now | after: `cancel` marked the running job
+    CANCELLED_MS = "cancelled_ms"
+    CKPT_CONTENT = "ckpt_content"
+    CKPT_REASONING = "ckpt_reasoning"
+    CKPT_TOKENS = "ckpt_tokens"
+    CKPT_PROMPT = "ckpt_prompt"
+    RESULT = "result"
+    TRUNCATED = "truncated"
+    DONE_MS = "done_ms"
+    SHARD = "shard"  # the sealed shard holding the result
+    ERROR_CLASS = "error_class"
+    ERROR = "error"
+    LAST_ERROR_CLASS = "last_error_class"
+    LAST_ERROR = "last_error"
+    REAPS = "reaps"
+    REAPED_MS = "reaped_ms"
+    REPAIRED = "repaired"
+
+
+F = JobField
+JOB_FIELDS = frozenset(v for n, v in vars(JobField).items() if n.isupper())
+
+
+class Call(NamedTuple, Generic[R]):
+    """One transition for an executor to run: ``script`` with ``keys`` and ``args`` (no script:
+    ``args`` is a plain read command), its reply read by ``decode``."""
+
+    script: str
+    keys: list[str]
+    args: list[Any]
+    decode: Callable[[Any], R]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A partial generation: what a retried job continues from."""
+
+    content: str = ""
+    reasoning: str = ""
+    tokens: int = 0
+    prompt_tokens: int = 0  # the original prompt's size (a continuation's prompt also holds the partial)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+
+@dataclass(slots=True)
+class Claim:
+    """A worker's hold on one attempt of a job."""
+
+    run: str
+    job_id: str
+    token: str
+    attempt: int
+    spec: dict[str, Any]
+    checkpoint: Checkpoint
+    partition: str
+    queue: str
+    retries: int
+    # admission's (slots key, used key, member), renewed with the lease
+    slot: tuple[str, str, str] | None = None
+
+
+class AdmitRequest(NamedTuple):
+    """What ``admit.lua`` needs to take a slot on one server (built by workers.admission.limiter)."""
+
+    keys: tuple[str, str]  # the server's slots zset and used hash
+    args: list[Any]  # admit.lua's ARGV; the first is the slot's member id
+
+    def slot_ref(self) -> tuple[str, str, str]:
+        """(slots key, used key, member): what a claim carries to renew and release the slot."""
+        return self.keys[0], self.keys[1], str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Full:
+    """``start.lua``'s answer when the server had no room (nothing was claimed)."""
+
+    paced_s: float = 0.0  # > 0: admission paces starts, and the next is due in this many seconds
+
+
+class SlotUpdate(NamedTuple):
+    """At a heartbeat: the tokens the admission slot holds now, and the length bins reached."""
+
+    tokens: int
+    reached: tuple[int, ...] = ()
+
+
+class LengthReport(NamedTuple):
+    """At a commit: the length bins reached since the last heartbeat, the bin it ended in, and
+    (estimated, held in the server's KV) prompt tokens, when both are known (the prompt offset's
+    sample: :mod:`tokenmill.lengths`)."""
+
+    reached: tuple[int, ...]
+    ended: int
+    prompt: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobError:
+    error_class: str
+    message: str
+
+
+class Peek(NamedTuple):
+    """What a worker reads of a delivered job before it waits for admission."""
+
+    state: str
+    spec: dict[str, Any]
+    queue: str
+    attempts: int  # > 0: an earlier attempt was cut (a dead worker, a server crash, a retry)
+
+
+class Picked(NamedTuple):
+    """A job an operator command acts on, with what its message needs."""
+
+    job_id: str
+    partition: str
+    queue: str
+
+
+ALIVE = 1  # heartbeat replies: the lease is renewed
+CANCEL_NOW = 2  # renewed, but `cancel --now` asks the worker to stop the stream
+
+
+class Beat(NamedTuple):
+    """One stream's heartbeat: renew its lease; with a checkpoint, also save its partial text."""
+
+    claim: Claim
+    checkpoint: Checkpoint | None
+    new_tokens: int  # generated since the last heartbeat, for the throughput counter
+    slot: SlotUpdate | None = None
+
+
+def _ignore(reply: Any) -> None:
+    return None
+
+
+# -- the producer's ----------------------------------------------------------------------------
+
+
+def enqueue(k: keys.RunKeys, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> Call[list[str]]:
+    """Create-if-absent and publish ``jobs`` (all of ``partition``): one outcome per job, ``new``,
+    ``backlog``, the state the ledger already held, or ``conflict:<source>``."""
+    script_keys = [keys.runs(), k.partitions(), k.counts(), k.jobs(partition), keys.broker_queue("short")]
+    script_keys += [keys.broker_queue("long"), k.backlog("short"), k.backlog("long"), k.stats()]
+    args: list[Any] = [k.run, partition, max_depth]
+    messages = task_messages(k.run, partition, [(job.job_id, job.queue) for job in jobs])
+    job_key = k.job
+    for job, message in zip(jobs, messages, strict=True):
+        script_keys.append(job_key(job.job_id))
+        args += (job.job_id, job.digest, job.source, job.queue, job.to_json(), message)
+    return Call("enqueue", script_keys, args, _texts)
+
+
+def _texts(reply: Sequence[Any]) -> list[str]:
+    return [text(x) for x in reply]
+
+
+# -- the worker's ------------------------------------------------------------------------------
+
+PEEK_FIELDS = (F.STATE, F.SPEC, F.QUEUE, F.ATTEMPTS)
+
+
+def peek(k: keys.RunKeys, job_id: str) -> Call[Peek | None]:
+    """A job's state, spec, queue and attempts so far, without claiming it; None when it does
+    not exist."""
+    return Call("", [], ["HMGET", k.job(job_id), *PEEK_FIELDS], peeked)
+
+
+def peeked(fields: Sequence[Any]) -> Peek | None:
+    """A :class:`Peek` from the job hash's :data:`PEEK_FIELDS`; None when the job does not exist."""
+    state, spec, queue, attempts = fields
+    if state is None or spec is None:
+        return None
+    return Peek(text(state), orjson.loads(spec), text(queue or b"short"), int(attempts or 0))
+
+
+def wait(k: keys.RunKeys, job_id: str, lease_ttl_s: float, hold: bool = True) -> Call[None]:
+    """``wait.lua``: take or renew (or, not ``hold``, drop) a delivered job's waiting lease."""
+    return Call("wait", [k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)], _ignore)
+
+
+def claim(k: keys.RunKeys, job_id: str, worker: str, lease_ttl_s: float) -> Call[Claim | str]:
+    """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed``, ``cancelled`` or ``busy``."""
+    script_keys = [k.job(job_id), k.counts(), k.leases(), k.delayed()]
+    return Call(
+        "claim", script_keys, [job_id, worker, int(lease_ttl_s * 1000)], partial(claimed, k.run, job_id)
+    )
+
+
+def start(
+    k: keys.RunKeys,
+    job_id: str,
+    worker: str,
+    lease_ttl_s: float,
+    admit: AdmitRequest,
+    spec: dict[str, Any] | None = None,
+) -> Call[Claim | Full | str]:
+    """Admission and claim in one round trip (``start.lua``: claim.lua's KEYS and ARGV, the
+    waiting zset, then admit.lua's): a :class:`Claim` holding the admitted slot, :class:`Full` (no
+    room: nothing claimed), or why the job cannot be claimed (as :func:`claim`; nothing
+    admitted). The job's waiting lease is dropped with the claim. ``spec``, when the caller
+    already read it (it never changes), is not parsed again."""
+    c = claim(k, job_id, worker, lease_ttl_s)
+    decode = partial(started, k.run, job_id, admit=admit, spec=spec)
+    return Call("start", [*c.keys, k.waiting(), *admit.keys], [*c.args, *admit.args], decode)
+
+
+def claimed(run: str, job_id: str, res: list[Any], spec: dict[str, Any] | None = None) -> Claim | str:
+    """A claim script's reply: the :class:`Claim`, or why not (``spec``: already read, not parsed)."""
+    if text(res[0]) != "ok":
+        return text(res[0])
+    return Claim(
+        run=run,
+        job_id=job_id,
+        token=text(res[1]),
+        attempt=int(res[2]),
+        spec=spec if spec is not None else orjson.loads(res[3]),
+        checkpoint=Checkpoint(text(res[4]), text(res[5]), int(res[6]), int(res[10])),
+        partition=text(res[7]),
+        queue=text(res[8]),
+        retries=int(res[9]),
+    )
+
+
+def started(
+    run: str, job_id: str, res: list[Any], admit: AdmitRequest, spec: dict[str, Any] | None
+) -> Claim | Full | str:
+    """``start.lua``'s reply: a claim holding the admitted slot, :class:`Full`, or why not."""
+    if text(res[0]) == "full":
+        return Full(int(res[1]) / 1000)
+    got = claimed(run, job_id, res, spec)
+    if isinstance(got, Claim):
+        got.slot = admit.slot_ref()
+    return got
+
+
+def heartbeat(beat: Beat, lease_ttl_s: float) -> Call[int]:
+    """Renew the lease of ``beat``'s claim (with a checkpoint, also save the partial text):
+    :data:`ALIVE`, :data:`CANCEL_NOW` or 0 (the claim is stale)."""
+    claim, ck, slot = beat.claim, beat.checkpoint, beat.slot
+    k = keys.RunKeys(claim.run)
+    script_keys = [k.job(claim.job_id), k.leases(), k.throughput()]
+    args: list[Any] = [claim.job_id, claim.token, int(lease_ttl_s * 1000)]
+    if ck is None:
+        args += [0, "", "", 0, beat.new_tokens, 0]
+    else:  # its tokens are kept without text too (a stream of tool calls)
+        args += [1, ck.content, ck.reasoning, ck.tokens, beat.new_tokens, ck.prompt_tokens]
+    if claim.slot is not None:
+        script_keys += [claim.slot[0], claim.slot[1], k.lengths()]
+        args += [claim.slot[2], slot.tokens if slot is not None else ""]
+        if slot is not None:
+            args += map(reached_field, slot.reached)
+    return Call("heartbeat", script_keys, args, int)
+
+
+def commit(
+    k: keys.RunKeys,
+    claim: Claim,
+    result: dict[str, Any],
+    new_tokens: int,
+    lengths: LengthReport | None = None,
+    release_slot: bool = False,
+) -> Call[str]:
+    """Record the result: ``ok``, ``done`` (already) or ``stale``. With ``lengths``, the run's
+    length curve learns how long the completion was. With ``release_slot`` and a claim that
+    holds an admission slot, the slot is given back in the same round trip (``finish.lua``),
+    whatever the verdict."""
+    usage = result.get("usage") or {}
+    script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()]
+    script_keys += [k.unsealed(claim.partition), k.outputs(), k.recent(claim.partition)]
+    completion, continued = int(usage.get("completion_tokens") or 0), int(result.get("continued_tokens") or 0)
+    args: list[Any] = [claim.job_id, claim.token, orjson.dumps(result), completion]
+    args += [int(usage.get("prompt_tokens") or 0), continued, new_tokens]
+    args += [1 if result.get("finish_reason") == "length" else 0, int(result.get("discarded_tokens") or 0)]
+    args += [*outputs.commit_fields(result), outputs.RECENT_KEPT]
+    if lengths is not None:
+        script_keys.append(k.lengths())
+        raised = [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
+        pairs = [(field, 1) for field in raised] + (prompt_fields(*lengths.prompt) if lengths.prompt else [])
+        args += [x for pair in pairs for x in pair]
+    if release_slot and claim.slot is not None:
+        slots_key, used_key, member = claim.slot
+        return Call(
+            "finish",
+            [*script_keys, slots_key, used_key],
+            [*args, member, max(0, completion - continued)],
+            text,
+        )
+    return Call("commit", script_keys, args, text)
+
+
+def fail(k: keys.RunKeys, claim: Claim, error: JobError) -> Call[str]:
+    """End the job ``failed``: ``ok``, ``done``/``failed`` (already) or ``stale``."""
+    script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.failures(), k.failure_last(), k.stats()]
+    return Call("fail", script_keys, [claim.job_id, claim.token, error.error_class, error.message], text)
+
+
+def release(
+    k: keys.RunKeys,
+    claim: Claim,
+    error: JobError,
+    *,
+    delay_s: float,
+    burn: bool,
+    max_attempts: int,
+    checkpoint: Checkpoint | None = None,
+) -> Call[str]:
+    """Back to ``queued`` (now or after ``delay_s``), keeping the checkpoint; ``cancelled``
+    instead for a job ``cancel`` marked."""
+    ck = checkpoint
+    script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.delayed(), keys.broker_queue(claim.queue)]
+    script_keys += [k.failures(), k.failure_last(), k.stats()]
+    args = [claim.job_id, claim.token, error.error_class, error.message, int(delay_s * 1000)]
+    args += [task_message(k.run, claim.partition, claim.job_id, claim.queue), 1 if burn else 0, max_attempts]
+    args += [1 if ck else 0, ck.content if ck else "", ck.reasoning if ck else ""]
+    args += [ck.tokens if ck else 0, ck.prompt_tokens if ck else 0]
+    return Call("release", script_keys, args, text)
+
+
+# -- the upkeep's ------------------------------------------------------------------------------
+
+
+def reap(k: keys.RunKeys, job_id: str, partition: str, queue: str) -> Call[bool]:
+    """Requeue a job whose lease expired (True: it was)."""
+    msg = task_message(k.run, partition, job_id, queue)
+    script_keys = [k.job(job_id), k.counts(), k.leases(), keys.broker_queue(queue)]
+    return Call("reap", script_keys, [job_id, msg], lambda reply: reply == 1)
+
+
+def promote(k: keys.RunKeys, job_id: str, partition: str, queue: str) -> Call[int]:
+    """Publish a delayed retry whose time has come (1: published)."""
+    msg = task_message(k.run, partition, job_id, queue)
+    return Call("promote", [k.job(job_id), k.delayed(), keys.broker_queue(queue)], [job_id, msg], int)
+
+
+def feed(k: keys.RunKeys, queue: str, ids: list[str], partitions: Sequence[str | None]) -> Call[int]:
+    """Publish the backlog's first ``ids`` of ``queue`` (``partitions``: each one's partition, None
+    for a job no longer queued, which leaves without a message); how many were published, -1 when
+    the backlog's head changed meanwhile."""
+    msgs = [
+        task_message(k.run, p, j, queue) if p is not None else ""
+        for j, p in zip(ids, partitions, strict=True)
+    ]
+    return Call("feed", [k.backlog(queue), keys.broker_queue(queue)], ids + msgs, int)
+
+
+# -- the operator's: in batches; each script checks every job's state again --------------------
+
+
+def cancel(k: keys.RunKeys, job_ids: Sequence[str], now: bool) -> Call[tuple[int, int]]:
+    """Queued jobs → ``cancelled``; running ones marked (stopped at their next heartbeat with
+    ``now``, else left to finish): (queued jobs cancelled, running jobs marked)."""
+    script_keys = [k.counts(), k.delayed(), k.stats(), *map(k.job, job_ids)]
+    return Call(
+        "cancel", script_keys, ["now" if now else "after", *job_ids], lambda r: (int(r[0]), int(r[1]))
+    )
+
+
+def retry(
+    k: keys.RunKeys, jobs: Sequence[Picked], from_state: str, max_depth: int, classes: Sequence[str] = ()
+) -> Call[list[tuple[str, str]]]:
+    """Jobs in ``from_state`` (``failed``, of ``classes`` if given, or ``cancelled``) back to
+    ``queued`` with a fresh retry budget; at most ``max_depth`` messages per broker list. Per job:
+    ``("", "")`` (left alone), ``("new", class)`` (published) or ``("backlog", class)``."""
+    script_keys = [k.counts(), k.failures(), k.retried(), k.stats()]
+    script_keys += [keys.broker_queue(q) for q in keys.QUEUES] + [k.backlog(q) for q in keys.QUEUES]
+    args: list[Any] = [from_state, max_depth, "," + ",".join(classes) + "," if classes else ""]
+    for job in jobs:
+        args += (job.job_id, task_message(k.run, job.partition, job.job_id, job.queue))
+    return Call("retry", [*script_keys, *(k.job(j.job_id) for j in jobs)], args, _outcomes)
+
+
+def _outcomes(reply: Sequence[Any]) -> list[tuple[str, str]]:
+    return [(outcome, cls) for outcome, _, cls in (text(raw).partition(":") for raw in reply)]
