@@ -25,7 +25,8 @@ from producer.result_store import ResultStore
 from producer.shards import RowGroup, ShardFile, ShardRow
 from tokenmill.errors import ResultStoreError, ShardLostError
 from tokenmill.ledger import Ledger
-from tokenmill.transitions import F, text
+from tokenmill.replies import text
+from tokenmill.transitions import F
 
 FIELDS = (F.STATE, F.SPEC, F.RESULT, F.TRUNCATED, F.SHARD)
 ENDED_FIELDS = (F.ERROR_CLASS, F.ERROR, F.LAST_ERROR_CLASS, F.LAST_ERROR)

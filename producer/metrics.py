@@ -25,7 +25,7 @@ from tokenmill import keys
 from tokenmill import servers as server_records
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
-from tokenmill.transitions import text
+from tokenmill.replies import text
 from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.metrics")

@@ -11,9 +11,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from producer.status import totals_of
-from tokenmill import keys, transitions
+from tokenmill import keys
 from tokenmill.counts import run_counts
 from tokenmill.errors import ConfigError
+from tokenmill.replies import text
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -30,11 +31,11 @@ def list_runs(client: ReadClient) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for raw in client.smembers(keys.runs()):
         try:
-            run = keys.check_run(transitions.text(raw))
+            run = keys.check_run(text(raw))
         except ConfigError:
             continue  # not a tokenmill run name: nothing of ours can live under it
         parts = run_counts(client, run)
-        stats = {transitions.text(a): int(b) for a, b in client.hgetall(keys.RunKeys(run).stats()).items()}
+        stats = {text(a): int(b) for a, b in client.hgetall(keys.RunKeys(run).stats()).items()}
         out.append(
             {
                 "run": run,

@@ -38,7 +38,8 @@ from producer.result_store import Hook, ResultStore, no_hook
 from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
 from tokenmill.ledger import register
-from tokenmill.transitions import F, text
+from tokenmill.replies import text
+from tokenmill.transitions import F
 from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.seal")

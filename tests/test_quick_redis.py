@@ -204,18 +204,20 @@ def test_a_urls_deadlines_are_honoured_as_redis_py_honours_them(redis_url: str) 
 @pytest.mark.parametrize(
     "command", [["status", "--run", "r", "--json"], ["status", "--run", "r"], ["runs", "--json"], ["runs"]]
 )
-def test_the_read_only_commands_do_not_import_redis_py(
+def test_the_read_only_commands_do_not_import_redis_py_nor_the_transitions(
     command: list[str], tmp_path: Path, redis_url: str, rclient: redis.Redis
 ) -> None:
     """What keeps ``tokenmill status`` fast to start (docs/benchmarks-history/startup.md): redis-py's import
-    is most of a call's CPU."""
+    is most of a call's CPU, and the ledger's transitions (with the job spec and Celery's message
+    format) added a fifth more (bench/startup.py, 2026-12-06)."""
     Enqueuer(Ledger(rclient, "r"), Routing(model="m"), 10).enqueue_file(
         write_jsonl(tmp_path / "A.jsonl", [{"prompt": "p"}])
     )
     probe = (
         "import sys\nfrom tokenmill.cli import main\n"
         f"main({command!r})\n"
-        "print('redis-py imported' if 'redis' in sys.modules else 'redis-py not imported')"
+        "heavy = sorted({'redis', 'tokenmill.transitions'} & set(sys.modules))\n"
+        "print(f'imported {heavy}' if heavy else 'redis-py not imported')"
     )
     res = subprocess.run(
         [sys.executable, "-c", probe],

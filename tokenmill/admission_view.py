@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenmill import keys, transitions
+from tokenmill import keys
 from tokenmill.lengths import Survival, parse_counts
+from tokenmill.replies import text as as_text
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
@@ -22,7 +23,7 @@ def admission_view(client: ReadClient, server: str) -> dict[str, Any]:
     raw = client.hgetall(keys.admission_used(server))
     out: dict[str, Any] = {}
     for f, v in raw.items():
-        name, text = transitions.text(f), transitions.text(v)
+        name, text = as_text(f), as_text(v)
         if not name.startswith("slot"):
             out[name] = _number(text)
     out["slots"] = int(client.zcard(keys.admission(server)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokenmill import keys
-from tokenmill.transitions import text
+from tokenmill.replies import text
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient

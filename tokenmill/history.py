@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys, series
 from tokenmill import servers as server_records
-from tokenmill.transitions import text
+from tokenmill.replies import text
 
 if TYPE_CHECKING:
     import redis

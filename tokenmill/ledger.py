@@ -20,7 +20,8 @@ from tokenmill.counts import run_counts
 from tokenmill.jobspec import JobSpec
 from tokenmill.messages import task_message
 from tokenmill.redis_conn import CommandStream
-from tokenmill.transitions import F, text
+from tokenmill.replies import text
+from tokenmill.transitions import F
 
 R = TypeVar("R")
 BATCH = 500  # jobs per cancel or retry call: each call blocks Redis for about a millisecond

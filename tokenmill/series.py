@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.ledger import register
-from tokenmill.transitions import text
+from tokenmill.replies import text
 
 if TYPE_CHECKING:
     import redis

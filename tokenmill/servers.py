@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from tokenmill import keys
-from tokenmill.transitions import text
+from tokenmill.replies import text
 from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:

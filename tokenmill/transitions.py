@@ -26,6 +26,7 @@ from tokenmill import keys, outputs
 from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, prompt_fields, reached_field
 from tokenmill.messages import task_message, task_messages
+from tokenmill.replies import text
 
 R = TypeVar("R")
 SCRIPT_NAMES = tuple(
@@ -51,11 +52,6 @@ def _compose(name: str) -> str:
 def script_source(name: str) -> str:
     """The Lua source of the named script of ``tokenmill/lua/``."""
     return _compose(name)
-
-
-def text(value: Any) -> str:
-    """A Redis reply or stored value as text (bytes decoded; anything else by ``str``)."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class JobField:

@@ -18,7 +18,8 @@ from tokenmill import history, keys
 from tokenmill.ledger import Ledger
 from tokenmill.series import SeriesWriter
 from tokenmill.settings import Settings
-from tokenmill.transitions import F, text
+from tokenmill.replies import text
+from tokenmill.transitions import F
 
 log = logging.getLogger("tokenmill.pump")
 
