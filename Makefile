@@ -48,6 +48,7 @@ demo: $(STAMP)
 
 test: $(STAMP) sglang-env browser-env
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest $(PYTEST_FLAGS) -n 4 --dist loadscope -m "not sglang and not alone"
 	$(BIN)/pytest $(PYTEST_FLAGS) -m "sglang and not alone"
@@ -83,6 +84,7 @@ browser-env:
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)

@@ -99,6 +99,32 @@ max_queued_option = click.option(
     help="N jobs per distinct prompt (ids <id>#<k>), each with a seed derived from --seed and k.",
 )
 @click.option("--skip-invalid", is_flag=True, help="Skip and count invalid rows instead of stopping.")
+@click.option(
+    "--quality-stop",
+    "quality_stop",
+    multiple=True,
+    metavar="EXPR",
+    help="Pause the run when a quality rate crosses a bound (repeatable): NAME>VALUE or NAME<VALUE, "
+    "optionally @N, the judged jobs before it may trip, e.g. 'repetition>0.05@200' "
+    "(default: TOKENMILL_QUALITY_STOP).",
+)
+@click.option(
+    "--quality-reference",
+    "quality_reference",
+    metavar="URL",
+    default=None,
+    help="A reference server (SGLang) a sample of the run's jobs is scored on: a drift figure per "
+    "partition, and 'drift' stop rules (default: TOKENMILL_QUALITY_REFERENCE_URL).",
+)
+@click.option(
+    "--quality-sample",
+    "quality_sample",
+    type=float,
+    default=None,
+    metavar="FRACTION",
+    help="The share of jobs scored on the reference, and always TOKENMILL_QUALITY_SAMPLE_MIN a "
+    "partition (default: TOKENMILL_QUALITY_SAMPLE, 0.02).",
+)
 @max_queued_option
 @redis_option
 def enqueue(
@@ -117,6 +143,9 @@ def enqueue(
     params_file: str | None,
     samples: int | None,
     skip_invalid: bool,
+    quality_stop: tuple[str, ...],
+    quality_reference: str | None,
+    quality_sample: float | None,
     max_queued: int | None,
     redis_url: str | None,
 ) -> None:
@@ -124,11 +153,16 @@ def enqueue(
     from producer.enqueue import Enqueuer, Routing
     from producer.limits import check_max_tokens, for_servers
     from producer.options import run_params
+    from producer.pause import encode_rules, store_rules
+    from tokenmill import quality_drift as qd
     from tokenmill import redis_conn
     from tokenmill.ledger import Ledger
 
     keys.check_run(run)
+    rules = encode_rules(quality_stop)
     settings, client = _connect(redis_url, "enqueue")
+    default_rules = encode_rules(settings.quality_stop_rules)
+    reference = qd.chosen(settings, quality_reference, quality_sample)
     limits = for_servers(client, settings)
     check_max_tokens("--short-max-tokens", "max_tokens", short_max_tokens, limits)
     check_max_tokens("--long-max-tokens", "max_tokens", long_max_tokens, limits)
@@ -141,6 +175,8 @@ def enqueue(
             err=True,
         )
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
+    store_rules(client, run, rules, default_rules)
+    qd.store(client, run, reference)
     routing = Routing(
         model=model or settings.model,
         short_max_tokens=short_max_tokens,
@@ -288,7 +324,8 @@ def export(
 @max_queued_option
 @redis_option
 def resume(run: str, max_queued: int | None, redis_url: str | None) -> None:
-    """Republish every job of RUN that is not done (duplicates are harmless)."""
+    """Lift RUN's pause, if any (its quality rules count again from now), and republish every
+    job of it that is not done (duplicates are harmless)."""
     from producer.resume import resume_run
 
     keys.check_run(run)
@@ -296,3 +333,20 @@ def resume(run: str, max_queued: int | None, redis_url: str | None) -> None:
     if not client.sismember(keys.runs(), run):
         raise click.ClickException(f"no run named {run!r} in this Redis")
     click.echo(resume_run(client, run, max_queued or settings.max_queued).line(run))
+
+
+@click.command()
+@run_option
+@click.option("--reason", default=None, help="Why (shown by status, the dashboard and the metrics).")
+@redis_option
+def pause(run: str, reason: str | None, redis_url: str | None) -> None:
+    """Pause RUN: nothing more is claimed, running jobs finish, nothing is lost; `tokenmill
+    resume` lifts it."""
+    from producer.pause import pause_run
+    from producer.scope import existing_run
+
+    _, client = _connect(redis_url, "pause")
+    now, held = pause_run(existing_run(client, run), reason)
+    said = "paused" if now else f"already paused by {held.get('by', '?')}"
+    click.echo(f"run {run}: {said}: {held.get('reason', '')}; running jobs finish, nothing more is claimed "
+               f"until `tokenmill resume --run {run}`")  # fmt: skip

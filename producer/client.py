@@ -7,7 +7,8 @@ of :mod:`producer.sources`; ``status`` is :func:`~producer.status.run_status` (`
 :func:`~producer.export.export_run` writes, from Redis and the sealed shards (``export``);
 ``to_dataset`` and ``to_pandas`` collect them (:mod:`producer.dataframes`); ``runs``, ``retry`` and
 ``cancel`` are :func:`~producer.runs.list_runs`, :func:`~producer.retry.retry_run` and
-:func:`~producer.cancel.cancel_run`. Errors are tokenmill's (:mod:`tokenmill.errors`), with the
+:func:`~producer.cancel.cancel_run`; ``pause`` and ``resume`` :func:`~producer.pause.pause_run` and
+:func:`~producer.resume.resume_run`. Errors are tokenmill's (:mod:`tokenmill.errors`), with the
 CLI's messages.
 """
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
     from producer.cancel import CancelSummary
     from producer.export_rows import ShardReader
+    from producer.resume import ResumeSummary
     from producer.retry import RetrySummary
     from tokenmill.ledger import Ledger
 
@@ -101,6 +103,7 @@ class Client:
         limit: int | None = None,
         skip_invalid: bool = False,
         max_queued: int | None = None,
+        quality_stop: Iterable[str] = (),
     ) -> EnqueueResult:
         """Enqueue ``rows`` into ``run``, as ``tokenmill enqueue`` does (same options, same dedup
         and validation): ``rows`` is an iterable of dicts, a pandas DataFrame, a
@@ -114,15 +117,22 @@ class Client:
         ``params`` are request options for every row (``enqueue --param``; docs/usage.md, "Request
         options"), checked now (an :class:`~tokenmill.errors.InputError` names a bad one);
         ``temperature``, ``top_p`` and ``seed`` win over them, and a row's own value over both.
+
+        ``quality_stop`` are the run's stop rules (``enqueue --quality-stop``, e.g.
+        ``["repetition>0.05@200"]``; none: the ``quality_stop`` setting's), checked before
+        anything is enqueued: a tripped rule pauses the run (:meth:`resume` lifts it).
         """
         from producer.enqueue import Enqueuer, Routing
         from producer.limits import check_max_tokens, for_servers
         from producer.options import run_options
+        from producer.pause import encode_rules, store_rules
         from producer.sources import sources
         from tokenmill import redis_conn
         from tokenmill.ledger import Ledger
 
         keys.check_run(run)
+        rules = encode_rules([quality_stop] if isinstance(quality_stop, str) else quality_stop)
+        default_rules = encode_rules(self._settings.quality_stop_rules)
         _check_counts(samples=samples, limit=limit, max_queued=max_queued, short_max_tokens=short_max_tokens,
                       long_max_tokens=long_max_tokens, long_prompt_tokens=long_prompt_tokens)  # fmt: skip
         limits = for_servers(self._redis, self._settings)
@@ -136,6 +146,7 @@ class Client:
                 stacklevel=2,
             )
         redis_conn.warn_durability(self._redis)
+        store_rules(self._redis, run, rules, default_rules)
         routing = Routing(
             model=model or self._settings.model,
             short_max_tokens=short_max_tokens,
@@ -176,7 +187,8 @@ class Client:
     def wait(
         self, run: str, progress: bool = True, timeout: float | None = None, interval: float = 1.0
     ) -> Status:
-        """Block until no job of ``run`` is queued or running, and return its final status. With
+        """Block until no job of ``run`` is queued or running (or the run is paused with none
+        running: see the status's ``paused``), and return its final status. With
         ``progress``, a progress bar shows on a terminal or in a notebook. After ``timeout``
         seconds (None: no limit) raises :class:`~tokenmill.errors.WaitTimeoutError`, whose
         ``status`` is the last one read. Workers do the work; this only watches."""
@@ -204,17 +216,31 @@ class Client:
         *,
         partition: str | None = None,
         results_url: str | None = None,
+        job_id: str | None = None,
     ) -> list[dict[str, Any]]:
         """A few of the run's latest completions in each partition (or in ``partition``),
         newest first: ``{"job_id", "partition", "source", "truncated", "row"}``, ``row`` being
-        the export row (:meth:`results`' rows), from Redis or from the job's shard."""
-        from producer.samples import recent_samples
+        the export row (:meth:`results`' rows), from Redis or from the job's shard. With
+        ``job_id`` (and its ``partition``), that job's sample alone (none while it is not done)."""
+        from producer.samples import job_sample, recent_samples
         from producer.scope import partitions
 
         _check_counts(per_partition=per_partition)
         ledger = self._ledger(run)
         names = sorted(partitions(ledger, partition))
+        if job_id is not None:
+            if partition is None:
+                raise ConfigError(f"job_id {job_id!r}: name its partition too")
+            return job_sample(ledger, partition, job_id, results_url)
         return recent_samples(ledger, names, per_partition, results_url)
+
+    def flagged_jobs(self, run: str, per_flag: int = 20) -> dict[str, list[dict[str, str]]]:
+        """The latest jobs each quality flag was set on, newest first (at most 20 a flag):
+        ``{flag: [{"partition", "job_id"}]}``; :meth:`samples` with ``job_id`` shows one."""
+        from producer.samples import flagged_jobs
+
+        _check_counts(per_flag=per_flag)
+        return flagged_jobs(self._ledger(run), per_flag)
 
     def runs(self) -> list[RunInfo]:
         """Every run in this Redis, newest first (``tokenmill runs --json``)."""
@@ -320,6 +346,23 @@ class Client:
         from producer.cancel import cancel_run
 
         return cancel_run(self._redis, run, partition, now)
+
+    def pause(self, run: str, reason: str | None = None) -> bool:
+        """Pause the run (``tokenmill pause``): nothing more is claimed, running jobs finish,
+        nothing is lost. True when it was paused now, False when it already was (that pause, a
+        person's or a quality rule's, is kept); :meth:`status`'s ``paused`` says which."""
+        from producer.pause import pause_run
+
+        return pause_run(self._ledger(run), reason)[0]
+
+    def resume(self, run: str, max_queued: int | None = None) -> ResumeSummary:
+        """Lift the run's pause, if any (its quality rules count again from now), and republish
+        every job of it that is not done (``tokenmill resume``)."""
+        from producer.resume import resume_run
+
+        _check_counts(max_queued=max_queued)
+        self._ledger(run)
+        return resume_run(self._redis, run, max_queued or self._settings.max_queued)
 
     def _ledger(self, run: str) -> Ledger:
         """The run's ledger; :class:`ConfigError` naming the run if this Redis has none."""

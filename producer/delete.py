@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import redis
 
 from producer.result_store import ResultStore
-from tokenmill import keys, transitions
+from tokenmill import keys
 from tokenmill.errors import RunBusyError
+from tokenmill.replies import text as as_text
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ def delete_run(
         )
     recorded = client.get(k.results_store())
     if store is None and recorded:
-        store = ResultStore(transitions.text(recorded))
+        store = ResultStore(as_text(recorded))
     summary = DeleteSummary(store=store.shown if store else None)
     if results and store is not None:
         summary.files = store.delete_run(run)

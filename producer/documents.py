@@ -21,12 +21,14 @@ class Status:
     """A run's progress: the ``tokenmill status --json`` document (README), field by field.
 
     ``partitions`` maps each partition to its counts by state (``queued``, ``running``, ``done``,
-    ``failed``, and ``cancelled`` once anything was cancelled); ``totals`` sums them, with
-    ``total``. ``eta_s`` is None while unknown. ``failures`` counts failed jobs by error class.
+    ``failed``, and ``cancelled`` once anything was cancelled) and its ``quality``; ``totals``
+    sums the counts, with ``total``. ``eta_s`` is None while unknown. ``failures`` counts failed
+    jobs by error class. ``quality`` is the run's (judged jobs, the rates over the partitions'
+    windows); ``paused`` is ``{"reason", "at", "by"}`` while the run is paused, else None.
     """
 
     run: str
-    partitions: dict[str, dict[str, int]]
+    partitions: dict[str, dict[str, Any]]
     totals: dict[str, int]
     tokens_per_s: float
     eta_s: float | None
@@ -37,6 +39,8 @@ class Status:
     admission: dict[str, dict[str, Any]]
     lengths: dict[str, Any]
     outputs: dict[str, Any]
+    quality: dict[str, Any]
+    paused: dict[str, Any] | None
     results: dict[str, Any]
     dead_letters: int  # poison messages set aside off the queues, of every run (tokenmill.dead_letters)
     at: float  # when it was read (unix seconds)

@@ -25,6 +25,8 @@ from tokenmill import keys
 from tokenmill import servers as server_records
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
+from tokenmill.quality import DRIFT, RATE_NAMES, SIGNALS
+from tokenmill.quality_view import JUDGED, QualityView, quality_view
 from tokenmill.replies import text
 from tokenmill.url_secrets import redact_url
 
@@ -105,7 +107,9 @@ class LedgerCollector(Collector):
             # Every job that ever ended failed: those failed now, and those `retry` sent back.
             ever = Counter({text(c): int(n) for c, n in failed_now.items()})
             ever.update({text(c): int(n) for c, n in retried.items()})
-            families.add(run, Ledger(self.r, run).counts(), run_stats, ever, n_delayed, backlogs)
+            counts = Ledger(self.r, run).counts()
+            families.add(run, counts, run_stats, ever, n_delayed, backlogs)
+            families.add_quality(run, quality_view(self.r, run, counts))
         return families.all()
 
     def _queues(self) -> list[Metric]:
@@ -163,6 +167,26 @@ class _RunFamilies:
         self.backlog = GaugeMetricFamily(
             "tokenmill_backlog", "Queued jobs not yet published to the broker.", labels=["run", "queue"]
         )
+        self.judged = CounterMetricFamily(
+            "tokenmill_quality_judged", "Jobs whose output was judged at commit.", labels=["run", "partition"]
+        )
+        self.flagged = CounterMetricFamily(
+            "tokenmill_quality_flagged",
+            "Judged jobs with the quality flag set (signal: a flag of tokenmill.quality.SIGNALS).",
+            labels=["run", "partition", "signal"],
+        )
+        self.rates = GaugeMetricFamily(
+            "tokenmill_quality_rate",
+            "A quality rate over the partition's window of latest judged jobs (signal: the rate's name, "
+            "as --quality-stop names it; drift: the reference's mean score difference).",
+            labels=["run", "partition", "signal"],
+        )
+        self.paused = GaugeMetricFamily("tokenmill_run_paused", "1 while the run is paused.", labels=["run"])
+        self.reference_up = GaugeMetricFamily(
+            "tokenmill_quality_reference_up",
+            "0 while the run's reference server fails to score (its jobs wait unjudged), else 1.",
+            labels=["run", "partition"],
+        )
 
     def add(
         self,
@@ -186,8 +210,23 @@ class _RunFamilies:
         for queue, n in zip(keys.QUEUES, backlogs, strict=True):
             self.backlog.add_metric([run, queue], n)
 
+    def add_quality(self, run: str, view: QualityView) -> None:
+        """Add one run's quality: counts since it began, window rates, and its pause."""
+        for partition, counts in sorted(view.counts.items()):
+            self.judged.add_metric([run, partition], counts.get(JUDGED, 0))
+            for flag in SIGNALS:
+                self.flagged.add_metric([run, partition, flag], counts.get(flag, 0))
+        for partition, doc in sorted(view.partitions.items()):
+            for name in (*RATE_NAMES, DRIFT):
+                if doc.get(name) is not None:
+                    self.rates.add_metric([run, partition, name], doc[name])
+            if "reference_error" in doc:
+                self.reference_up.add_metric([run, partition], 0 if doc["reference_error"] else 1)
+        self.paused.add_metric([run], 1 if view.paused else 0)
+
     def all(self) -> list[Metric]:
-        return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog]
+        quality = [self.judged, self.flagged, self.rates, self.paused, self.reference_up]
+        return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog, *quality]
 
 
 class _AdmissionFamilies:

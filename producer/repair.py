@@ -20,8 +20,8 @@ from producer.export_rows import check_store_reachable, sealed_by_shard
 from producer.result_store import ResultStore
 from producer.sealing import Sealer
 from producer.shards import ShardFile, SpecRow, read_specs
-from tokenmill import transitions
 from tokenmill.ledger import Ledger, register
+from tokenmill.replies import text
 
 log = logging.getLogger("tokenmill.repair")
 CHUNK = 500
@@ -76,7 +76,7 @@ def repair_run(
     if any(client.scard(ledger.k.shards(p)) for p in ledger.counts()):
         check_store_reachable(store, run)  # else every shard would look lost and be regenerated
     for partition in sorted(ledger.counts()):
-        listed = {transitions.text(x) for x in client.smembers(ledger.k.shards(partition))}
+        listed = {text(x) for x in client.smembers(ledger.k.shards(partition))}
         if not listed:
             continue
         owners = sealed_by_shard(ledger, partition)

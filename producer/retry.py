@@ -18,6 +18,7 @@ from producer.scope import existing_run, partitions
 from tokenmill import errors
 from tokenmill import transitions as t
 from tokenmill.errors import ConfigError
+from tokenmill.replies import text
 
 # Released without burning a retry, so never the class of a failed job.
 _NEVER_FAILED = (errors.ShutdownError, errors.JobCancelledError)
@@ -101,7 +102,7 @@ def retry_run(
 
 def _check_classes(client: redis.Redis, failures_key: str, classes: tuple[str, ...]) -> None:
     """Each of ``classes`` must be a failure class tokenmill knows, or one this run's jobs have."""
-    current = {t.text(k): int(v) for k, v in client.hgetall(failures_key).items()}
+    current = {text(k): int(v) for k, v in client.hgetall(failures_key).items()}
     known = failure_classes() | set(current)
     for cls in classes:
         if cls not in known:

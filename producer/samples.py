@@ -1,4 +1,5 @@
-"""Recent completions of a run, a few per partition: what the outputs look like right now.
+"""Recent completions of a run, a few per partition: what the outputs look like right now; and
+the latest jobs each quality flag was set on (:func:`flagged_jobs`), each viewable as a sample.
 
 Each commit puts its job at the head of its partition's recent list (``commit.lua``, at most
 :data:`~tokenmill.outputs.RECENT_KEPT` ids). A sample is the job's export row, the row
@@ -17,8 +18,11 @@ import orjson
 from producer.export import export_row
 from producer.export_rows import run_store
 from producer.shards import ShardFile
+from tokenmill.keys import FIELD_SEP
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
+from tokenmill.quality import SIGNALS
+from tokenmill.replies import text
 from tokenmill.transitions import F
 
 FIELDS = (F.STATE, F.SPEC, F.RESULT, F.TRUNCATED, F.SHARD)
@@ -35,14 +39,43 @@ def recent_samples(
     for partition in partitions:
         pipe.lrange(k.recent(partition), 0, RECENT_KEPT - 1)
     recent = [[x.decode() for x in ids] for ids in pipe.execute()]
+    return _samples(ledger, list(zip(partitions, recent, strict=True)), per_partition, results_url)
+
+
+def job_sample(
+    ledger: Ledger, partition: str, job_id: str, results_url: str | None = None
+) -> list[dict[str, Any]]:
+    """The sample of one job of ``partition`` (a :func:`recent_samples` entry): none while it
+    is not done (or is no job of it)."""
+    return _samples(ledger, [(partition, [job_id])], 1, results_url)
+
+
+def flagged_jobs(ledger: Ledger, per_flag: int) -> dict[str, list[dict[str, str]]]:
+    """Per quality flag, the latest ``per_flag`` jobs judged with it set, newest first:
+    ``{flag: [{"partition", "job_id"}]}`` (the run's ``qworst`` lists)."""
+    pipe = ledger.r.pipeline(transaction=False)
+    for flag in SIGNALS:
+        pipe.lrange(ledger.k.quality_worst(flag), 0, per_flag - 1)
+    out: dict[str, list[dict[str, str]]] = {}
+    for flag, entries in zip(SIGNALS, pipe.execute(), strict=True):
+        pairs = (text(e).partition(FIELD_SEP) for e in entries)
+        out[flag] = [{"partition": p, "job_id": j} for p, _, j in pairs]
+    return out
+
+
+def _samples(
+    ledger: Ledger, candidates: list[tuple[str, list[str]]], per_partition: int, results_url: str | None
+) -> list[dict[str, Any]]:
+    """The samples of the first ``per_partition`` done or sealed jobs of each (partition, ids)."""
+    r, k = ledger.r, ledger.k
     pipe = r.pipeline(transaction=False)
-    for ids in recent:
+    for _, ids in candidates:
         for job_id in ids:
             pipe.hmget(k.job(job_id), FIELDS)
     replies = iter(pipe.execute())
     picked: list[dict[str, Any]] = []
     sealed: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)  # (partition, shard) ->
-    for partition, ids in zip(partitions, recent, strict=True):
+    for partition, ids in candidates:
         taken = 0
         for job_id in ids:
             state, spec, result, truncated, shard = next(replies)

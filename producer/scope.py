@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import redis
 
-from tokenmill import keys, transitions
+from tokenmill import keys
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
+from tokenmill.replies import text
 
 _LISTED = 20  # names shown in an error; the rest are counted
 
@@ -19,7 +20,7 @@ def existing_run(client: redis.Redis, run: str) -> Ledger:
     """The ledger of ``run``; :class:`ConfigError` naming it when this Redis has no such run."""
     keys.check_run(run)
     if not client.sismember(keys.runs(), run):
-        names = sorted(transitions.text(x) for x in client.smembers(keys.runs()))
+        names = sorted(text(x) for x in client.smembers(keys.runs()))
         raise ConfigError(f"--run {run!r}: no run of that name in this Redis ({_listing('runs', names)})")
     return Ledger(client, run)
 

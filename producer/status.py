@@ -10,6 +10,7 @@ from tokenmill import servers as server_records
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.counts import run_counts
 from tokenmill.outputs import outputs_view
+from tokenmill.quality_view import quality_view
 from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
@@ -34,11 +35,17 @@ def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``status --json`` document (README), plus admission figures per server, the run's
-    completion-length curve admission projects from, and what its outputs look like (finish
-    reasons, completion and reasoning lengths: :func:`~tokenmill.outputs.outputs_view`)."""
+    completion-length curve admission projects from, what its outputs look like (finish
+    reasons, completion and reasoning lengths: :func:`~tokenmill.outputs.outputs_view`), their
+    quality (each partition's as its ``quality``, and the run's) and the run's pause, if any
+    (:func:`~tokenmill.quality_view.quality_view`)."""
     k = keys.RunKeys(run)
-    partitions = run_counts(client, run)
-    totals = totals_of(partitions)
+    counts = run_counts(client, run)
+    totals = totals_of(counts)
+    quality = quality_view(client, run, counts)
+    partitions: dict[str, dict[str, Any]] = {
+        p: {**c, "quality": quality.partitions[p]} for p, c in counts.items()
+    }
     now = int(client.time()[0])
     # the last WINDOW_S seconds, this one included: a run whose every commit fell in the second
     # the status is read in (a small run on a fast server) had shown 0 tokens/s
@@ -82,6 +89,8 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "admission": {name: admission_view(client, name) for name in names},
         "lengths": length_view(client, run),
         "outputs": outputs_view(client, run),
+        "quality": quality.run,
+        "paused": quality.paused,
         "results": {  # sealed jobs also count as done above
             "store": redact_url(store.decode()) if store else None,
             "sealed": {a.decode(): _i(b) for a, b in sealed.items()},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Group
@@ -10,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tokenmill import keys
+from tokenmill.quality import RATE_NAMES
 
 
 def _eta(eta_s: float | None) -> str:
@@ -47,6 +49,30 @@ def _dead_letters_line(n: int) -> str:
     )
 
 
+def _paused_line(run: str, paused: dict[str, Any]) -> str:
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(paused["at"]))
+    return (
+        f"PAUSED since {at} by {paused.get('by') or '?'}: {paused['reason']} (tokenmill resume --run {run})"
+    )
+
+
+def _quality_lines(doc: dict[str, Any]) -> list[str]:
+    """A Quality line per partition with judged jobs: each rate over its window, and drift."""
+    lines = []
+    for name, c in sorted(doc["partitions"].items()):
+        q = c.get("quality") or {}
+        if not q.get("judged"):
+            continue
+        rates = ", ".join(f"{r} {v:.1%}" for r, v in q.items() if r in RATE_NAMES and v is not None)
+        drift = (
+            f", drift {q['drift']:+.3f} ± {q.get('drift_ci95') or 0:.3f}"
+            if q.get("drift") is not None
+            else ""
+        )
+        lines.append(f"quality {name}: {q['judged']} judged; over the last {q['window']}: {rates}{drift}")
+    return lines
+
+
 def render(doc: dict[str, Any]) -> Group:
     """One screen: what a person watching a run needs, without reading logs."""
     t = doc["totals"]
@@ -63,7 +89,7 @@ def render(doc: dict[str, Any]) -> Group:
     for col in ("partition", "progress", "done", "total", *states):
         parts.add_column(col, justify="left" if col in ("partition", "progress") else "right")
     for name, c in sorted(doc["partitions"].items()):
-        total = sum(c.values())
+        total = sum(n for state, n in c.items() if state != "quality")
         finished = total - c["queued"] - c["running"]
         parts.add_row(
             name,
@@ -72,7 +98,11 @@ def render(doc: dict[str, Any]) -> Group:
             str(total),
             *(str(c.get(state, 0)) for state in states),
         )
-    items: list[Any] = [head, parts]
+    items: list[Any] = [head]
+    if doc.get("paused"):
+        items.append(Text(_paused_line(doc["run"], doc["paused"]), style="bold red"))
+    items.append(parts)
+    items += [Text(line) for line in _quality_lines(doc)]
     if (doc.get("results") or {}).get("store"):
         items.append(Text(_sealed_line(doc["results"], t["done"])))
     if doc.get("dead_letters"):

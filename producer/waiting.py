@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 def wait_run(
     read: Callable[[], Status], *, progress: bool, timeout_s: float | None, interval_s: float
 ) -> Status:
-    """The run's final status, read every ``interval_s``; :class:`WaitTimeoutError` after
-    ``timeout_s`` (None: no limit)."""
+    """The run's final status, read every ``interval_s`` (or its status once it is paused with
+    no job running: nothing more would move); :class:`WaitTimeoutError` after ``timeout_s``
+    (None: no limit)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     status = read()
     bar = _Bar.shown(status) if progress else None
     try:
-        while not status.finished:
+        while not status.finished and not (status.paused and status.totals["running"] == 0):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise WaitTimeoutError(

@@ -43,7 +43,7 @@ S3_SERVER = ["moto[s3]>=5.0", "flask", "flask-cors"]
 TESTS = [
     "tests/test_kombu_patch.py",  # kombu: the private methods kombu_patch replaces
     "tests/test_quick_redis.py",  # redis, hiredis (the quick client's own parser)
-    "tests/test_loop_redis.py",  # hiredis on the worker's event loop, TLS, faults
+    "tests/test_redis_async.py",  # hiredis on the worker's event loop, TLS, faults
     "tests/test_stream.py",  # aiohttp and uvloop: the stream path, proxies, timeouts
     "tests/test_request_options.py",  # click (the CLI), orjson, rich
     "tests/test_export_formats.py",  # pyarrow: the Parquet export

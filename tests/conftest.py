@@ -25,6 +25,7 @@ SGLANG_MODULES = (  # all real SGLang
     "tests/test_sglang_server.py::",
     "tests/test_sglang_router.py::",
     "tests/test_sglang_affinity.py::",
+    "tests/test_sglang_drift.py::",
 )
 
 

@@ -384,6 +384,22 @@ def test_to_dataset_without_the_datasets_package_names_the_extra(tm: Client, red
     assert issubclass(MissingExtraError, ImportError)
 
 
+def test_quality_stop_pause_and_resume_as_the_cli(tm: Client, rclient: redis.Redis) -> None:
+    with pytest.raises(ConfigError, match="quality rule 'nope>1': unknown signal 'nope'"):
+        tm.enqueue(ROWS, run="bad", quality_stop=["length_share>0.5", "nope>1"])
+    assert rclient.keys("*") == []  # nothing enqueued
+    tm.enqueue(ROWS, run="r", quality_stop="repetition>0.05@200")
+    assert rclient.hgetall("tm:r:qrules") == {b"repetition>0.05@200": b"> 0.05 200 repetition"}
+    assert tm.pause("r", reason="a look at the outputs") is True and tm.pause("r") is False
+    paused = tm.wait("r", progress=False, timeout=10).paused  # paused, nothing running: it returns
+    assert paused is not None and (paused["reason"], paused["by"]) == ("a look at the outputs", "person")
+    resumed = tm.resume("r")
+    assert resumed.unpaused == "a look at the outputs" and resumed.republished == 3
+    assert tm.status("r").paused is None
+    with pytest.raises(ConfigError, match="--run 'nope'"):
+        tm.pause("nope")
+
+
 def test_runs_cancel_and_retry_as_the_cli(tm: Client) -> None:
     tm.enqueue(ROWS, run="r")
     (info,) = tm.runs()

@@ -10,6 +10,7 @@ import re
 import sys
 import tomllib
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from email.message import Message
@@ -25,9 +26,10 @@ from producer.web_access import allowed_hosts, host_allowed
 from tests.finishing import finish_jobs
 from tests.pipeline import cli
 from tests.procs import ROOT, Proc, http_status, spawn, wait_for
-from tokenmill import Client
+from tokenmill import Client, keys
 from tokenmill.errors import ConfigError
 from tokenmill.local_redis import free_port
+from tokenmill.quality import REPETITION, SIGNALS
 
 AUTH = "TOKENMILL_DASHBOARD_BASIC_AUTH"
 NO_AUTH = {AUTH: "", HOSTS_SETTING: ""}
@@ -222,6 +224,50 @@ def test_the_api_answers_the_documents_of_status_runs_history_and_samples(
     assert status == 200 and later["since"] == hist["cursor"]
 
 
+def test_the_api_answers_a_runs_quality_its_pause_and_its_flagged_jobs_samples(
+    dashboard: str, redis_url: str, rclient: redis.Redis
+) -> None:
+    # Given a run with jobs done and judged, one in four of A's window looping, one flagged job
+    # listed, and the run paused (the quality keys written as issue 56's design defines them)
+    tm = Client(redis_url=redis_url)
+    tm.enqueue([{"prompt": f"question {i}"} for i in range(4)], run="r", partition="A")
+    job_ids = [x.decode() for x in rclient.lrange("tm:r:jobs:A", 0, -1)]
+    finish_jobs(rclient, "r", job_ids[:2], mean_output_tokens=20)
+    k = keys.RunKeys("r")
+    rclient.hset(k.quality(), mapping={"A|judged": 40, "A|repetition": 10})
+    rclient.lpush(k.quality_window("A"), *[REPETITION] * 10, *[0] * 30)
+    rclient.hset(k.quality_window_counts(), mapping={"A|n": 40, "A|repetition": 10})
+    rclient.lpush(k.quality_worst("repetition"), f"A|{job_ids[0]}")
+    rclient.hset(
+        k.paused(), mapping={"reason": "quality rule tripped", "at_ms": 1_700_000_000_000, "by": "rule"}
+    )
+
+    # Then api/status is `status --json`, with the quality rates and the pause
+    status, doc = get(f"{dashboard}/api/status?run=r")
+    printed = orjson.loads(
+        cli("status", "--run", "r", "--json", env={"TOKENMILL_REDIS_URL": redis_url}).stdout
+    )
+    assert status == 200 and {**doc, "at": 0, "tokens_per_s": 0} == {**printed, "at": 0, "tokens_per_s": 0}
+    assert doc["partitions"]["A"]["quality"]["repetition"] == 0.25 and doc["quality"]["judged"] == 40
+    assert doc["paused"] == {"reason": "quality rule tripped", "at": 1_700_000_000.0, "by": "rule"}
+    # api/flagged lists the latest flagged jobs of every flag
+    status, flagged = get(f"{dashboard}/api/flagged?run=r")
+    assert status == 200 and flagged == {f: [] for f in SIGNALS} | {
+        "repetition": [{"partition": "A", "job_id": job_ids[0]}]
+    }
+
+    # and api/samples?partition=&job= is that job's sample, as the sample viewer shows the latest
+    def sample(job_id: str) -> tuple[int, Any]:
+        return get(f"{dashboard}/api/samples?run=r&partition=A&job={urllib.parse.quote(job_id)}")
+
+    status, samples = sample(job_ids[0])
+    assert status == 200 and samples == tm.samples("r", partition="A", job_id=job_ids[0])
+    assert [s["job_id"] for s in samples] == [job_ids[0]]
+    assert samples[0]["row"] == next(s["row"] for s in tm.samples("r", 2) if s["job_id"] == job_ids[0])
+    # a job not done (or no job) has none
+    assert sample(job_ids[3]) == sample("nope") == (200, [])
+
+
 @pytest.mark.parametrize(
     ("query", "code", "says"),
     [
@@ -232,6 +278,8 @@ def test_the_api_answers_the_documents_of_status_runs_history_and_samples(
         ("samples?run=r&n=many", 400, "n='many' is not an integer"),
         ("samples?run=r&partition=Z", 404, "'Z': run 'r' has no partition of that name"),
         ("history?run=r&since=-4", 400, "since=-4 is out of range"),
+        ("flagged?run=nope", 404, "'nope': no run of that name"),
+        ("samples?run=r&job=x", 400, "job needs its partition"),
     ],
 )
 def test_a_bad_request_is_answered_with_an_error_naming_it(

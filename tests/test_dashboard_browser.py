@@ -8,6 +8,7 @@ reload; the others look at the finished, sealed run. Tests run in file order.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ import pytest
 from tests.dashboard_stack import RUN, TOO_LONG, USER, Stack, basic_auth, chromium
 from tests.pipeline import cli, read_export
 from tests.procs import RedisServer, wait_for
+from tokenmill import keys
+from tokenmill.quality import REPETITION
 
 TOTAL = 200 + TOO_LONG
 # every chart the page draws for this run (a managed server: its state chart too)
@@ -187,6 +190,86 @@ def test_the_finished_run_matches_status_json_every_chart_has_points_and_nothing
     assert shot.stat().st_size > 50_000, "the screenshot looks blank"
     if os.environ.get("TOKENMILL_SCREENSHOT_DIR"):  # docs/dashboard.png is made this way
         shutil.copy(shot, Path(os.environ["TOKENMILL_SCREENSHOT_DIR"]) / "dashboard.png")
+
+
+QUALITY_SHOWN = """
+const q = document.getElementById('paused');
+return {banner: q.hidden ? null : q.textContent,
+  rows: [...document.querySelectorAll('#quality tr')].map(r => r.firstChild.textContent),
+  buttons: [...document.querySelectorAll('#flagged button.job')].map(b => b.dataset.jobId),
+  shares: window.tm.charts.quality ? window.tm.charts.quality.data.map(s => s[s.length - 1]) : null};
+"""
+
+
+def test_the_quality_section_shows_rates_the_pause_and_opens_a_flagged_jobs_sample(
+    live: dict[str, Any], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    stack, driver = live["stack"], live["driver"]
+    wait_for(lambda: finished_and_sealed(stack), 120, "the run to finish and be sealed")
+    r = redis_server.client()
+    k = keys.RunKeys(RUN)
+    # Given B1's window of 200 judged jobs with 14 looping, one of them listed as flagged, 10 loops
+    # among the run's next 100 judged jobs, and the run paused by the rule (the keys written as
+    # issue 56's design defines them)
+    job_id = r.lrange(k.recent("B1"), 0, 0)[0].decode()
+    last = r.xrevrange(k.series(), count=1)[0][1]
+    counts = {f.decode(): int(n) for f, n in r.hgetall(k.quality()).items()}  # what the upkeep's points sum
+    judged = sum(n for f, n in counts.items() if f.endswith("|judged"))
+    loops = sum(n for f, n in counts.items() if f.endswith("|repetition"))
+    r.xadd(k.series(), {**last, b"judged": judged, b"q:repetition": loops})
+    r.pipeline().hincrby(k.quality(), "B1|judged", 100).hincrby(k.quality(), "B1|repetition", 10).execute()
+    r.xadd(k.series(), {**last, b"judged": judged + 100, b"q:repetition": loops + 10})
+    r.delete(k.quality_window("B1"))
+    r.lpush(k.quality_window("B1"), *[REPETITION] * 14, *[0] * 186)
+    r.hset(k.quality_window_counts(), mapping={"B1|n": 200, "B1|repetition": 14})
+    r.lpush(k.quality_worst("repetition"), f"B1|{job_id}")
+    reason = "quality rule repetition>0.05@200 tripped on partition B1: 0.070 over 200 jobs"
+    r.hset(k.paused(), mapping={"reason": reason, "at_ms": int(r.time()[0]) * 1000, "by": "rule"})
+
+    # Then, without a reload, the page shows the pause with its reason, B1's rates and the
+    # flagged job, and the chart the share of the last 100 judged jobs that looped
+    page: dict[str, Any] = {}
+
+    def shown() -> bool:
+        page.update(driver.execute_script(QUALITY_SHOWN))
+        return bool(page["banner"] and job_id in page["buttons"] and (page["shares"] or [0] * 4)[3] == 10)
+
+    with contextlib.suppress(AssertionError):  # what it shows then is checked below
+        wait_for(shown, 30, "the page to show the quality")
+    assert page["banner"] and page["banner"].startswith("PAUSED since ") and reason in page["banner"], page
+    assert job_id in page["buttons"], page["buttons"]
+    assert {"all partitions", "B1", "B2"} <= set(page["rows"]), page["rows"]
+    assert page["shares"][3] == 10.0, page["shares"]  # series 3: repetition, in % of judged jobs
+    assert status_json(stack)["partitions"]["B1"]["quality"]["repetition"] == 0.07
+    path = json.dumps(["partitions", "B1", "quality", "repetition"], separators=(",", ":"))
+    rate = driver.execute_script(
+        "return document.querySelector(arguments[0]).textContent", f"[data-path='{path}']"
+    )
+    assert rate == "7.0%"
+
+    # When the flagged job is clicked
+    driver.execute_script("window.tm.samples = null")
+    driver.find_element("css selector", f'#flagged button.job[data-job-id="{job_id}"]').click()
+    wait_for(lambda: driver.execute_script("return window.tm.samples"), 30, "the flagged job's sample")
+    # Then the sample viewer shows that job's completion, as the export has it
+    cli("export", "--run", RUN, "--out", str(tmp_path), "--include-truncated", env=stack.env)
+    exported = {(row["partition"], row["id"]): row for rows in read_export(tmp_path).values() for row in rows}
+    cards = driver.execute_script("""
+      return [...document.querySelectorAll('#samples .sample')].map(c => ({job: c.dataset.jobId,
+        meta: c.querySelector('.meta').textContent, answer: c.querySelector('pre.answer').textContent}))""")
+    assert [c["job"] for c in cards] == [job_id], cards
+    row_id = cards[0]["meta"].split(" · id ")[1].split(" · ")[0]
+    assert cards[0]["answer"] == exported[("B1", row_id)]["messages"][-1]["content"]
+    assert job_id in driver.find_element("id", "samples-note").text
+    assert console_errors(live) == []
+
+    # and a screenshot of the page with its Quality section is taken
+    driver.set_window_size(1400, driver.execute_script("return document.body.scrollHeight") + 40)
+    shot = tmp_path / "dashboard-quality.png"
+    assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 50_000
+    if os.environ.get("TOKENMILL_SCREENSHOT_DIR"):
+        shutil.copy(shot, Path(os.environ["TOKENMILL_SCREENSHOT_DIR"]) / "dashboard-quality.png")
+    r.delete(k.paused())
 
 
 def _get(url: str, authorization: str | None) -> tuple[int, dict[str, str]]:

@@ -209,7 +209,9 @@ def test_cancel_lets_running_jobs_finish_and_a_partition_alone_can_be_cancelled(
     parts = doc["partitions"]
     assert summary["running"] == 2 and parts["A"]["cancelled"] == summary["cancelled"]
     assert parts["A"]["done"] + parts["A"]["cancelled"] == 20
-    assert parts["B"] == {"queued": 0, "running": 0, "done": 5, "failed": 0, "cancelled": 0}
+    assert parts["B"] == {"queued": 0, "running": 0, "done": 5, "failed": 0, "cancelled": 0,
+                          "quality": parts["B"]["quality"]}  # fmt: skip
+    assert parts["B"]["quality"]["judged"] == 5
     bad = cli("cancel", "--run", "p", "--partition", "Z", env=env, check=False)
     assert bad.returncode == 2 and "--partition 'Z': run 'p' has no partition of that name" in bad.stderr
     assert "(its partitions: A, B)" in bad.stderr

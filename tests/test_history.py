@@ -17,13 +17,13 @@ from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tests.test_ledger import spec
-from tokenmill import Client, history, keys, series
+from tokenmill import Client, history, keys, quality, series
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
 from tokenmill.server_report import Load
 from tokenmill.servers import ServerRecord
 from tokenmill.settings import Settings
-from tokenmill.transitions import Claim, JobError
+from tokenmill.transitions import Claim, JobError, Judged
 from workers.upkeep import Reconciler, upkeep_once
 
 
@@ -39,13 +39,15 @@ def run_points(client: redis.Redis, run: str) -> list[dict[str, float]]:
 def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_it_changes(
     rclient: redis.Redis,
 ) -> None:
-    # Given a run of four jobs, one done and one failed, and the upkeep's recorder (step 50 ms)
+    # Given a run of four jobs, one done (judged: empty and looping) and one failed, and the
+    # upkeep's recorder (step 50 ms)
     ledger = Ledger(rclient, "r1")
     jobs = [spec(i) for i in range(4)]
     ledger.enqueue_batch("P", jobs, 100)
     claims = [ledger.claim(j.job_id, "w", 30) for j in jobs]
     assert all(isinstance(c, Claim) for c in claims)
-    ledger.commit(claims[0], {"content": "x", "usage": {"completion_tokens": 7}}, 7)
+    judged = Judged(quality.EMPTY | quality.REPETITION, 200)
+    ledger.commit(claims[0], {"content": "x", "usage": {"completion_tokens": 7}}, 7, judged=judged)
     ledger.fail(claims[1], JobError("context_length", "too long"))
     settings = Settings.load(env={})
     recorder = series.SeriesWriter(rclient, step_s=0.05, keep_s=3600)
@@ -56,10 +58,11 @@ def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_i
     # When the upkeep passes while two jobs still run
     assert pass_() == 1
     wait_for(pass_, 5, "a second point a step later")
-    # Then each point holds the run's counts, tokens and failures by class
+    # Then each point holds the run's counts, tokens, failures by class and quality flags
     first = run_points(rclient, "r1")[0]
     assert first == {"queued": 0, "running": 2, "done": 1, "failed": 1, "completion_tokens": 7, "sealed": 0,
-                     "shards": 0, "failures:context_length": 1}  # fmt: skip
+                     "shards": 0, "failures:context_length": 1, "judged": 1, "q:empty": 1,
+                     "q:repetition": 1}  # fmt: skip
     assert len(run_points(rclient, "r1")) == 2  # a moving run: a point each step, changed or not
 
     # When the run finishes, a point records it, and then nothing more while it stays still

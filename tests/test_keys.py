@@ -28,6 +28,13 @@ def test_run_keys_have_one_shape() -> None:
     assert k.results_store() == "tm:synth:results"
     assert k.outputs() == "tm:synth:outputs"
     assert k.recent("B1") == "tm:synth:recent:B1"
+    assert k.quality_worst("repetition") == "tm:synth:qworst:repetition"
+    assert k.quality() == "tm:synth:quality"
+    assert k.quality_window("B1") == "tm:synth:qwin:B1"
+    assert k.quality_window_counts() == "tm:synth:qwinc"
+    assert k.quality_rules() == "tm:synth:qrules"
+    assert k.quality_reference() == "tm:synth:qref"
+    assert k.paused() == "tm:synth:paused"
     assert k.series() == "tm:synth:series"
 
 

@@ -2,7 +2,7 @@
 
 redis-py (``tokenmill/redis_conn.py``: every synchronous client, Sentinel included), the
 read-only commands' client (``tokenmill/quick_redis.py``: redis-py's import is most of a
-``status`` call's CPU) and the worker loop's pipelined client (``tokenmill/loop_redis.py``).
+``status`` call's CPU) and the worker loop's pipelined client (``tokenmill/redis_async.py``).
 Everything else asks one of them; Celery's broker connection (kombu's) is Celery's own.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.procs import ROOT
 
-CLIENT_MODULES = {"tokenmill/redis_conn.py", "tokenmill/quick_redis.py", "tokenmill/loop_redis.py"}
+CLIENT_MODULES = {"tokenmill/redis_conn.py", "tokenmill/quick_redis.py", "tokenmill/redis_async.py"}
 # what opens a connection: redis-py's constructors and Sentinel, or the parts a hand-written client
 # is made of (hiredis, redis-py's connection classes, its asyncio client)
 OPENERS = {"Redis", "StrictRedis", "from_url", "Sentinel", "master_for", "Connection", "ConnectionPool"}

@@ -21,7 +21,7 @@ from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.procs import RedisServer, wait_for
 from tokenmill.local_redis import free_port, redis_binary
-from tokenmill.loop_redis import LoopRedis
+from tokenmill.redis_async import LoopRedis
 from workers.event_loop import run as run_on_worker_loop
 
 MASTER = "tm-primary"

@@ -25,7 +25,7 @@ def test_a_wait_on_the_worker_loop_with_no_deadline():
     async def forever():
         await asyncio.Event().wait()
 
-    run(forever())  # uvloop, on this thread, as tests.test_loop_redis and tests.test_stream run
+    run(forever())  # uvloop, on this thread, as tests.test_redis_async and tests.test_stream run
 
 
 def test_a_wait_that_swallows_every_exception():

@@ -20,7 +20,7 @@ from tokenmill import errors
 from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.ledger_async import AsyncLedger
-from tokenmill.loop_redis import LoopRedis
+from tokenmill.redis_async import LoopRedis
 from tokenmill.settings import Settings
 from tokenmill.transitions import ALIVE, Beat, Checkpoint, Claim, SlotUpdate
 from workers.event_loop import run as run_on_worker_loop

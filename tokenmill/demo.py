@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tokenmill import transitions
 from tokenmill.ledger import Ledger
 from tokenmill.local_redis import LocalRedis, free_port
+from tokenmill.replies import text
 
 AUTH_ENVVAR = "TOKENMILL_DASHBOARD_BASIC_AUTH"  # producer.dashboard.cli's (not imported: a component)
 
@@ -264,5 +264,5 @@ def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
                 raise click.ClickException(f"the demo run did not finish within {timeout_s}s")
             time.sleep(0.25)
     console.line()
-    stats = {transitions.text(k): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
+    stats = {text(k): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
     console.print(f"[bold]done[/]    {stats.get('completion_tokens', 0)} completion tokens generated")

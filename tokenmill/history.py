@@ -7,9 +7,11 @@ one writer at a time:
 series         key                       writer                      a point
 ============== ========================= =========================== ==================================
 a run's        ``tm:{run}:series``       the upkeep (its lock), each   jobs by state, completion tokens,
-                                         pass                        sealed jobs, shards, and
+                                         pass                        sealed jobs, shards,
                                                                      ``failures:<class>`` (every job
-                                                                     that ended failed with it)
+                                                                     that ended failed with it),
+                                                                     ``judged`` jobs and ``q:<flag>``
+                                                                     (those with a quality flag)
 a server's     ``tm:_:server:{n}:series`` the worker holding the     running and queued requests, KV
 load                                     server's load watch         tokens used and capacity,
                                                                      retractions, the admission window
@@ -38,9 +40,20 @@ if TYPE_CHECKING:
     from tokenmill.server_report import Load
     from tokenmill.servers import ServerRecord
 
-RUN_COUNTERS = ("done", "failed", "cancelled", "completion_tokens", "sealed", "shards", "failures")
+RUN_COUNTERS = (
+    "done",
+    "failed",
+    "cancelled",
+    "completion_tokens",
+    "sealed",
+    "shards",
+    "failures",
+    "judged",
+    "q",
+)
 SERVER_COUNTERS = ("retractions", "kv_capacity")
 FAILURES = "failures:"  # run-series field prefix: failures:<class>
+JUDGED, FLAGGED = "judged", "q:"  # run-series fields: judged jobs, q:<flag> (tokenmill.quality.SIGNALS)
 MAX_POINTS = 1500  # a history read of a whole run is thinned to this many points a series
 MARGIN_MS = 60_000  # servers' points read this long around a run's span
 
@@ -58,7 +71,8 @@ def run_point(client: redis.Redis, run: str) -> tuple[dict[str, float], bool]:
     pipe.hgetall(k.retried())
     pipe.hvals(k.sealed())
     pipe.smembers(k.partitions())
-    counts, tokens, failed_now, retried, sealed, partitions = pipe.execute()
+    pipe.hgetall(k.quality())
+    counts, tokens, failed_now, retried, sealed, partitions, quality = pipe.execute()
     pipe = client.pipeline(transaction=False)
     for partition in partitions:
         pipe.scard(k.shards(text(partition)))
@@ -74,6 +88,11 @@ def run_point(client: redis.Redis, run: str) -> tuple[dict[str, float], bool]:
         for cls, n in hash_.items():
             name = FAILURES + text(cls)
             point[name] = point.get(name, 0) + int(n)
+    point[JUDGED] = 0
+    for field, n in quality.items():  # <partition>|judged, <partition>|<flag>
+        flag = text(field).rpartition(keys.FIELD_SEP)[2]
+        name = JUDGED if flag == JUDGED else FLAGGED + flag
+        point[name] = point.get(name, 0) + int(n)
     return point, point["queued"] + point["running"] > 0
 
 

@@ -275,6 +275,49 @@ class RunKeys:
         """List: the ids of a partition's latest committed jobs, newest first (bounded)."""
         return f"{self.prefix}:recent:{partition}"
 
+    def quality_worst(self, flag: str) -> str:
+        """List: the latest jobs judged with ``flag`` set (a :data:`tokenmill.quality.SIGNALS`
+        name), ``partition|job_id``, newest first (the newest 20; written by commit.lua)."""
+        return f"{self.prefix}:qworst:{flag}"
+
+    def quality(self) -> str:
+        """Hash: the run's quality counts since it began, ``<partition>|judged`` and
+        ``<partition>|<flag>`` (:data:`tokenmill.quality.SIGNALS`), counted by the commit."""
+        return f"{self.prefix}:quality"
+
+    def quality_window(self, partition: str) -> str:
+        """List: the quality masks of a partition's latest judged jobs, newest first (at most
+        ``quality_window_jobs``; cleared by ``resume``)."""
+        return f"{self.prefix}:qwin:{partition}"
+
+    def quality_window_counts(self) -> str:
+        """Hash: ``<partition>|n`` (jobs judged since the run began or its last resume) and
+        ``<partition>|<flag>`` (the flag's count in the partition's window)."""
+        return f"{self.prefix}:qwinc"
+
+    def quality_rules(self) -> str:
+        """Hash: the run's stop rules, expression → ``op value min_jobs name``."""
+        return f"{self.prefix}:qrules"
+
+    def quality_reference(self) -> str:
+        """Hash: the run's reference (``url``, ``sample``, ``min``, its latest ``error``) and per
+        partition the reference scorer's sums (``n``, sum, sum of squares of the per-job score
+        difference; :mod:`tokenmill.quality_drift`)."""
+        return f"{self.prefix}:qref"
+
+    def reference_todo(self) -> str:
+        """List: the sampled jobs waiting for the reference scorer (JSON: partition, job id,
+        request, output), newest first (capped)."""
+        return f"{self.prefix}:qref:todo"
+
+    def reference_lock(self) -> str:
+        """Lock: the one worker scoring the run's sampled jobs on its reference at a time."""
+        return f"{self.prefix}:qref:lock"
+
+    def paused(self) -> str:
+        """Hash: present while the run is paused: ``reason``, ``at_ms``, ``by`` (rule | person)."""
+        return f"{self.prefix}:paused"
+
     def series(self) -> str:
         """Stream: the run's counters over time, one point a step while it moves, written by the
         upkeep (:mod:`tokenmill.history`)."""

@@ -98,8 +98,9 @@ class Ledger:
         new_tokens: int,
         lengths: t.LengthReport | None = None,
         release_slot: bool = False,
+        judged: t.Judged | None = None,
     ) -> str:
-        return self.call(t.commit(self.k, claim, result, new_tokens, lengths, release_slot))
+        return self.call(t.commit(self.k, claim, result, new_tokens, lengths, release_slot, judged))
 
     def fail(self, claim: t.Claim, error: t.JobError) -> str:
         return self.call(t.fail(self.k, claim, error))

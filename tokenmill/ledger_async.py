@@ -1,5 +1,5 @@
 """The ledger's asynchronous executor: :mod:`tokenmill.transitions`' calls run on the worker's
-event loop, through its pipelined client (:mod:`tokenmill.loop_redis`).
+event loop, through its pipelined client (:mod:`tokenmill.redis_async`).
 
 A job runs from delivery to commit, and settles an error, in hand-offs to the loop
 (:mod:`workers.job_path`, :mod:`workers.job`); the watch's heartbeats ride the same connection
@@ -14,18 +14,18 @@ from typing import TypeVar
 
 import redis
 
-from tokenmill.loop_redis import LoopRedis, LoopScript
+from tokenmill.redis_async import LoopRedis, LoopScript
 from tokenmill.transitions import Call, script_source
 
 R = TypeVar("R")
 SCRIPTS = {
     name: LoopScript(script_source(name))
-    for name in ("claim", "start", "wait", "commit", "finish", "heartbeat", "release", "fail")
+    for name in ("claim", "start", "wait", "commit", "finish", "heartbeat", "release", "fail", "qref_sample")
 }  # load them on the client's connections: LoopRedis(url, scripts=SCRIPTS.values())
 
 
 class AsyncLedger:
-    """Transitions on a :class:`~tokenmill.loop_redis.LoopRedis` (call on its loop)."""
+    """Transitions on a :class:`~tokenmill.redis_async.LoopRedis` (call on its loop)."""
 
     def __init__(self, client: LoopRedis) -> None:
         self.r = client

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import ssl
 
 SCHEMES = ("redis", "rediss", "unix", "sentinel")
-# redis-py's URL options the worker's event-loop client (tokenmill/loop_redis.py) honours; the
+# redis-py's URL options the worker's event-loop client (tokenmill/redis_async.py) honours; the
 # moot ones concern a pool of connections or redis-py's own retries, and mean nothing (or what
 # that client does anyway) for its one pipelined connection. Any other option is refused.
 HONOURED = (

@@ -129,6 +129,19 @@ class Settings:
     api_poll_s: float = 1.0
     api_allowed_hosts: str = ""  # as dashboard_allowed_hosts, for the API
 
+    # quality while it runs (tokenmill/quality.py): each job's flags are judged as it commits
+    # (off: nothing judged, no rule trips), rated over a window of each partition's latest
+    # judged jobs; quality_stop: the stop rules of a run enqueued without --quality-stop
+    # (`;`-separated, e.g. "length_share>0.3@200;repetition>0.05@50")
+    quality_signals: bool = True
+    quality_window_jobs: int = 200
+    quality_stop: str = ""
+    # a reference server a run is judged against (`enqueue --quality-reference`), the share of
+    # jobs scored there (`--quality-sample`) and the least a partition (tokenmill/quality_drift.py)
+    quality_reference_url: str = ""
+    quality_sample: float = 0.02
+    quality_sample_min: int = 30
+
     # the result store: done results are sealed into Parquet shards there (producer/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
     seal_batch_jobs: int = 1000  # a partition's results are sealed once this many are done...
@@ -139,6 +152,11 @@ class Settings:
     def server_urls(self) -> tuple[str, ...]:
         """``server_url`` split on commas (several servers, or one router)."""
         return tuple(u.strip().rstrip("/") for u in self.server_url.split(",") if u.strip())
+
+    @property
+    def quality_stop_rules(self) -> tuple[str, ...]:
+        """``quality_stop`` split on ``;`` (each checked where it is used: ``enqueue``)."""
+        return tuple(e.strip() for e in self.quality_stop.split(";") if e.strip())
 
     @property
     def results_location(self) -> str:
@@ -183,6 +201,13 @@ class Settings:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.admission_queue_share <= 1:
             raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
+        if not 0 <= self.quality_sample <= 1 or self.quality_sample_min < 0:
+            raise ConfigError(
+                f"quality_sample must be in [0, 1] and quality_sample_min not negative, got "
+                f"{self.quality_sample} and {self.quality_sample_min}"
+            )
+        if self.quality_window_jobs < 1:
+            raise ConfigError(f"quality_window_jobs must be at least 1, got {self.quality_window_jobs}")
         if self.seal_batch_jobs < 1:
             raise ConfigError(f"seal_batch_jobs must be at least 1, got {self.seal_batch_jobs}")
         for name in ("seal_after_s", "seal_check_s", "server_affinity_wait_s", "server_prefill_wait_s"):

@@ -1,7 +1,7 @@
 """The ledger's protocol: each transition's script, KEYS and ARGV, and how to read its reply.
 
 Each transition (enqueue, wait, claim, start, heartbeat, commit, fail, release, reap, promote,
-feed, cancel, retry) is one Lua script in ``tokenmill/lua/`` whose header states its pre- and
+feed, cancel, retry, pause, unpause) is one Lua script in ``tokenmill/lua/`` whose header states its pre- and
 post-conditions. Every transition after a claim carries the claim's fencing token, so a worker
 whose lease was taken over cannot write. Counters per partition and state move inside the same
 script, so status is O(partitions).
@@ -26,12 +26,13 @@ from tokenmill import keys, outputs
 from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, prompt_fields, reached_field
 from tokenmill.messages import task_message, task_messages
+from tokenmill.quality import RATE_NAMES, SIGNALS
 from tokenmill.replies import text
 
 R = TypeVar("R")
 SCRIPT_NAMES = tuple(
     "enqueue seal_reserve seal unseal claim heartbeat commit fail release reap promote feed admit "
-    "unadmit adapt wait cancel retry start finish series".split()
+    "unadmit adapt wait cancel retry start finish series pause unpause qref_sample".split()
 )
 # Every script opens with prelude.lua (clamped reads of ARGV and stored values). Scripts made of
 # others: each part's body becomes a local function of the same name, taking its own KEYS and ARGV
@@ -43,9 +44,15 @@ def _read(name: str) -> str:
     return resources.files("tokenmill").joinpath(f"lua/{name}.lua").read_text()
 
 
+def _quality_tables() -> str:
+    """The quality flags in bit order and the rate each rule may name (tokenmill.quality), as Lua."""
+    rates = ", ".join(f"{rate} = '{flag}'" for rate, flag in RATE_NAMES.items())
+    return f"local QUALITY_FLAGS = {{{', '.join(map(repr, SIGNALS))}}}\nlocal QUALITY_RATES = {{{rates}}}\n"
+
+
 def _compose(name: str) -> str:
     parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
-    return _read("prelude") + "".join(parts) + _read(name)
+    return _read("prelude") + _quality_tables() + "".join(parts) + _read(name)
 
 
 @cache
@@ -249,14 +256,27 @@ def peeked(fields: Sequence[Any]) -> Peek | None:
     return Peek(text(state), orjson.loads(spec), text(queue or b"short"), int(attempts or 0))
 
 
+def completion_histogram(k: keys.RunKeys) -> Call[dict[int, int]]:
+    """The run's committed jobs per completion-length bin (the outputs hash's ``c<bin>`` fields):
+    what :meth:`tokenmill.quality.LengthBounds.from_histogram` reads."""
+    return Call("", [], ["HGETALL", k.outputs()], _histogram)
+
+
+def _histogram(reply: Any) -> dict[int, int]:
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    fields = ((text(f), v) for f, v in pairs)
+    return {int(f[1:]): int(v) for f, v in fields if f[:1] == outputs.COMPLETION and f[1:].isdigit()}
+
+
 def wait(k: keys.RunKeys, job_id: str, lease_ttl_s: float, hold: bool = True) -> Call[None]:
     """``wait.lua``: take or renew (or, not ``hold``, drop) a delivered job's waiting lease."""
     return Call("wait", [k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)], _ignore)
 
 
 def claim(k: keys.RunKeys, job_id: str, worker: str, lease_ttl_s: float) -> Call[Claim | str]:
-    """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed``, ``cancelled`` or ``busy``."""
-    script_keys = [k.job(job_id), k.counts(), k.leases(), k.delayed()]
+    """A :class:`Claim`, or why not: ``missing``, ``done``, ``failed``, ``cancelled``, ``busy``
+    or ``paused`` (the run is paused: the job stays queued)."""
+    script_keys = [k.job(job_id), k.counts(), k.leases(), k.delayed(), k.paused()]
     return Call(
         "claim", script_keys, [job_id, worker, int(lease_ttl_s * 1000)], partial(claimed, k.run, job_id)
     )
@@ -277,7 +297,8 @@ def start(
     already read it (it never changes), is not parsed again."""
     c = claim(k, job_id, worker, lease_ttl_s)
     decode = partial(started, k.run, job_id, admit=admit, spec=spec)
-    return Call("start", [*c.keys, k.waiting(), *admit.keys], [*c.args, *admit.args], decode)
+    script_keys = [*c.keys[:4], k.waiting(), *admit.keys, k.paused()]
+    return Call("start", script_keys, [*c.args, *admit.args], decode)
 
 
 def claimed(run: str, job_id: str, res: list[Any], spec: dict[str, Any] | None = None) -> Claim | str:
@@ -328,6 +349,14 @@ def heartbeat(beat: Beat, lease_ttl_s: float) -> Call[int]:
     return Call("heartbeat", script_keys, args, int)
 
 
+class Judged(NamedTuple):
+    """At a commit: the job's quality flags (a mask over :data:`tokenmill.quality.SIGNALS`) and
+    how many judged jobs the partition's window keeps."""
+
+    mask: int
+    window_jobs: int
+
+
 def commit(
     k: keys.RunKeys,
     claim: Claim,
@@ -335,19 +364,29 @@ def commit(
     new_tokens: int,
     lengths: LengthReport | None = None,
     release_slot: bool = False,
+    judged: Judged | None = None,
 ) -> Call[str]:
     """Record the result: ``ok``, ``done`` (already) or ``stale``. With ``lengths``, the run's
     length curve learns how long the completion was. With ``release_slot`` and a claim that
     holds an admission slot, the slot is given back in the same round trip (``finish.lua``),
-    whatever the verdict."""
+    whatever the verdict. With ``judged``, the run's quality counts and its partition's window
+    take the job's flags, and the run's stop rules are applied (a trip pauses the run)."""
     usage = result.get("usage") or {}
+    p = claim.partition
     script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()]
-    script_keys += [k.unsealed(claim.partition), k.outputs(), k.recent(claim.partition)]
+    script_keys += [k.unsealed(p), k.outputs(), k.recent(p), k.quality(), k.quality_window(p)]
+    script_keys += [k.quality_window_counts(), k.quality_rules(), k.paused()]
     completion, continued = int(usage.get("completion_tokens") or 0), int(result.get("continued_tokens") or 0)
     args: list[Any] = [claim.job_id, claim.token, orjson.dumps(result), completion]
     args += [int(usage.get("prompt_tokens") or 0), continued, new_tokens]
     args += [1 if result.get("finish_reason") == "length" else 0, int(result.get("discarded_tokens") or 0)]
     args += [*outputs.commit_fields(result), outputs.RECENT_KEPT]
+    if judged is None:
+        args += ["", 0, 0]
+    else:
+        worst = [k.quality_worst(flag) for i, flag in enumerate(SIGNALS) if judged.mask >> i & 1]
+        script_keys += worst
+        args += [judged.mask, judged.window_jobs, len(worst)]
     if lengths is not None:
         script_keys.append(k.lengths())
         raised = [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
@@ -362,6 +401,39 @@ def commit(
             text,
         )
     return Call("commit", script_keys, args, text)
+
+
+def pause(k: keys.RunKeys, reason: str, by: str) -> Call[bool]:
+    """Pause the run (``by``: ``rule`` or ``person``): nothing more is claimed, running jobs
+    finish. True when it was paused now, False when it already was (that pause is kept)."""
+    return Call("pause", [k.paused()], [reason, by], lambda reply: reply == 1)
+
+
+def paused(k: keys.RunKeys) -> Call[tuple[str, str] | None]:
+    """The run's pause, ``(reason, at_ms)``, or None when it is not paused."""
+    return Call("", [], ["HMGET", k.paused(), "reason", "at_ms"], _pause)
+
+
+def _pause(reply: Sequence[Any]) -> tuple[str, str] | None:
+    reason, at_ms = reply
+    return None if at_ms is None else (text(reason or b""), text(at_ms))
+
+
+def unpause(k: keys.RunKeys, partitions: Sequence[str]) -> Call[str]:
+    """Lift the run's pause and clear its quality windows (``partitions``: the run's), so its
+    rules judge only jobs committed from now on: the reason of the pause lifted, '' if none."""
+    script_keys = [k.paused(), k.quality_window_counts(), *map(k.quality_window, partitions)]
+    return Call("unpause", script_keys, [], text)
+
+
+def reference_sample(
+    k: keys.RunKeys, sampled_field: str, entry: bytes, drawn: bool, least: int, cap: int
+) -> Call[int]:
+    """Hand a committed job's scoring ``entry`` to the reference scorer if it is ``drawn`` or its
+    partition has fewer than ``least`` sampled jobs (``sampled_field`` counts them): the count
+    after (:mod:`tokenmill.quality_drift`)."""
+    args = [sampled_field, entry, 1 if drawn else 0, least, cap]
+    return Call("qref_sample", [k.quality_reference(), k.reference_todo()], args, int)
 
 
 def fail(k: keys.RunKeys, claim: Claim, error: JobError) -> Call[str]:

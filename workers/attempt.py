@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tokenmill import errors, outputs
+from tokenmill import errors, outputs, quality
 from tokenmill.options import SGLEXT_OUTPUT_IDS, STOPS, answered_whole, restart_reason, stop_strings
 from tokenmill.settings import Settings
-from tokenmill.transitions import Checkpoint, Claim, LengthReport
+from tokenmill.transitions import Checkpoint, Claim, Judged, LengthReport
 from tokenmill.url_secrets import redact_url
 from workers.admission.limiter import LengthTracker, Slot
 from workers.stream import Progress, StopGuard, StreamClient, stream_chat, whole_chat
@@ -41,6 +41,7 @@ class Commit(NamedTuple):
     new_tokens: int
     lengths: LengthReport | None
     release: bool  # the admission slot goes back with the commit
+    judged: Judged | None  # the job's quality flags (None: not judged)
 
 
 @dataclass(slots=True)
@@ -55,9 +56,10 @@ class Attempted:
     outcome: Outcome | None = None
     error: errors.GenerationError | errors.StaleClaimError | None = None
 
-    def commit(self, settings: Settings) -> Commit:
-        """The commit of this attempt's outcome. Build it once and send that: the length bins it
-        reports are taken from the tracker."""
+    def commit(self, settings: Settings, bounds: quality.LengthBounds | None = None) -> Commit:
+        """The commit of this attempt's outcome, its quality judged (``bounds``: the run's usual
+        completion lengths, if known). Build it once and send that: the length bins it reports
+        are taken from the tracker."""
         assert self.outcome is not None
         result = self.outcome.result
         result["server"] = redact_url(self.url)
@@ -70,7 +72,23 @@ class Attempted:
         lengths = None
         if self.tracker:
             lengths = self.tracker.finish(result["usage"]["completion_tokens"], self.state.progress.usage)
-        return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None)
+        judged = judge(result, self.claim, settings, bounds)
+        return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None, judged)
+
+
+def judge(
+    result: dict[str, Any], claim: Claim, settings: Settings, bounds: quality.LengthBounds | None
+) -> Judged | None:
+    """The job's quality flags for its commit (:func:`tokenmill.quality.flags`); None when
+    judging is off, or failed (a judge's fault never costs a job its commit)."""
+    if not settings.quality_signals:
+        return None
+    try:
+        mask = quality.flags(result, claim.spec["request"], bounds)
+    except Exception:
+        log.exception("job %s/%s: quality not judged", claim.run, claim.job_id)
+        return None
+    return Judged(mask, settings.quality_window_jobs)
 
 
 def uncounted(base: Checkpoint) -> str | None:

@@ -5,7 +5,7 @@ The task's thread hands the job to the loop and waits once. Run from the thread 
 before), the peek, the waiting lease, each ask for room, the claim and the commit each blocked
 it on a Redis round trip and handed the GIL back and forth with the loop: about 150-200 µs of a
 worker's CPU a round trip (bench/jobcost.py), on top of redis-py's own ~60 µs a command; on the
-loop the same scripts cost ~10-25 µs each (:mod:`tokenmill.loop_redis`). Jobs waiting for room
+loop the same scripts cost ~10-25 µs each (:mod:`tokenmill.redis_async`). Jobs waiting for room
 stand in this process's line (:class:`~workers.admission.waitline.WaitLine`).
 
 Nothing here blocks the loop: the server and run figures admission decides by are refreshed on
@@ -26,6 +26,7 @@ import redis
 
 from tokenmill import keys
 from tokenmill import transitions as t
+from tokenmill.quality import LengthBounds
 from tokenmill.redis_retry import ride_out
 from tokenmill.transitions import Claim, Full, Peek
 from tokenmill.url_secrets import redact_url
@@ -41,6 +42,7 @@ log = logging.getLogger("tokenmill.worker")
 FINAL_STATES = ("done", "failed", "cancelled")
 LINE_CHECK_S = 0.5  # how often a job behind the head looks at the stop flag and its lease
 WAIT_RETRY_S = 1.0  # after a Redis error while waiting for admission
+BOUNDS_EVERY_S = 5.0  # how often a process reads each run's usual completion lengths
 
 
 async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
@@ -63,7 +65,10 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
         if started is None:
             return "stopping"
         if isinstance(started, str):
-            log.info("job %s/%s not claimed: %s", run, job_id, started)
+            if started == "paused":
+                await _paused(rt, k)
+            else:
+                log.info("job %s/%s not claimed: %s", run, job_id, started)
             return started
         server, slot, claim = started
         done = await attempt_job(rt, claim, server.url, slot, on_first=aff.first_token)
@@ -71,9 +76,38 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
         aff.ended()  # with or without a first token: its siblings wait for it no longer
     if done.error is not None:
         return done
-    commit = done.commit(rt.settings)
+    commit = done.commit(rt.settings, await _length_bounds(rt, k) if rt.settings.quality_signals else None)
     verdict = await ride_out(lambda: led.call(t.commit(k, done.claim, *commit)), rt.abort_streams)
+    if verdict == "ok":
+        await rt.reference.after_commit(led, done, commit)  # a dict lookup without a reference
     return committed(rt, done, commit, verdict)
+
+
+async def _length_bounds(rt: Runtime, k: keys.RunKeys) -> LengthBounds | None:
+    """The run's usual completion lengths (:class:`~tokenmill.quality.LengthBounds`), read from
+    its outputs histogram at most every ``BOUNDS_EVERY_S`` by this process (never a read per job;
+    a failed read keeps the last)."""
+    now = asyncio.get_running_loop().time()
+    at, bounds = rt.length_bounds.get(k.run, (-BOUNDS_EVERY_S, None))
+    if now - at >= BOUNDS_EVERY_S:
+        rt.length_bounds[k.run] = (now, bounds)  # the jobs committing meanwhile do not read too
+        with contextlib.suppress(redis.RedisError):
+            histogram = await rt.async_ledger.call(t.completion_histogram(k))
+            bounds = LengthBounds.from_histogram(histogram)
+            rt.length_bounds[k.run] = (now, bounds)
+    return bounds
+
+
+async def _paused(rt: Runtime, k: keys.RunKeys) -> None:
+    """Say once per pause that the run is paused: its jobs stay queued, their messages acked."""
+    with contextlib.suppress(redis.RedisError):
+        pause = await rt.async_ledger.call(t.paused(k))
+        if pause is not None and rt.pauses_said.get(k.run) != pause[1]:
+            rt.pauses_said[k.run] = pause[1]
+            log.warning(
+                "run %s is paused (%s): its jobs stay queued; `tokenmill resume --run %s` lifts it",
+                k.run, pause[0], k.run,
+            )  # fmt: skip
 
 
 async def _admit(

@@ -32,8 +32,9 @@ from typing import NamedTuple
 
 import redis
 
-from tokenmill import history, keys, server_report, transitions
+from tokenmill import history, keys, server_report
 from tokenmill import servers as server_records
+from tokenmill.replies import text
 from tokenmill.series import SeriesWriter
 from tokenmill.server_report import Load
 from workers.runtime import Runtime
@@ -107,7 +108,7 @@ class LoadWatch(threading.Thread):
         if r.set(key, self.me, nx=True, px=ttl_ms):
             return True
         holder = r.get(key)
-        if holder is not None and transitions.text(holder) == self.me:
+        if holder is not None and text(holder) == self.me:
             r.pexpire(key, ttl_ms)
             return True
         return False

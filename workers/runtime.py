@@ -11,12 +11,14 @@ from typing import Any
 from tokenmill import ledger_async, redis_conn
 from tokenmill.ledger import Ledger
 from tokenmill.ledger_async import AsyncLedger
-from tokenmill.loop_redis import LoopRedis
+from tokenmill.quality import LengthBounds
+from tokenmill.redis_async import LoopRedis
 from tokenmill.settings import Settings
 from workers.admission import affinity
 from workers.admission.limiter import Admission
 from workers.event_loop import LoopThread
 from workers.pool import ServerPool
+from workers.reference import Scorer
 from workers.stream import StreamClient
 from workers.watch import Watch
 
@@ -38,11 +40,15 @@ class Runtime:
         self.stopping = threading.Event()  # stop taking work
         self.abort_streams = threading.Event()  # grace period over: checkpoint and release
         self.auth_error: str | None = None
+        # quality (workers.job_path): each run's usual completion lengths, (read at, bounds) by
+        # the loop's clock; and the pause this process last said it saw, run -> since (ms)
+        self.length_bounds: dict[str, tuple[float, LengthBounds | None]] = {}
+        self.pauses_said: dict[str, str] = {}
         self._ledgers: dict[str, Ledger] = {}
-        self.loop_redis = LoopRedis(
+        self.redis_async = LoopRedis(
             settings.redis_url, name=f"tokenmill-loop:{self.worker_id}", scripts=ledger_async.SCRIPTS.values()
         )
-        self.async_ledger = AsyncLedger(self.loop_redis)  # the ledger's transitions, on the loop
+        self.async_ledger = AsyncLedger(self.redis_async)  # the ledger's transitions, on the loop
         self._clients: dict[str, StreamClient] = {}
         self._lock = threading.Lock()
         self.watch = Watch(
@@ -55,6 +61,7 @@ class Runtime:
         for url in settings.server_urls:  # built now, not on the loop under the first job
             self.client(url)
         self.inflight = 0
+        self.reference = Scorer(self.redis, settings)  # started with the upkeep (workers/task.py)
 
     def ledger(self, run: str) -> Ledger:
         with self._lock:

@@ -74,6 +74,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     if "upkeep" not in _upkeep:
         _upkeep["upkeep"] = Upkeep(rt.redis, rt.settings)
         _upkeep["upkeep"].start()
+        rt.reference.start()
         if rt.settings.admission and rt.settings.admission_closed_loop:
             LoadWatch(rt).start()
 

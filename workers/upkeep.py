@@ -3,8 +3,8 @@
 It requeues jobs whose lease expired (a killed worker's jobs run again within about one lease
 TTL plus one period, whatever the broker's visibility timeout), publishes delayed retries
 whose time has come, tops the broker lists up from the backlog, republishes queued jobs
-that no message carries (see :class:`Reconciler`), and adds each run's point to its history
-once a ``series_step_s`` (:mod:`tokenmill.history`).
+that no message carries (see :class:`Reconciler`), these three for runs that are not paused,
+and adds each run's point to its history once a ``series_step_s`` (:mod:`tokenmill.history`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import redis
 
 from tokenmill import history, keys
 from tokenmill.ledger import Ledger
+from tokenmill.replies import text
 from tokenmill.series import SeriesWriter
 from tokenmill.settings import Settings
-from tokenmill.replies import text
 from tokenmill.transitions import F
 
 log = logging.getLogger("tokenmill.pump")
@@ -76,12 +76,18 @@ def upkeep_once(
         if reaped:
             log.warning("run %s: requeued %d job(s) whose lease expired", run, len(reaped))
         did["reaped"] += len(reaped)
-        did["promoted"] += ledger.promote_due()
         did["abandoned"] += ledger.requeue_abandoned()
-        for queue in keys.QUEUES:
-            did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
-        if reconciler is not None:
-            did["republished"] += reconciler.pass_(client, ledger)
+        if client.exists(ledger.k.paused()):
+            # a paused run's jobs stay where they are: nothing is published for them (a
+            # reaped or abandoned job's message is acked by the worker it reaches)
+            if reconciler is not None:
+                reconciler.suspects.pop(run, None)
+        else:
+            did["promoted"] += ledger.promote_due()
+            for queue in keys.QUEUES:
+                did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
+            if reconciler is not None:
+                did["republished"] += reconciler.pass_(client, ledger)
         if recorder is not None:
             did["recorded"] += _record(recorder, client, run)
     return did

@@ -5,7 +5,8 @@ Every route, the static files included, answers only a request whose ``Host`` is
 credentials are configured. Every answer, errors included, carries the security headers.
 The API's answers are the Python API's documents, unchanged: ``api/status`` is
 ``Client.status(run).to_dict()``, the ``tokenmill status --json`` document; ``api/runs`` the
-``tokenmill runs --json`` one. The Client's calls
+``tokenmill runs --json`` one; ``api/flagged`` is ``Client.flagged_jobs(run)`` (the latest jobs
+each quality flag was set on), ``api/samples?partition=P&job=ID`` that job's sample. The Client's calls
 block on Redis, so each runs in a thread.
 """
 
@@ -65,6 +66,7 @@ def make_app(client: Client, credentials: list[str], hosts: frozenset[str]) -> w
     app.router.add_get("/api/status", api.status)
     app.router.add_get("/api/history", api.history)
     app.router.add_get("/api/samples", api.samples)
+    app.router.add_get("/api/flagged", api.flagged)
     app.router.add_static("/static/", static_dir(), follow_symlinks=False)
     return app
 
@@ -131,7 +133,14 @@ class _Api:
         run = _run(request)
         n = _int(request, "n", 3, 1, MAX_SAMPLES)
         partition = request.query.get("partition") or None
-        return await _answer(lambda: self.client.samples(run, n, partition=partition))
+        job = request.query.get("job") or None
+        if job is not None and partition is None:
+            raise _bad(400, "job needs its partition (api/samples?run=NAME&partition=P&job=ID)")
+        return await _answer(lambda: self.client.samples(run, n, partition=partition, job_id=job))
+
+    async def flagged(self, request: web.Request) -> web.StreamResponse:
+        run = _run(request)
+        return await _answer(lambda: self.client.flagged_jobs(run))
 
 
 def _run(request: web.Request) -> str:

@@ -23,9 +23,14 @@ Test hooks, never on the real server and exempt from ``--api-key``:
   requests queue, until set back to ``false``;
 - ``{"ignore_stop": true}``: requests are answered as if they had no ``stop`` strings (their
   text runs past them, as real SGLang's now and then does), until set back to ``false``;
+- ``{"degrade": "loop" | "truncate" | "broken_json" | "empty"}``: the answers to requests that
+  arrive from then on degrade as a broken server's do (a loop to ``max_tokens``, no EOS, output
+  that breaks its ``response_format``/``regex``/tool schema, no answer; details in
+  :mod:`server_mgr.sim.decode`), until set back to ``null``;
 - ``{"crash": true}``: log SGLang's scheduler-crash lines and SIGKILL the process.
 
-It answers ``{"health_stall": bool, "stall_streams": bool, "ignore_stop": bool}``.
+It answers ``{"health_stall": bool, "stall_streams": bool, "ignore_stop": bool, "degrade": str |
+null}``.
 
 ``GET /_sim/stats``: ``capacity``, ``used_tokens``, ``peak_used_tokens``, ``running``,
 ``queued``, ``retracted_total``, ``generated_total``, ``new_token_ratio``, ``chat_requests``,

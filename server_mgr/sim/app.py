@@ -8,7 +8,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from server_mgr.sim import endpoints, metrics, tokens
+from server_mgr.sim import endpoints, generate, metrics, tokens
 from server_mgr.sim.chat import chat_completions, json_response, peer, read_json
 from server_mgr.sim.errors import RequestError
 from server_mgr.sim.state import STATE, SimState
@@ -86,6 +86,7 @@ def build_app(state: SimState) -> web.Application:
         post("/invocations", chat_completions),
         post("/tokenize", tokenize),
         post("/v1/tokenize", tokenize),
+        post("/generate", generate.generate),
         get("/v1/loads", e.loads),
         get("/flush_cache", e.flush_cache),
         post("/flush_cache", e.flush_cache),

@@ -54,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         if state.faults.ignore_stop:  # the fault: the output neither ends nor is cut at them
             body.pop("stop", None)
-        plan = plan_chat(body, cfg, state.log)
+        plan = plan_chat(body, cfg, state.log, state.faults.degrade)
     except RequestError as exc:
         return json_response(exc.body(), exc.status)
     fault = None

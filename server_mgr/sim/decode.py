@@ -14,17 +14,25 @@ scheduler and detokenizer would:
   ``min_tokens`` stop token ids are never drawn. A stop string beats a stop token at one step;
 - a continuation (``continue_final_message``) of a constrained request starts a new value of
   the grammar, as SGLang's grammar knows nothing of the partial; stop strings are matched in the
-  new text only.
+  new text only;
+- a degraded engine (``POST /_sim/fault`` ``degrade``, :data:`DEGRADES`): ``loop``: after the
+  first quarter of its limit the output repeats its last 6 tokens until the limit (``length``);
+  ``truncate``: EOS never comes, free text runs to its limit, a grammar's or tool call's text is
+  cut halfway (``length``); ``broken_json``: a JSON grammar's value lacks a required property or
+  is not JSON (cut, a comma after it), a regex's text gets ``"\\x00\\n"`` after it, a tool call
+  lacks a required argument or names an undeclared function; ``empty``: the output ends after
+  its reasoning, with no content. Stop strings still cut a degraded output.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import rstr
@@ -35,6 +43,9 @@ from server_mgr.sim.options import Options, rng_for
 # A logit_bias at least this large forces its token (at most this negative bans it): a random or
 # tiny model's logits spread over a few units; smaller biases leave the sim's output alone.
 LOGIT_BIAS_DECIDES = 5.0
+Degrade = Literal["loop", "truncate", "broken_json", "empty"]
+DEGRADES: tuple[Degrade, ...] = ("loop", "truncate", "broken_json", "empty")
+LOOP_TOKENS = 6  # a degraded loop's block
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +97,19 @@ def build(
     *,
     continued: bool,
     tool_parser: str | None,
+    degrade: Degrade | None = None,
 ) -> Output:
-    """The output of a request (``params``: those of :func:`textgen.resolve`)."""
+    """The output of a request (``params``: those of :func:`textgen.resolve`), as a degraded
+    engine writes it with ``degrade``."""
     steer = _steering(opts)
+    if degrade == "truncate":
+        steer = replace(steer or textgen.Steering(), ignore_eos=True)
     base = textgen.resolve(
         messages, continue_final_message=continued, steering=steer, salt=opts.key_extra, **params
     )
     toks, finish = list(base.tokens), base.finish_reason
     eos = False  # the output ends with the EOS token, counted and given a log-probability
-    grammar = _grammar_text(messages, params, opts, base, tool_parser)
+    grammar = _grammar_text(messages, params, opts, base, tool_parser, degrade == "broken_json")
     if grammar is not None:
         # under a grammar the model must end with EOS once the grammar is complete; SGLang
         # counts that token (free text's natural stop does not count it in the sim: see
@@ -105,6 +120,12 @@ def build(
         eos = finish == "stop"
         if eos:
             toks.pop()
+        if eos and degrade == "truncate":
+            toks, finish, eos = toks[: (len(toks) + base.reasoning_tokens) // 2], "length", False
+    if degrade == "loop":
+        toks, finish, eos = _loop(toks, _limit(params, base.prompt_tokens)), "length", False
+    elif degrade == "empty":
+        toks, finish, eos = toks[: base.reasoning_tokens], "stop", True
     offsets = list(accumulate(len(t) for t in toks))
     # ignore_eos: free text runs to its limit (textgen); a complete grammar still ends the output
     matched: int | str | None = textgen.EOS_TOKEN_ID if finish == "stop" else None
@@ -155,26 +176,59 @@ def _limit(params: dict[str, Any], prompt_tokens: int) -> int:
     return min(budget, params["max_tokens"]) if params.get("max_tokens") else budget
 
 
+def _loop(toks: list[str], limit: int) -> list[str]:
+    """``toks`` looping: its first quarter of ``limit``, then its last tokens over and over."""
+    keep = max(1, min(len(toks), limit) // 4)
+    block = toks[max(0, keep - LOOP_TOKENS) : keep] or [textgen.VOCAB[0]]
+    return toks[:keep] + [block[i % len(block)] for i in range(limit - keep)]
+
+
 def _grammar_text(
     messages: Sequence[textgen.Message],
     params: dict[str, Any],
     opts: Options,
     base: textgen.Completion,
     tool_parser: str | None,
+    broken: bool = False,
 ) -> str | None:
-    """The content a grammar or a tool call makes the model write; None for free text."""
+    """The content a grammar or a tool call makes the model write (``broken``: one that does not
+    hold to it); None for free text."""
     # the grammar's own draw: from the whole request, so a continuation draws a new value
     key = base.key + orjson.dumps([messages[-1].get("content") if messages else None])
     if opts.constraint is not None:
         rng = rng_for(key, opts.constraint.kind, opts.constraint.spec)
         if opts.constraint.kind == "regex":
-            return rstr.Rstr(rng).xeger(opts.constraint.spec)
+            return rstr.Rstr(rng).xeger(opts.constraint.spec) + ("\x00\n" if broken else "")
         if opts.constraint.kind == "ebnf":
             return ebnf.generate(opts.constraint.spec, rng)
-        return json.dumps(schemagen.generate(opts.constraint.spec, rng), ensure_ascii=False)
+        value = schemagen.generate(opts.constraint.spec, rng)
+        text = json.dumps(value, ensure_ascii=False)
+        if broken:  # a required property left out, or a text cut (no JSON text ends with a comma)
+            dropped = _without_required(value, opts.constraint.spec, rng)
+            return text[:-1] + "," if dropped is None else json.dumps(dropped, ensure_ascii=False)
+        return text
     if opts.forced_tools or (opts.calls_tools and tool_parser and rng_for(key, "auto").random() < 0.5):
-        return toolcalls.render(toolcalls.planned_calls(opts, key), tool_parser)
+        calls = toolcalls.planned_calls(opts, key)
+        if broken:
+            params = {t["function"]["name"]: t["function"].get("parameters") for t in opts.tools}
+            rng = rng_for(key, "broken")
+            calls = [
+                (name, fixed)
+                if (fixed := _without_required(args, params[name], rng)) is not None
+                else (name + "_undeclared", args)
+                for name, args in calls
+            ]
+        return toolcalls.render(calls, tool_parser)
     return None
+
+
+def _without_required(value: Any, schema: Any, rng: random.Random) -> Any:
+    """``value`` without its schema's first required property, for half the draws of ``rng``
+    (None: the other half, or no such property)."""
+    required = schema.get("required") if isinstance(schema, dict) else None
+    if not (isinstance(value, dict) and required and required[0] in value) or rng.random() < 0.5:
+        return None
+    return {k: v for k, v in value.items() if k != required[0]}
 
 
 def _first_stop(toks: list[str], offsets: list[int], opts: Options) -> tuple[int, int | str, int] | None:

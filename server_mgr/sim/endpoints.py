@@ -21,6 +21,7 @@ from server_mgr.sim.config import (
     VERSION,
     WEIGHTS_GB,
 )
+from server_mgr.sim.decode import DEGRADES
 from server_mgr.sim.state import STATE, SimState
 
 
@@ -293,6 +294,10 @@ async def sim_fault(request: web.Request) -> web.Response:
         state.set_stall_streams(bool(body["stall_streams"]))
     if "ignore_stop" in body:
         state.faults.ignore_stop = bool(body["ignore_stop"])
+    if "degrade" in body:
+        if body["degrade"] not in (None, *DEGRADES):
+            return json_response({"error": f"degrade must be one of {', '.join(DEGRADES)} or null"}, 400)
+        state.faults.degrade = body["degrade"]
     return json_response(dataclasses.asdict(state.faults))
 
 

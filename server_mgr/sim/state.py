@@ -13,6 +13,7 @@ from typing import Literal
 from aiohttp import web
 
 from server_mgr.sim.config import SimConfig
+from server_mgr.sim.decode import Degrade
 from server_mgr.sim.logs import SimLog
 from server_mgr.sim.scheduler import Scheduler, SimRequest
 
@@ -26,6 +27,7 @@ class Faults:
     health_stall: bool = False
     stall_streams: bool = False
     ignore_stop: bool = False
+    degrade: Degrade | None = None  # answers degrade from then on (server_mgr.sim.decode)
 
 
 @dataclass(slots=True)

@@ -213,8 +213,11 @@ def _truncated_input(
     return replace(output, prompt_tokens=prompt)
 
 
-def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
-    """Validate a /v1/chat/completions body and compute its deterministic output."""
+def plan_chat(
+    body: Mapping[str, Any], cfg: SimConfig, log: SimLog, degrade: decode.Degrade | None = None
+) -> ChatPlan:
+    """Validate a /v1/chat/completions body and compute its deterministic output (``degrade``:
+    the ``POST /_sim/fault`` switch, :func:`server_mgr.sim.decode.build`)."""
     messages = check_messages(body)
     _reasoning_effort(body)  # a field of the request model: checked with or without a parser
     stream = bool(body.get("stream", False))
@@ -244,7 +247,9 @@ def plan_chat(body: Mapping[str, Any], cfg: SimConfig, log: SimLog) -> ChatPlan:
             "continue a final assistant message (sim fault --sim-refuse-continuations)"
         )
     try:
-        output = decode.build(messages, params, opts, continued=continued, tool_parser=cfg.tool_call_parser)
+        output = decode.build(
+            messages, params, opts, continued=continued, tool_parser=cfg.tool_call_parser, degrade=degrade
+        )
     except textgen.ContinuationError as exc:
         raise RequestError(str(exc)) from None
     limit = _check_context(output.prompt_tokens, max_new, cfg, log)

@@ -4,10 +4,12 @@
 -- Post: the job is `running`, owned by ARGV worker until the lease expires; `token` (the fencing
 --       token every later transition must present) and `attempts` are incremented; a pending
 --       delayed retry is dropped. Counts move queued -> running (none move on a takeover).
--- KEYS: 1 job, 2 counts, 3 leases, 4 delayed.  ARGV: 1 job id, 2 worker, 3 lease ttl ms.
+--       While the run is paused (KEYS 5 exists) nothing is claimed: the job stays as it is.
+-- KEYS: 1 job, 2 counts, 3 leases, 4 delayed, 5 the run's paused hash.
+-- ARGV: 1 job id, 2 worker, 3 lease ttl ms.
 -- Returns {'ok', token, attempts, spec, ckpt_content, ckpt_reasoning, ckpt_tokens, partition,
 --          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | cancelled | busy
---          (a sealed job is done).
+--          (a sealed job is done), or {'paused', the pause's reason}.
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
@@ -17,6 +19,8 @@ if state == 'done' or state == 'failed' or state == 'cancelled' then return {sta
 if state == 'sealed' then return {'done'} end
 if state == 'running' and lease > now_ms then return {'busy'} end
 if state == 'running' and f[4] then return {'cancelled'} end
+local paused = redis.call('HGET', KEYS[5], 'reason')
+if paused then return {'paused', paused} end
 if state == 'queued' then
   bump(KEYS[2], 'queued|' .. partition, -1, 0)
   bump(KEYS[2], 'running|' .. partition, 1, 0)

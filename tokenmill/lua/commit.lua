@@ -9,13 +9,23 @@
 --       newest of its partition's recent list, which keeps ARGV 13 ids. With KEYS 9, the run's
 --       lengths hash has each field of ARGV 14... raised by the amount after it (the bins the
 --       request reached and ended in, and its prompt's sample: tokenmill/lengths.py names them).
+--       Quality (ARGV 14 a mask over QUALITY_FLAGS, tokenmill/quality.py; '' = not judged):
+--       the run's quality hash counts the job judged and each flag set, in its partition; the
+--       mask is the newest of the partition's window (ARGV 15 masks kept: the oldest leave, and
+--       the window counts hash loses their flags); `<partition>|n` counts the jobs judged since
+--       the run began or was resumed; each worst list (KEYS 14...) gets `partition|job id`,
+--       ARGV 13 kept. Then, unless the run is paused, the run's rules are applied to the
+--       partition's window rates: the first that trips pauses the run (by 'rule', its reason).
 -- KEYS: 1 job, 2 counts, 3 leases, 4 stats, 5 throughput, 6 unsealed(partition), 7 outputs,
---       8 recent(partition), [9 run lengths].
+--       8 recent(partition), 9 quality, 10 quality window(partition), 11 window counts,
+--       12 rules, 13 paused, 14... the worst list of each flag set (ARGV 16 of them),
+--       [then the run lengths].
 -- ARGV: 1 job id, 2 token, 3 result json, 4 completion tokens, 5 prompt tokens,
 --       6 continued tokens, 7 new tokens since the last report, 8 truncated (0|1),
 --       9 checkpoint tokens thrown away (a restart), 10 outputs field of the finish reason,
 --       11 outputs field of the completion length, 12 of the reasoning length (or ''),
---       13 recent ids kept, [14... lengths field, amount, field, amount, ...].
+--       13 recent ids kept, 14 quality mask (or ''), 15 window jobs, 16 worst lists,
+--       [17... lengths field, amount, field, amount, ...].
 -- Returns 'ok', 'done' (already done: nothing written) or 'stale'.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
 if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
@@ -46,10 +56,58 @@ end
 for i = 10, 12 do
   if ARGV[i] ~= '' then bump(KEYS[7], ARGV[i], 1, 0) end
 end
+local kept = int(ARGV[13], 0, 0)
 redis.call('LPUSH', KEYS[8], ARGV[1])
-redis.call('LTRIM', KEYS[8], 0, int(ARGV[13], 0, 0) - 1)
-if KEYS[9] then
-  for i = 14, #ARGV - 1, 2 do bump(KEYS[9], ARGV[i], ARGV[i + 1], 0) end
+redis.call('LTRIM', KEYS[8], 0, kept - 1)
+local worst = int(ARGV[16], 0, 0, #QUALITY_FLAGS)
+if ARGV[14] ~= '' then
+  local p, mask = f[3], int(ARGV[14], 0, 0, 2 ^ #QUALITY_FLAGS - 1)
+  local judged, moves = {p .. '|judged', 1}, {p .. '|n', 1}
+  local len = redis.call('LPUSH', KEYS[10], mask)
+  for i, flag in ipairs(QUALITY_FLAGS) do
+    if floor(mask / 2 ^ (i - 1)) % 2 == 1 then
+      judged[#judged + 1], judged[#judged + 2] = p .. '|' .. flag, 1
+      moves[#moves + 1], moves[#moves + 2] = p .. '|' .. flag, 1
+    end
+  end
+  while len > int(ARGV[15], 1, 1) do  -- the oldest masks leave the window
+    local old = int(redis.call('RPOP', KEYS[10]), 0, 0, 2 ^ #QUALITY_FLAGS - 1)
+    len = len - 1
+    for i, flag in ipairs(QUALITY_FLAGS) do
+      if floor(old / 2 ^ (i - 1)) % 2 == 1 then
+        moves[#moves + 1], moves[#moves + 2] = p .. '|' .. flag, -1
+      end
+    end
+  end
+  bumps(KEYS[9], 0, judged)
+  bumps(KEYS[11], 0, moves)
+  for i = 1, worst do
+    redis.call('LPUSH', KEYS[13 + i], p .. '|' .. ARGV[1])
+    redis.call('LTRIM', KEYS[13 + i], 0, kept - 1)
+  end
+  if redis.call('EXISTS', KEYS[13]) == 0 then
+    local rules = redis.call('HGETALL', KEYS[12])
+    for i = 1, #rules, 2 do
+      local op, value, min_jobs, name = string.match(rules[i + 1], '^([<>]) (%S+) (%d+) (%S+)$')
+      local flag = QUALITY_RATES[name or '']
+      if flag then
+        local got = redis.call('HMGET', KEYS[11], p .. '|n', p .. '|' .. flag)
+        local rate = int(got[2], 0, 0) / len
+        value = num(value, 0)
+        local crossed = (op == '>' and rate > value) or (op == '<' and rate < value)
+        if crossed and int(got[1], 0, 0) >= int(min_jobs, 1, 1) then
+          redis.call('HSET', KEYS[13], 'reason', string.format(
+            'quality rule %s tripped on partition %s: %.3f over %d jobs', rules[i], p, rate, len),
+            'at_ms', now_ms, 'by', 'rule')
+          break
+        end
+      end
+    end
+  end
+end
+local lengths = KEYS[14 + worst]
+if lengths then
+  for i = 17, #ARGV - 1, 2 do bump(lengths, ARGV[i], ARGV[i + 1], 0) end
 end
 local n = int(ARGV[7], 0, 0)
 if n > 0 then bump(KEYS[5], t[1], n, 0) end

@@ -40,7 +40,7 @@ from tokenmill import keys
 from tokenmill.admission_view import read_survival
 from tokenmill.ledger import register
 from tokenmill.lengths import Survival, bin_of, reached
-from tokenmill.loop_redis import LoopRedis
+from tokenmill.redis_async import LoopRedis
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens

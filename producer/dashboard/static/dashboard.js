@@ -13,11 +13,16 @@
   const PROMPT_CHARS = 600;
   const COLORS = ["#1c7ed6", "#2f9e44", "#e03131", "#f08c00", "#7048e8", "#0c8599", "#d6336c",
     "#5c940d", "#862e9c", "#495057"];
+  // status --json's quality rates, and the per-job flag each is the share of (a history point
+  // counts judged jobs and q:<flag>; api/flagged lists the latest jobs of each flag)
+  const RATES = ["length_share", "empty_share", "repetition", "invalid_structured", "tool_call_errors", "length_drift"];
+  const FLAGS = ["length", "empty", "repetition", "invalid_structured", "tool_call_errors", "length_drift"];
+  const RATE_JOBS = 50;  // a flagged share over time is over at least this many judged jobs
   const STATE_COLOR = { done: "#2f9e44", running: "#1c7ed6", queued: "#868e96", failed: "#e03131",
     cancelled: "#f08c00", sealed: "#7048e8" };
 
   const tm = window.tm = { run: null, runs: [], status: null, hist: null, charts: {}, bins: {}, ticks: 0,
-    updated: null, samples: null };
+    updated: null, samples: null, flagged: null };
   const $ = (id) => document.getElementById(id);
 
   // -- small helpers ------------------------------------------------------------------------
@@ -200,8 +205,8 @@
     const states = ["done", "running", "queued", "failed"];
     if ("cancelled" in st.totals) states.push("cancelled");
     const sealed = (st.results && st.results.sealed) || {};
-    const rows = Object.keys(st.partitions).sort().map((p) => {
-      const c = st.partitions[p];
+    const rows = Object.keys(st.partitions).sort().map((p) => {  // (its numbers: jobs by state)
+      const c = Object.fromEntries(Object.entries(st.partitions[p]).filter(([, v]) => typeof v === "number"));
       const total = Object.values(c).reduce((a, b) => a + b, 0);
       return [p, progressBar(c), el("span", { text: total ? pct(c.done / total) : "–" }),
         ...states.map((s) => field(["partitions", p, s], c[s])),
@@ -300,6 +305,84 @@
       card("shards being sealed", field(["results", "sealing"], r.sealing || 0)),
       card("result store", el("span", { class: "muted", text: r.store || "none yet" })),
     );
+  }
+
+  // -- quality --------------------------------------------------------------------------------
+
+  function renderPaused(st) {
+    const box = $("paused"), p = st.paused;
+    box.hidden = !p;
+    box.textContent = "";
+    if (!p) return;
+    box.append(el("b", { text: "PAUSED" }), " since ", field(["paused", "at"], p.at, (v) => new Date(v * 1000).toLocaleString()),
+      ` (${duration(st.at - p.at)} ago): `, field(["paused", "reason"], p.reason, String),
+      el("span", { class: "muted", text: ` · nothing more is claimed; tokenmill resume --run ${st.run} lifts it` }));
+  }
+
+  // the rates over each partition's window of latest judged jobs, and over the run's (every
+  // partition's window); drift against the reference (a log-probability gap) with its 95% CI
+  function renderQuality(st) {
+    const parts = Object.keys(st.partitions).sort().filter((p) => st.partitions[p].quality);
+    const docs = [[["quality"], st.quality || {}], ...parts.map((p) => [["partitions", p, "quality"], st.partitions[p].quality])];
+    const names = [...RATES, "drift"].filter((n) => docs.some(([, q]) => n in q));
+    const rows = docs.filter(([, q]) => Object.keys(q).length).map(([path, q]) => [
+      path.length === 1 ? "all partitions" : path[1],
+      ...["judged", "window"].map((n) => (n in q ? field([...path, n], q[n]) : "–")),
+      ...names.map((n) => (n === "drift" ? driftCell(path, q) : n in q ? field([...path, n], q[n], pct) : "–"))]);
+    if (!rows.length) rows.push(["no job judged yet", "0", "0", ...names.map(() => "–")]);
+    table($("quality"), ["partition", "judged", "window", ...names], rows);
+  }
+
+  function driftCell(path, q) {
+    if (!("drift" in q)) return "–";
+    const ci = q.drift_ci95;  // the 95% interval's half-width
+    return el("span", {}, field([...path, "drift"], q.drift, (v) => dec(v, 3)),
+      ci !== null && ci !== undefined ? el("span", { class: "muted" }, " ± ", field([...path, "drift_ci95"], ci, (v) => dec(v, 3))) : null);
+  }
+
+  // each flag's share of the judged jobs between a point and the latest earlier point at least
+  // RATE_JOBS judged jobs before it (or the first), from the cumulative counts of the history (a
+  // point without a flag's count has none of it)
+  function flaggedShares(cols) {
+    const judged = col(cols, "judged");
+    const flags = FLAGS.map((f) => col(cols, `q:${f}`));
+    const out = FLAGS.map(() => []);
+    let j = 0;
+    for (let i = 0; i < judged.length; i++) {
+      if (judged[j] === null) j = i;
+      while (j + 1 < i && judged[i] - judged[j + 1] >= RATE_JOBS) j++;
+      const dj = judged[i] === null ? 0 : judged[i] - judged[j];
+      flags.forEach((q, k) => out[k].push(dj > 0 ? (100 * Math.max(0, (q[i] ?? 0) - (q[j] ?? 0))) / dj : null));
+    }
+    return out;
+  }
+
+  function renderQualityChart(cols) {
+    const box = $("chart-quality");
+    if (!cols.judged) {
+      box.textContent = "";
+      box.append(el("p", { class: "muted", text: "no job judged yet" }));
+      return;
+    }
+    chart("quality", box, timeOpts(RATES.map((n, i) => line(n, COLORS[i])), "% of judged jobs"), [cols.t, ...flaggedShares(cols)]);
+  }
+
+  const shortId = (id) => (/^[0-9a-f]{32}$/.test(id) ? id.slice(0, 10) : clip(id, 40));
+
+  function renderFlagged(flagged) {
+    const box = $("flagged");
+    const sig = JSON.stringify(flagged);
+    if (box.dataset.sig === sig) return;  // unchanged: the buttons stay as they are
+    box.dataset.sig = sig;
+    box.textContent = "";
+    for (const flag of FLAGS) {
+      const jobs = flagged[flag] || [];
+      if (!jobs.length) continue;
+      box.append(el("div", { class: "flagged-row", data: { flag } }, el("span", { class: "flag", text: flag }),
+        ...jobs.map((j) => el("button", { type: "button", class: "job", title: `${j.partition} · ${j.job_id}`,
+          data: { flag, partition: j.partition, jobId: j.job_id }, text: `${j.partition} · ${shortId(j.job_id)}` }))));
+    }
+    if (!box.childElementCount) box.append(el("p", { class: "muted", text: "no job flagged yet" }));
   }
 
   // -- the time series ------------------------------------------------------------------------
@@ -419,23 +502,33 @@
     return box;
   }
 
-  async function refreshSamples() {
-    if (!tm.run) return;
-    const run = tm.run;
+  function refreshSamples() {
+    if (!tm.run) return Promise.resolve();
     const partition = $("sample-partition").value;
-    const n = $("sample-n").value;
+    const query = `&n=${$("sample-n").value}${partition ? `&partition=${encodeURIComponent(partition)}` : ""}`;
+    return loadSamples(query, (samples) => `${samples.length} shown, read at ${new Date().toLocaleTimeString()}`);
+  }
+
+  // a worst example: the flagged job's sample in the viewer
+  function showFlagged(button) {
+    const { flag, partition, jobId } = button.dataset;
+    $("samples-section").scrollIntoView();
+    return loadSamples(`&partition=${encodeURIComponent(partition)}&job=${encodeURIComponent(jobId)}`, () => `flagged ${flag}: job ${jobId} of partition ${partition}`);
+  }
+
+  async function loadSamples(query, describe) {
+    const run = tm.run;
     const note = $("samples-note");
     note.textContent = "loading…";
     try {
-      const q = `api/samples?run=${encodeURIComponent(run)}&n=${n}${partition ? `&partition=${encodeURIComponent(partition)}` : ""}`;
-      const samples = await api(q);
+      const samples = await api(`api/samples?run=${encodeURIComponent(run)}${query}`);
       if (run !== tm.run) return;
       tm.samples = samples;
       const list = $("samples");
       list.textContent = "";
       for (const s of samples) list.append(sampleCard(s));
       if (!samples.length) list.append(el("p", { class: "muted", text: "no completion yet" }));
-      note.textContent = `${samples.length} shown, read at ${new Date().toLocaleTimeString()}`;
+      note.textContent = describe(samples);
     } catch (e) {
       note.textContent = `could not read samples: ${e.message}`;
     }
@@ -459,14 +552,18 @@
     const st = tm.status, h = tm.hist;
     const option = [...$("run").options].find((o) => o.value === st.run);
     if (option) option.textContent = `${st.run} (${st.totals.done}/${st.totals.total} done)`;
+    renderPaused(st);
     renderSummary(st);
     renderPartitions(st);
+    renderQuality(st);
+    renderFlagged(tm.flagged);
     renderServerTable(st);
     renderFailureTable(st);
     renderOutputs(st);
     renderSealing(st);
     syncSamplePartitions(st);
     renderRunCharts(h.series);
+    renderQualityChart(h.series);
     renderServerCharts(st, h);
   }
 
@@ -478,9 +575,11 @@
     try {
       const since = tm.hist ? `&since=${tm.hist.cursor}` : "";
       const enc = encodeURIComponent(run);
-      const [status, hist] = await Promise.all([api(`api/status?run=${enc}`), api(`api/history?run=${enc}${since}`)]);
+      const [status, hist, flagged] = await Promise.all([api(`api/status?run=${enc}`),
+        api(`api/history?run=${enc}${since}`), api(`api/flagged?run=${enc}`)]);
       if (run !== tm.run) return;
       tm.status = status;
+      tm.flagged = flagged;
       mergeHistory(hist);
       render();
       tm.ticks += 1;
@@ -502,6 +601,7 @@
     tm.samples = null;
     dropCharts("");
     $("server-charts").dataset.sig = "";
+    $("flagged").dataset.sig = "";
     $("samples").textContent = "";
     const url = new URL(location.href);
     url.searchParams.set("run", run);
@@ -545,6 +645,7 @@
 
   $("run").addEventListener("change", (e) => selectRun(e.target.value));
   $("refresh-samples").addEventListener("click", refreshSamples);
+  $("flagged").addEventListener("click", (e) => { const b = e.target.closest("button.job"); if (b) showFlagged(b); });
   $("sample-partition").addEventListener("change", refreshSamples);
   $("sample-n").addEventListener("change", refreshSamples);
   window.addEventListener("resize", resize);

@@ -1,4 +1,4 @@
-"""The event loop's Redis client (``tokenmill.loop_redis``) against a real redis-server: replies
+"""The event loop's Redis client (``tokenmill.redis_async``) against a real redis-server: replies
 matched to their callers, errors as redis-py's classes, a password and a database, a restart
 mid-use, TLS (``rediss://``) through a TLS front for the same server, a host that vanishes
 (through ``tests.faultproxy``), and the URL options it honours or refuses."""
@@ -20,7 +20,7 @@ from tests.certs import self_signed
 from tests.faultproxy import FaultProxy
 from tests.procs import RedisServer
 from tokenmill.errors import ConfigError
-from tokenmill.loop_redis import LoopRedis, LoopScript
+from tokenmill.redis_async import LoopRedis, LoopScript
 from tokenmill.redis_conn import DEADLINES
 from tokenmill.settings import Settings
 from workers.event_loop import run as run_on_worker_loop
