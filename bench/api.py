@@ -9,8 +9,9 @@ alternating in each round (A B A B ...), each on a fresh run:
   --format openai-batch --include-truncated`` (what the API's finalization writes);
 - ``api``: through the ``openai`` SDK against one long-lived ``tokenmill api`` process:
   ``files.create`` (upload), ``batches.create`` until ``in_progress`` (validation, then enqueue),
-  once every job is done until ``completed`` (finalization: the same export, split into output
-  and error files), ``files.content`` of the output file streamed to disk (download).
+  once every job is done until ``completed`` (finalization: the same export's lines, written
+  straight into the output and error files), ``files.content`` of the output file streamed to
+  disk (download).
 
 Generation is not measured: no worker and no server run. In both variants, once the file is
 enqueued, every job is finished the same way, untimed: claimed and committed through the

@@ -19,8 +19,9 @@ import orjson
 import redis
 
 from producer.api.errors import bad, not_found
-from tokenmill import keys, transitions
+from tokenmill import keys
 from tokenmill.counts import run_counts
+from tokenmill.replies import text
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -104,7 +105,7 @@ class Batches:
 
     def fields(self, batch_id: str) -> dict[str, str] | None:
         raw = self.r.hgetall(keys.api_batch(batch_id)) if batch_id.startswith("batch_") else {}
-        return {transitions.text(k): transitions.text(v) for k, v in raw.items()} or None
+        return {text(k): text(v) for k, v in raw.items()} or None
 
     def move(self, batch_id: str, sources: tuple[str, ...], to: str, **fields: Any) -> bool:
         """The batch from one of ``sources`` to ``to`` with ``fields`` set; False if it was not in
@@ -114,7 +115,7 @@ class Batches:
         return bool(self._transition(keys=[keys.api_batch(batch_id), keys.api_active()], args=args))
 
     def active(self) -> list[str]:
-        return sorted(transitions.text(i) for i in self.r.smembers(keys.api_active()))
+        return sorted(text(i) for i in self.r.smembers(keys.api_active()))
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """OpenAI's Batch object, its request counts read from the run's ledger counts."""

@@ -15,7 +15,8 @@ import redis
 
 from producer.api.errors import ApiError, bad, not_found
 from producer.result_store import ResultStore
-from tokenmill import keys, transitions
+from tokenmill import keys
+from tokenmill.replies import text
 
 CHUNK = 1 << 20
 
@@ -83,7 +84,7 @@ class Files:
         raw = self.r.hgetall(keys.api_file(file_id)) if file_id.startswith("file-") else {}
         if not raw:
             return None
-        h = {transitions.text(k): transitions.text(v) for k, v in raw.items()}
+        h = {text(k): text(v) for k, v in raw.items()}
         return {
             "id": h["id"],
             "object": "file",
