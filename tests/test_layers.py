@@ -11,7 +11,11 @@ mounts components by name (strings resolved on first use), which is not an impor
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,10 +83,21 @@ def product_files() -> list[Path]:
     return sorted(p for top in PRODUCT for p in (ROOT / top).rglob("*.py"))
 
 
+def fresh(call: str) -> Any:
+    """``call``'s JSON value, computed in a new interpreter. In a pytest worker that ran other
+    tests first, CPython 3.11's ``ast.parse`` of a plain module once raised "SystemError: AST
+    constructor recursion depth mismatch" (CI, 2026-12-06): the parser's recursion count is
+    process-wide state that another test's deep nesting can leave off."""
+    code = f"import json, sys\nfrom tests import test_layers, test_one_door\nprint(json.dumps({call}))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
 def test_no_import_runs_up_or_sideways() -> None:
     # Given every module of the product
     # Then none imports a component other than its own, and the contract imports none
-    assert wrong_imports(product_files()) == []
+    assert fresh("test_layers.wrong_imports(test_layers.product_files())") == []
 
 
 @pytest.mark.parametrize(
