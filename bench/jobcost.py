@@ -59,6 +59,7 @@ from _common import (
 )
 from e2e import PARTITION, Knobs, direct_requests, routing, stream_path, write_dataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ is not an installed package
 from tests.trips import TripCounter
 from tokenmill import keys
 
