@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``--dist loadscope`` each module runs whole on one worker (its module fixtures set
     up once), and here every real-SGLang test in one unit too, run one after another on one
-    worker while the others take the rest (``make test`` runs that tier in a step of its own).
+    worker while the others take the rest (``make test-sglang`` runs that tier on its own).
     On two cores, two SGLang servers side by side slowed each other several-fold (a 90 s test ran
     past its 300 s timeout)."""
     if config.getvalue("dist") != "loadscope":
