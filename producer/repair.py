@@ -20,7 +20,8 @@ from producer.export_rows import check_store_reachable, sealed_by_shard
 from producer.result_store import ResultStore
 from producer.sealing import Sealer
 from producer.shards import ShardFile, SpecRow, read_specs
-from tokenmill.ledger import Ledger, register
+from tokenmill import transitions as t
+from tokenmill.ledger import Ledger
 from tokenmill.replies import text
 
 log = logging.getLogger("tokenmill.repair")
@@ -108,16 +109,7 @@ def _unseal(
     if missing:
         summary.unrecoverable[shard_id] = missing
     ready = [specs[j] for j in jobs if j in specs]
-    script = register(ledger.r, "unseal")
-    k = ledger.k
-    head = [k.counts(), k.sealed(), k.shard(shard_id), k.shards(partition)]
-    requeued: list[str] = []
     chunks = [ready[i : i + CHUNK] for i in range(0, len(ready), CHUNK)] or [[]]
     for n, chunk in enumerate(chunks):
-        last = n == len(chunks) - 1 and not missing
-        args: list[object] = [shard_id, partition, int(last)]
-        for s in chunk:
-            args += [s.queue, s.hash, s.source, s.spec, s.seq]
-        script([*head, *(k.job(s.job_id) for s in chunk)], args)
-        requeued += [s.job_id for s in chunk]
-    return requeued
+        ledger.call(t.unseal(ledger.k, partition, shard_id, chunk, last=n == len(chunks) - 1 and not missing))
+    return [s.job_id for s in ready]

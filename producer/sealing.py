@@ -37,7 +37,8 @@ import redis
 from producer.result_store import Hook, ResultStore, no_hook
 from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
-from tokenmill.ledger import register
+from tokenmill import transitions as t
+from tokenmill.ledger import Executor
 from tokenmill.replies import text
 from tokenmill.transitions import F
 from tokenmill.url_secrets import redact_url
@@ -121,8 +122,7 @@ class Sealer:
         self.on_shard = on_shard or (lambda: None)
         self.mark_chunk = mark_chunk
         self.warned: set[str] = set()  # runs whose shards are in another store
-        self._reserve = register(client, "seal_reserve")
-        self._seal = register(client, "seal")
+        self.ledger = Executor(client)
 
     # -- a pass -----------------------------------------------------------------------------
 
@@ -160,9 +160,9 @@ class Sealer:
         while True:
             shard_id = new_shard_id()
             reply = self.reserve(run, partition, shard_id, force)
-            verdict = reply[0].decode()
+            verdict = reply[0]
             if verdict == "store":
-                self._elsewhere(report, run, reply[1].decode())
+                self._elsewhere(report, run, reply[1])
                 return False
             if verdict != "ok":
                 return True
@@ -173,15 +173,12 @@ class Sealer:
             report.bytes += nbytes
             self.on_shard()
 
-    def reserve(self, run: str, partition: str, shard_id: str, force: bool) -> list[Any]:
+    def reserve(self, run: str, partition: str, shard_id: str, force: bool) -> list[str]:
         """Step 1 (``seal_reserve.lua``) for a new ``shard_id``: its reply. Sent again with the
         same id (redis-py resends a call after a connection error) it answers the same jobs."""
         k = keys.RunKeys(run)
-        reply: list[Any] = self._reserve(
-            [k.unsealed(partition), k.seal_since(), k.shard(shard_id), k.seals_pending(), k.results_store()],
-            [shard_id, partition, self.batch_jobs, self.after_ms, int(force), self.store.url],
-        )
-        return reply
+        args = (self.batch_jobs, self.after_ms, force, self.store.url)
+        return self.ledger.call(t.seal_reserve(k, partition, shard_id, *args))
 
     def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
@@ -259,13 +256,12 @@ class Sealer:
     ) -> int:
         """Step 3: ``seal.lua`` over ``ids`` in chunks, the last one finishing the manifest."""
         k = keys.RunKeys(run)
-        head = [k.shard(shard_id), k.seals_pending(), k.shards(partition), k.sealed()]
         step = self.mark_chunk
         chunks = [ids[i : i + step] for i in range(0, len(ids), step)] or [[]]
         sealed = 0
         for n, chunk in enumerate(chunks):
             last = n == len(chunks) - 1
-            got = int(self._seal([*head, *map(k.job, chunk)], [shard_id, partition, int(last), rows, nbytes]))
+            got = self.ledger.call(t.seal(k, partition, shard_id, chunk, last, rows, nbytes))
             if got < 0:
                 log.warning("run %s: shard %s is no longer being sealed; stopped", run, shard_id)
                 return sealed

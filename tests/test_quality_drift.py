@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -13,15 +14,21 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from producer.metrics import registry_for
+from producer.status import run_status
+from tests.faultproxy import FaultProxy
 from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tokenmill import keys
 from tokenmill import quality_drift as qd
 from tokenmill.errors import ConfigError
+from tokenmill.ledger import Ledger
 from tokenmill.local_redis import free_port
 from tokenmill.settings import Settings
-from workers.reference import ReferenceServer, mean_logprob
+from workers.reference import BACKOFF_S, ReferenceServer, mean_logprob
 
 
 def test_drift_is_the_mean_difference_with_a_normal_95_percent_interval() -> None:
@@ -140,3 +147,76 @@ def test_a_reference_that_is_down_is_reported_and_the_run_goes_on(
     assert "connection" in view["P"]["error"] and view["P"]["n"] == 0 and view["P"]["drift"] is None
     assert view["P"]["sampled"] == 3 and rclient.llen(keys.RunKeys("d").reference_todo()) == 3
     assert not rclient.exists(keys.RunKeys("d").paused())
+
+
+REFERENCE_DEADLINE_S = 8.0  # the test's quality_reference_timeout_s
+JOB_GAP_S = REFERENCE_DEADLINE_S * 0.75  # the run's commits come closer than this throughout
+
+
+def reference_up(client: redis.Redis, run: str) -> float:
+    """``tokenmill_quality_reference_up`` of ``run``'s partition P, as the exporter serves it."""
+    families = text_string_to_metric_families(generate_latest(registry_for(client)).decode())
+    labels = {"run": run, "partition": "P"}
+    return next(s.value for f in families for s in f.samples
+                if s.name == "tokenmill_quality_reference_up" and s.labels == labels)  # fmt: skip
+
+
+def test_a_reference_whose_host_vanishes_is_reported_by_its_deadline_and_the_run_never_waits(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, procs: list[Proc]
+) -> None:
+    # Given a run of 48 jobs (16 tokens at 20 ms: ~0.3 s each) on one worker slot (a wait on the
+    # reference anywhere on a job's path would show as a gap between commits), whose reference
+    # is a slower sim (~0.7 s a scoring) behind a loopback proxy, a quarter of its jobs sampled
+    # (and the first 8), and leases no load spike outlives (no job is taken over)
+    sim, url = start_sim(tmp_path, "--sim-step-ms", "20")
+    ref, ref_url = start_sim(tmp_path, "--sim-step-ms", "40")
+    procs += [sim, ref]
+    env = worker_env(redis_url, url, lease_ttl_s=30, quality_sample_min=8,
+                     quality_reference_timeout_s=REFERENCE_DEADLINE_S)  # fmt: skip
+    k, total = keys.RunKeys("v"), 48
+    with FaultProxy(int(ref_url.rsplit(":", 1)[1])) as proxy:
+        data = write_jsonl(tmp_path / "v.jsonl", rows(total))
+        cli("enqueue", str(data), "--run", "v", "--partition", "P", "--short-max-tokens", "16",
+            "--quality-reference", f"http://{proxy.address()}", "--quality-sample", "0.25",
+            env=env)  # fmt: skip
+        procs.append(start_worker(tmp_path, "short", env, concurrency=1))
+        wait_for(lambda: qd.drift_view(rclient, "v")["P"]["n"] >= 1 and rclient.llen(k.reference_todo()) >= 2,
+                 30, "a job scored through the proxy and 2 waiting")  # fmt: skip
+        assert reference_up(rclient, "v") == 1
+
+        # When the reference's host vanishes mid-run (its connections held open, never answered),
+        # with sampled jobs waiting: one is being scored, or will be at once
+        proxy.vanish()
+        gone_ms, sampled = time.time() * 1000, qd.drift_view(rclient, "v")["P"]["sampled"]
+        assert run_status(rclient, "v")["totals"]["done"] <= total - 16, "the run ended before the fault"
+
+        # Then the scoring in flight gives up by its deadline (a timeout: its connection was
+        # accepted, never refused), and status and the metric say the reference is down
+        def down() -> str | None:
+            error: str | None = run_status(rclient, "v")["partitions"]["P"]["quality"]["reference_error"]
+            return error
+
+        assert "timed out" in wait_for(down, REFERENCE_DEADLINE_S + 5, "the reference reported down")
+        failed_ms = int(rclient.hget(k.quality_reference(), qd.ERROR_MS) or 0)
+        assert failed_ms - gone_ms < (REFERENCE_DEADLINE_S + 3) * 1000 and reference_up(rclient, "v") == 0
+        # and the run goes on to its end unjudged: every job done once, sampled ones among those
+        # done in the outage, and never a gap between commits near the reference's deadline
+        doc = wait_run_finished(rclient, "v", 120)
+        assert doc["totals"]["done"] == total and doc["totals"]["failed"] == 0 and not doc.get("paused")
+        jobs = [Ledger(rclient, "v").job(f"P:r{i}") for i in range(total)]
+        assert [int(j["attempts"]) for j in jobs] == [1] * total
+        done_ms = sorted(int(j["done_ms"]) for j in jobs)
+        since = [min(int(j["claimed_ms"]) for j in jobs), *done_ms[:-1]]
+        gaps = [b - a for a, b in zip(since, done_ms, strict=True)]
+        assert max(gaps) < JOB_GAP_S * 1000, gaps
+        assert qd.drift_view(rclient, "v")["P"]["sampled"] > sampled
+
+        # When the reference's host comes back at the same address
+        proxy.replace()
+        # Then scoring resumes after the scorer's backoff: every waiting job is scored, the error
+        # is cleared, and the metric says the reference is up
+        view = wait_for(lambda: (v := qd.drift_view(rclient, "v")["P"])["error"] is None
+                        and v["n"] + v["skipped"] == v["sampled"] and v,
+                        REFERENCE_DEADLINE_S + BACKOFF_S + 60, "the waiting jobs scored")  # fmt: skip
+    assert view["n"] == view["sampled"] and rclient.llen(k.reference_todo()) == 0
+    assert reference_up(rclient, "v") == 1

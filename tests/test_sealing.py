@@ -163,7 +163,7 @@ def test_a_reserve_sent_again_after_redis_ran_it_returns_the_same_jobs_and_loses
     again = sealer.reserve("r", "P", shard, force=False)
 
     # Then it answers the jobs of the first and leaves the other 150 waiting
-    assert first[0] == again[0] == b"ok" and orjson.loads(again[1]) == orjson.loads(first[1])
+    assert first[0] == again[0] == "ok" and orjson.loads(again[1]) == orjson.loads(first[1])
     assert len(orjson.loads(first[1])) == 100 and rclient.zcard(k.unsealed("P")) == 150
     # and the sealer then seals every job once (the reserved shard completed as a pending one)
     sealing.seal({**env, "TOKENMILL_SEAL_AFTER_S": "0"})

@@ -15,6 +15,8 @@ JOB_KEY = {
     "job": ("cancel", "enqueue", "retry"),
     "KEYS[i]": ("seal", "unseal"),
 }
+# the scripts whose hash commands are on other hashes (a manifest, a server's, the pause): no job's
+TOUCH_NO_JOB = "adapt admit feed finish pause qref_sample seal_reserve series unadmit unpause wait".split()
 HASH_CALL = re.compile(r"redis\.p?call\('(H[A-Z]+)',\s*|\bbump\(()")
 
 
@@ -65,6 +67,12 @@ def test_every_job_field_a_script_names_is_a_constant_of_the_protocol() -> None:
     unnamed = {field: sorted(scripts) for field, scripts in found.items() if field not in t.JOB_FIELDS}
     assert unnamed == {}, "job hash fields the scripts use that tokenmill.transitions.JobField lacks"
     assert set(found) == t.JOB_FIELDS, "a JobField constant that no script uses"
+
+
+def test_every_script_is_read_for_job_fields_or_named_as_touching_none() -> None:
+    scanned = {name for names in JOB_KEY.values() for name in names}
+    assert scanned | set(TOUCH_NO_JOB) == set(t.SCRIPT_NAMES), "a script neither scanned nor named"
+    assert not scanned & set(TOUCH_NO_JOB)
 
 
 def test_text_reads_bytes_strings_and_numbers() -> None:

@@ -32,21 +32,29 @@ def register(client: redis.Redis, name: str) -> Any:
     return client.register_script(t.script_source(name))
 
 
-class Ledger:
-    """Transitions of one run's jobs, on a synchronous Redis client."""
+class Executor:
+    """Runs :mod:`tokenmill.transitions`' calls on a synchronous Redis client (the sealer and the
+    time series use it as it is; :class:`Ledger` adds one run's reads)."""
 
-    def __init__(self, client: redis.Redis, run: str) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         self.r = client
-        self.run = run
-        self.k = keys.RunKeys(run)
         self._scripts = {n: register(client, n) for n in t.SCRIPT_NAMES}
-        self._enqueue_loaded = False
 
     def call(self, call: t.Call[R]) -> R:
         """Run one of :mod:`tokenmill.transitions`' calls; its reply, decoded."""
         if not call.script:
             return call.decode(self.r.execute_command(*call.args))  # type: ignore[no-untyped-call]
         return call.decode(self._scripts[call.script](call.keys, call.args))
+
+
+class Ledger(Executor):
+    """Transitions of one run's jobs, on a synchronous Redis client."""
+
+    def __init__(self, client: redis.Redis, run: str) -> None:
+        super().__init__(client)
+        self.run = run
+        self.k = keys.RunKeys(run)
+        self._enqueue_loaded = False
 
     # -- producer side ----------------------------------------------------------------------
 

@@ -14,11 +14,11 @@ from typing import Any
 import hiredis
 import redis
 import redis.sentinel
-from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenmill import redis_url
 from tokenmill.errors import RedisUnavailableError
+from tokenmill.redis_retry import BACKOFF, refused
 from tokenmill.settings import Settings
 from tokenmill.url_secrets import redact_url
 
@@ -35,10 +35,11 @@ def connect(
     and raise a clear error. ``retries``: redis-py's own retries of a command after a connection
     error or a timeout. One replaces a kept connection Redis dropped; redis-py's default three,
     each waiting out ``socket_timeout``, made a command to a vanished host take ~25 s (a
-    ``status`` then said nothing for that long); callers that ride Redis out retry themselves."""
+    ``status`` then said nothing for that long); callers that ride Redis out retry themselves
+    (:mod:`tokenmill.redis_retry`, whose backoff this one shares)."""
     url = settings.redis_url
     kw: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_S, "client_name": name}
-    kw["retry"] = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries)
+    kw["retry"] = Retry(BACKOFF, retries)
     if redis_url.is_sentinel(url):
         s = redis_url.parse_sentinel(url)
         sentinel = redis.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
@@ -84,10 +85,7 @@ def ping(client: redis.Redis, url: str) -> None:
     try:
         client.ping()
     except redis.AuthenticationError as exc:
-        raise RedisUnavailableError(
-            f"Redis at {redact_url(url)} refused the credentials: {exc} "
-            "(check the password in TOKENMILL_REDIS_URL)"
-        ) from None
+        raise refused(exc, url) from None
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise RedisUnavailableError(

@@ -8,6 +8,8 @@ deadline (``socket_timeout``), so a Redis host that vanished costs a try seconds
 Two things are not ridden out: credentials Redis refused (a wrong password does not heal by
 waiting: one clear error, at once), and a worker whose shutdown grace is over (``stop``: one
 more try, then the error; the job's lease and the upkeep take it from there).
+The synchronous clients (:mod:`tokenmill.redis_conn`) wait the same :data:`BACKOFF`, for one
+retry at most: a CLI command on a dead Redis says so within seconds.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
 
 from tokenmill.errors import RedisUnavailableError
+from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
 REDIS_RETRY_S = 120.0
+BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)  # after the nth failure, base * 2**n: 0.1, 0.2 ... 2 s
 _PASSING = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 class _Backoff:
     def __init__(self, stop: threading.Event | None) -> None:
         self.deadline = time.monotonic() + REDIS_RETRY_S
-        self.delay = 0.1
         self.stop = stop
         self.tries = 0
 
@@ -40,16 +44,21 @@ class _Backoff:
         """How long to wait before the next try; ``exc`` again once time is up (or the worker
         stops), a :class:`RedisUnavailableError` at once for refused credentials."""
         if isinstance(exc, redis.AuthenticationError):
-            raise RedisUnavailableError(
-                f"Redis refused the credentials ({exc}): check the password in TOKENMILL_REDIS_URL"
-            ) from exc
+            raise refused(exc) from exc
         if time.monotonic() > self.deadline or (self.stop is not None and self.stop.is_set()):
             raise exc
         self.tries += 1
         # one warning per transition ridden out; the tries after it are the same news
         (log.warning if self.tries == 1 else log.debug)("Redis unavailable (%s); retrying", exc)
-        delay, self.delay = self.delay, min(self.delay * 2, 2.0)
-        return delay
+        return BACKOFF.compute(self.tries)
+
+
+def refused(exc: redis.AuthenticationError, url: str = "") -> RedisUnavailableError:
+    """Credentials Redis refused (to the client of ``url``): one clear error, never ridden out."""
+    at = f" at {redact_url(url)}" if url else ""
+    return RedisUnavailableError(
+        f"Redis{at} refused the credentials: {exc} (check the password in TOKENMILL_REDIS_URL)"
+    )
 
 
 async def ride_out(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:

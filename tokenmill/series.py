@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.ledger import register
+from tokenmill import transitions as t
+from tokenmill.ledger import Executor
 from tokenmill.replies import text
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class SeriesWriter:
     """Adds points to series, one step apart, kept for ``keep_s`` (a writer's settings)."""
 
     def __init__(self, client: redis.Redis, step_s: float, keep_s: float) -> None:
-        self.script = register(client, "series")
+        self.ledger = Executor(client)
         self.gap_ms = int(step_s * MIN_GAP * 1000)
         self.keep_ms = int(keep_s * 1000)
         self._last: dict[str, float] = {}  # key -> when this writer last added a point (monotonic)
@@ -63,11 +64,10 @@ class SeriesWriter:
         """Add a point of ``fields`` (sorted by name) to ``key``; whether it was added. Without
         ``gap``, only ``skip_same`` holds a point back (a series of changes); ``index`` is an
         (index set, member) to register the series in."""
-        args: list[Any] = [self.gap_ms if gap else 0, self.keep_ms, 1 if skip_same else 0]
-        args.append(index[1] if index else "")
-        for name in sorted(fields):
-            args += [name, encode(fields[name])]
-        added = bool(self.script(keys=[key, index[0]] if index else [key], args=args))
+        point = [x for name in sorted(fields) for x in (name, encode(fields[name]))]
+        added = self.ledger.call(
+            t.series(key, self.gap_ms if gap else 0, self.keep_ms, skip_same, index, point)
+        )
         self._last[key] = time.monotonic()  # added or not, the series is up to date a gap long
         return added
 

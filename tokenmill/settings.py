@@ -141,6 +141,9 @@ class Settings:
     quality_reference_url: str = ""
     quality_sample: float = 0.02
     quality_sample_min: int = 30
+    # one deadline for a sampled job's scoring there (its three requests: every connect and read
+    # waits at most what is left of it); the run's scoring lock outlives it by 30 s
+    quality_reference_timeout_s: float = 600.0
 
     # the result store: done results are sealed into Parquet shards there (producer/sealing.py)
     results_url: str = ""  # a directory or an fsspec URL; empty: results_location's default
@@ -196,7 +199,8 @@ class Settings:
                 raise ConfigError(f"TOKENMILL_SERVER_URL {redact_url(url)!r} must be an http(s) URL")
         if not self.server_urls:
             raise ConfigError("TOKENMILL_SERVER_URL is empty")
-        for name in ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s", "api_poll_s"):
+        positive = ("lease_ttl_s", "reaper_period_s", "stall_timeout_s", "total_timeout_s", "api_poll_s")
+        for name in (*positive, "quality_reference_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.admission_queue_share <= 1:

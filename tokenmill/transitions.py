@@ -1,15 +1,17 @@
 """The ledger's protocol: each transition's script, KEYS and ARGV, and how to read its reply.
 
 Each transition (enqueue, wait, claim, start, heartbeat, commit, fail, release, reap, promote,
-feed, cancel, retry, pause, unpause) is one Lua script in ``tokenmill/lua/`` whose header states its pre- and
-post-conditions. Every transition after a claim carries the claim's fencing token, so a worker
-whose lease was taken over cannot write. Counters per partition and state move inside the same
-script, so status is O(partitions).
+feed, cancel, retry, pause, unpause, seal_reserve, seal, unseal, and a time series' point) is one
+Lua script in ``tokenmill/lua/`` whose header states its pre- and post-conditions. Every
+transition after a claim carries the claim's fencing token, so a worker whose lease was taken over
+cannot write. Counters per partition and state move inside the same script, so status is
+O(partitions).
 
 No Redis here: a function of this module returns a :class:`Call` (the script, its KEYS and ARGV,
-and its reply's decoder), and one of the two executors runs it: :class:`tokenmill.ledger.Ledger`
-on redis-py (producer, CLI, upkeep), :class:`tokenmill.ledger_async.AsyncLedger` on the worker's
-event loop. The job hash's fields are named once, in :class:`JobField`.
+and its reply's decoder), and one of the two executors runs it: :class:`tokenmill.ledger.Executor`
+(a :class:`~tokenmill.ledger.Ledger` is one) on redis-py (producer, CLI, upkeep, sealer),
+:class:`tokenmill.ledger_async.AsyncLedger` on the worker's event loop. The job hash's fields are
+named once, in :class:`JobField`.
 """
 
 from __future__ import annotations
@@ -489,6 +491,53 @@ def feed(k: keys.RunKeys, queue: str, ids: list[str], partitions: Sequence[str |
         for j, p in zip(ids, partitions, strict=True)
     ]
     return Call("feed", [k.backlog(queue), keys.broker_queue(queue)], ids + msgs, int)
+
+
+# -- the sealer's and repair's (producer/sealing.py, producer/repair.py) ------------------------
+
+StoredSpec = tuple[str, int, str, str, str, bytes]  # (id, seq, queue, hash, source, spec): a spec file's row
+
+
+def seal_reserve(
+    k: keys.RunKeys, partition: str, shard_id: str, batch: int, after_ms: int, force: bool, store_url: str
+) -> Call[list[str]]:
+    """List up to ``batch`` done results of ``partition`` in the new manifest ``shard_id``:
+    ``["ok", job ids as JSON]``, ``["wait"]``, ``["empty"]``, or ``["store", url]`` when the run's
+    shards are in another store. Sent again with the same id, it answers the same jobs."""
+    script_keys = [k.unsealed(partition), k.seal_since(), k.shard(shard_id), k.seals_pending()]
+    args = [shard_id, partition, batch, after_ms, int(force), store_url]
+    return Call("seal_reserve", [*script_keys, k.results_store()], args, _texts)
+
+
+def seal(
+    k: keys.RunKeys, partition: str, shard_id: str, ids: Sequence[str], finish: bool, rows: int, size: int
+) -> Call[int]:
+    """The ``done`` jobs of ``ids`` → ``sealed`` in ``shard_id`` (``finish``: the manifest too,
+    ``rows`` and ``size`` bytes): how many, -1 when the manifest is no longer being sealed."""
+    script_keys = [k.shard(shard_id), k.seals_pending(), k.shards(partition), k.sealed(), *map(k.job, ids)]
+    return Call("seal", script_keys, [shard_id, partition, int(finish), rows, size], int)
+
+
+def unseal(
+    k: keys.RunKeys, partition: str, shard_id: str, specs: Sequence[StoredSpec], last: bool
+) -> Call[int]:
+    """Jobs of the lost ``shard_id`` back to ``queued`` from ``specs`` (its spec file's rows);
+    with ``last``, the manifest is ``lost``: how many."""
+    args: list[Any] = [shard_id, partition, int(last)]
+    for _, seq, queue, digest, source, spec in specs:
+        args += [queue, digest, source, spec, seq]
+    script_keys = [k.counts(), k.sealed(), k.shard(shard_id), k.shards(partition)]
+    return Call("unseal", [*script_keys, *(k.job(s[0]) for s in specs)], args, int)
+
+
+def series(
+    key: str, gap_ms: int, keep_ms: int, skip_same: bool, index: tuple[str, str] | None, point: list[str]
+) -> Call[bool]:
+    """Add ``point`` (field, encoded value, ...) to the series ``key`` unless its last point is
+    younger than ``gap_ms`` (or, ``skip_same``, equal); points older than ``keep_ms`` are
+    trimmed; ``index``: (index set, member) to register the series in. True: added."""
+    args: list[Any] = [gap_ms, keep_ms, int(skip_same), index[1] if index else "", *point]
+    return Call("series", [key, index[0]] if index else [key], args, bool)
 
 
 # -- the operator's: in batches; each script checks every job's state again --------------------

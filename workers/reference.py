@@ -34,9 +34,11 @@ to the reference (SGLang 0.5.23):
 
 The job's difference (own mean - produced mean) is added to the partition's sums, and the run's
 ``drift`` rules are judged on the new mean; a rule that trips pauses the run
-(:func:`tokenmill.transitions.pause`). A reference that cannot be reached (or answers 5xx)
-leaves the entry at the head of the line and its error in ``qref``; the scorer tries that run
-again after ``BACKOFF_S``. A request the reference refuses (4xx) counts the job ``skipped``.
+(:func:`tokenmill.transitions.pause`). A reference that cannot be reached, answers 5xx or not
+within ``quality_reference_timeout_s`` (one deadline for a job's three requests: a host that
+vanished accepts connections and never answers) leaves the entry at the head of the line and
+its error in ``qref``; the scorer tries that run again after ``BACKOFF_S``. A request the
+reference refuses (4xx) counts the job ``skipped``.
 """
 
 from __future__ import annotations
@@ -73,8 +75,7 @@ REFRESH_S = 2.0  # how often the runs' references are read
 PERIOD_S = 0.5  # how often an idle scorer looks for work
 BACKOFF_S = 10.0  # before a run whose reference failed is tried again
 TODO_CAP = 10_000  # sampled entries kept waiting a run (the newest)
-REQUEST_TIMEOUT_S = 600.0
-LOCK_S = REQUEST_TIMEOUT_S + 30.0  # renewed before each request
+LOCK_SLACK_S = 30.0  # a run's scoring lock outlives the scoring's deadline by this
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +112,9 @@ def output_text(message: dict[str, Any], think_end_tag: str) -> str:
 class ReferenceServer:
     """A reference server's endpoints (blocking: called from the scorer's thread)."""
 
-    def __init__(self, url: str, api_key: str | None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, url: str, api_key: str | None, timeout_s: float = 600.0) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.deadline = time.monotonic() + timeout_s  # of every request made through this object
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -120,7 +122,9 @@ class ReferenceServer:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         req = urllib.request.Request(self.url + path, orjson.dumps(body), self.headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            if (left := self.deadline - time.monotonic()) <= 0:
+                raise TimeoutError(f"the reference's {self.timeout_s:g} s deadline passed before {path}")
+            with urllib.request.urlopen(req, timeout=left) as resp:
                 return orjson.loads(resp.read())
         except urllib.error.HTTPError as exc:
             raise taxonomy.from_answer(exc.code, exc.read()) from None
@@ -260,7 +264,8 @@ class Scorer(threading.Thread):
         k = keys.RunKeys(run)
         if self.resting.get(run, 0) > time.monotonic() or not self.r.llen(k.reference_todo()):
             return False
-        lock = self.r.lock(k.reference_lock(), timeout=LOCK_S, blocking=False)
+        timeout_s = self.settings.quality_reference_timeout_s
+        lock = self.r.lock(k.reference_lock(), timeout=timeout_s + LOCK_SLACK_S, blocking=False)
         if not lock.acquire(blocking=False):
             return False
         try:
@@ -271,7 +276,7 @@ class Scorer(threading.Thread):
             job = orjson.loads(raw)
             partition = job["partition"]
             try:
-                scored = ReferenceServer(ref.url, self.settings.api_key).score(
+                scored = ReferenceServer(ref.url, self.settings.api_key, timeout_s).score(
                     job["request"], job["result"], self.settings.think_end_tag
                 )
             except errors.TerminalError as exc:
