@@ -13,6 +13,7 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.admission_view import admission_view, length_view
 from tokenmill.errors import ConfigError
 from tokenmill.lengths import (
@@ -388,7 +389,7 @@ def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together
     req = a.request("srv", 1000, 10, "short")
     assert req is not None
     # (a second, less the time since the figures were set: a fixed bound on that a loaded machine misses)
-    assert -1_000 <= a._admit(list(req.keys), req.args) <= -1_000 + redis_ms(rclient) - now_ms
+    assert -1_000 <= a.ledger.call(t.admit(req)) <= -1_000 + redis_ms(rclient) - now_ms
     # When both are due, the group opens and its two start together, and no third
     opened(2_000)
     assert len(admit_all(a, 10)) == 2
@@ -429,7 +430,9 @@ def tail_admit(a: Admission, behind: int | None, tokens: int = 300) -> int:
     its run are still to start (``start.lua`` tells it; None: not told)."""
     req = a.request("srv", 4000, tokens, "short")
     assert req is not None
-    return int(a._admit(list(req.keys), [*req.args, *([] if behind is None else [behind])]))
+    return a.ledger.call(
+        t.admit(t.AdmitRequest(req.keys, [*req.args, *([] if behind is None else [behind])]))
+    )
 
 
 def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_end(
@@ -583,7 +586,7 @@ def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed
     for out in (200, 100, 200):
         slot = a.try_admit("srv", 10_000, 100, "short")
         assert slot is not None
-        a._unadmit([keys.admission("srv"), USED], [slot.member, out])
+        a.ledger.call(t.unadmit("srv", slot.member, out))
     assert rclient.hmget(USED, "len_mean", "len_dev") == [b"191", b"10"]
 
 

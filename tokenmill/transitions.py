@@ -466,6 +466,27 @@ def release(
     return Call("release", script_keys, args, text)
 
 
+# -- admission's (workers/admission/limiter.py builds the ARGV) -------------------------------
+
+
+def admit(req: AdmitRequest) -> Call[int]:
+    """``admit.lua``: 1 admitted, 0 no room, -ms paced (the next start is due in that many ms)."""
+    return Call("admit", list(req.keys), req.args, int)
+
+
+def unadmit(server: str, member: str, generated: int | None = None) -> Call[int]:
+    """``unadmit.lua``: give a slot back (``generated``: the tokens its request made, when
+    known); 1 when it was held."""
+    args: list[Any] = [member] if generated is None else [member, generated]
+    return Call("unadmit", [keys.admission(server), keys.admission_used(server)], args, int)
+
+
+def adapt(server: str, args: list[Any]) -> Call[int]:
+    """``adapt.lua``: steer a server's window by what it reports (ARGV as the script's header
+    gives them); the new window."""
+    return Call("adapt", [keys.admission_used(server), keys.admission(server)], args, int)
+
+
 # -- the upkeep's ------------------------------------------------------------------------------
 
 

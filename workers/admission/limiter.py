@@ -37,8 +37,9 @@ from typing import Any
 import redis
 
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.admission_view import read_survival
-from tokenmill.ledger import register
+from tokenmill.ledger import Executor
 from tokenmill.lengths import Survival, bin_of, reached
 from tokenmill.redis_async import LoopRedis
 from tokenmill.server_report import Load
@@ -144,9 +145,7 @@ class Admission:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.r = client
         self.s = settings
-        self._admit = register(client, "admit")
-        self._unadmit = register(client, "unadmit")
-        self._adapt = register(client, "adapt")
+        self.ledger = Executor(client)
         self._curves: dict[str, tuple[float, Survival]] = {}
         self.line = WaitLine()
 
@@ -215,7 +214,7 @@ class Admission:
         req = self.request(server, capacity, tokens, queue)
         if req is None:
             return Slot(server, uuid.uuid4().hex, 0)  # no known capacity and no closed loop: not limited
-        admitted = self._admit(list(req.keys), req.args)  # 1; 0 no room; < 0 paced
+        admitted = self.ledger.call(t.admit(req))  # 1; 0 no room; < 0 paced
         return Slot(server, str(req.args[0]), tokens) if admitted == 1 else None
 
     def request(self, server: str, capacity: int | None, tokens: int, queue: str) -> AdmitRequest | None:
@@ -249,32 +248,34 @@ class Admission:
     def adapt(self, server: str, load: Load, retractions: int | None) -> int:
         """Steer ``server``'s window by what it reports now (``adapt.lua``); the new window."""
         s = self.s
-        window = self._adapt(
-            [keys.admission_used(server), keys.admission(server)],
-            [
-                load.running,
-                load.waiting,
-                load.used_tokens,
-                load.capacity,
-                s.admission_queue_target,
-                0.1,
-                s.admission_backoff,
-                int(BACKOFF_HOLD_S * 1000),
-                s.admission_usage_ceiling,
-                SMALLEST_WINDOW,
-                -1 if retractions is None else retractions,
-                int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
-                s.admission_reserve,
-                s.admission_fraction,
-                s.admission_pace_group if s.admission_pacing else 0,
-            ],
+        window = self.ledger.call(
+            t.adapt(
+                server,
+                [
+                    load.running,
+                    load.waiting,
+                    load.used_tokens,
+                    load.capacity,
+                    s.admission_queue_target,
+                    0.1,
+                    s.admission_backoff,
+                    int(BACKOFF_HOLD_S * 1000),
+                    s.admission_usage_ceiling,
+                    SMALLEST_WINDOW,
+                    -1 if retractions is None else retractions,
+                    int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
+                    s.admission_reserve,
+                    s.admission_fraction,
+                    s.admission_pace_group if s.admission_pacing else 0,
+                ],
+            )
         )
         self.wake()  # a wider window: let the head of this process's line ask now
         return int(window)
 
     def release(self, slot: Slot) -> None:
         if slot.tokens:
-            self._unadmit([keys.admission(slot.server), keys.admission_used(slot.server)], [slot.member])
+            self.ledger.call(t.unadmit(slot.server, slot.member))
             self.wake()
 
     def released(self) -> None:
