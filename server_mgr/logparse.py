@@ -18,7 +18,6 @@ _RETRACT_RE = re.compile(r"#retracted_reqs:\s*(\d+)")
 _CAPACITY_RE = re.compile(r"\bmax_total_num_tokens=(\d+)")
 _CONTEXT_RE = re.compile(r"\bcontext_len=(\d+)")
 _FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
-_READY_LINE = "The server is fired up and ready to roll!"
 
 # SGLang's field names -> the names published as live.<name>
 FIELD_NAMES = {
@@ -83,10 +82,6 @@ def launch_fraction(log_text: str) -> float | None:
     """The ``mem_fraction_static`` SGLang resolved, from its ``server_args=`` or OOM lines."""
     match = _FRACTION_RE.search(log_text)
     return float(match[1]) if match else None
-
-
-def is_ready_line(line: str) -> bool:
-    return _READY_LINE in line
 
 
 def _number(text: str) -> float:

@@ -193,12 +193,6 @@ class RequestTimeoutError(RetryableError):
     error_class = "timeout"
 
 
-class ServerNotReadyError(RetryableError):
-    """No server is ready: the job is released without burning an attempt."""
-
-    error_class = "server_not_ready"
-
-
 class ShutdownError(RetryableError):
     """The worker is shutting down: the job is checkpointed and released."""
 

@@ -152,9 +152,3 @@ class JobSpec:
             b',"record_id":', record_id, sample, b"}",
         )  # fmt: skip
         return b"".join(parts)
-
-
-def load_spec(raw: bytes | str) -> dict[str, Any]:
-    """The stored spec: ``{"request": {...}, "metadata": {...}, "record_id": ..., ["sample": k]}``."""
-    spec: dict[str, Any] = orjson.loads(raw)
-    return spec
