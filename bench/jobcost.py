@@ -24,6 +24,9 @@ and the sim:
     .venv/bin/python bench/jobcost.py --jobs 600 --rounds 1
     .venv/bin/python bench/jobcost.py --against TOKENMILL_EVENT_LOOP=asyncio   # A B, round by round
     .venv/bin/python bench/jobcost.py --floor          # and Celery's floor: a task that does nothing
+    # the seed's output lengths (the sim's mean 4,000 tokens): the quality signals on / off by round
+    TOKENMILL_QUALITY_SIGNALS=0 .venv/bin/python bench/jobcost.py --output-tokens 4000 \
+        --max-tokens 10240 --against TOKENMILL_QUALITY_SIGNALS=1    # ~90 min
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def one_round(
             threads0 = thread_cpu_s(worker.pid)
             start = time.perf_counter()
             enqueue(client, data, k)
-            wait_for(finished, 600, "the jobs to finish", 0.05)
+            wait_for(finished, 3600, "the jobs to finish", 0.05)
             wall = time.perf_counter() - start
             cpu = proc_cpu_s(worker.pid) - cpu0
             split = thread_split([worker], [threads0])
@@ -173,6 +176,9 @@ def main() -> None:
         "--max-tokens", type=int, default=2, help="the jobs' max_tokens (default 2: all per-job cost)"
     )
     ap.add_argument(
+        "--output-tokens", type=int, default=200, help="the sim's mean output tokens (its default 200)"
+    )
+    ap.add_argument(
         "--profile", type=Path, default=None, help="also profile one run's worker with py-spy into this file"
     )
     ap.add_argument(
@@ -195,7 +201,8 @@ def main() -> None:
     variant = settings_text(a.against)
     exit_on_sigterm()
     sim = ("--reasoning-parser", "qwen3", "--sim-step-ms", "5", "--sim-step-ms-per-req", "0.0")
-    # every prompt short, max_tokens 2: the jobs are all per-job cost
+    sim += ("--sim-mean-output-tokens", str(a.output_tokens))
+    # every prompt short, max_tokens 2 by default: the jobs are all per-job cost
     k = Knobs(a.jobs, 0, a.max_tokens, a.max_tokens, 10_000, a.concurrency, 32, sim)
     print(f"machine: {machine()}")
     print(f"busy cores before the start: {wait_quiet():.2f} (waits up to 2 min for an idle machine)")
@@ -245,7 +252,7 @@ def main() -> None:
     per_job = median([r["cpu_s"] / a.jobs for r in rounds])
     per_stream = median(stream)
     where = f"one short worker (-c {a.concurrency}), median of {a.rounds}"
-    print(f"\n{a.jobs} jobs of {a.max_tokens} tokens at most, {where}:")
+    print(f"\n{a.jobs} jobs of {a.max_tokens} tokens at most (the sim's mean {a.output_tokens}), {where}:")
     print(
         table(
             ["worker CPU ms / job", "stream path ms / request", "outside streaming ms / job"],
