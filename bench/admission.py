@@ -230,7 +230,7 @@ TRACED = (
 
 
 def mean_use(use_sum: str, use_n: str) -> str:
-    """The mean use over time admission saw (adapt.lua's ``use_sum`` / ``use_n``)."""
+    """The mean use over time admission saw (policy.py's ``use_sum`` / ``use_n``)."""
     return "-" if "-" in (use_sum, use_n) or float(use_n) <= 0 else f"{float(use_sum) / float(use_n):.0f}"
 
 

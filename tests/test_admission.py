@@ -399,7 +399,7 @@ def spread_in_flight(client: redis.Redis, count: int = 10, life_s: int = 10, pea
     """A paced window of ``count`` on "srv" with as many requests in flight, ``life_s`` seconds a
     lifetime, started a second apart (ages 0 .. count - 1 s), each growing from 30 tokens to
     ``peak``; the server just reported what they hold together, and the watcher fitted their
-    young size to it (``young_fit``, as adapt.lua does)."""
+    young size to it (``young_fit``, as policy.py does)."""
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
     held = 0.0

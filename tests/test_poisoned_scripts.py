@@ -4,6 +4,7 @@ a server's admissions for every run (issue 53)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import orjson
@@ -34,7 +35,7 @@ GARBAGE = [
     "nan",
     "inf",
 ]
-# every field of a server's used hash that admit.lua, adapt.lua and unadmit.lua read
+# every field of a server's used hash that admit.lua, unadmit.lua and the window rule read
 FIELDS = (
     "total short long n n:short n:long unpaced tail window window_ms life_ms life_dev pace_tat bound "
     "pace_open young_fit len_mean len_dev wanted:short wanted:long srv_retractions hold_until refused "
@@ -136,10 +137,7 @@ def test_absurd_figures_passed_to_the_scripts_are_clamped_not_errors(
     # absurd figures, and the slot is given back with an absurd output length
     assert register(rclient, "admit")(list(req.keys), args) == 1
     heartbeat(rclient, req.args[0], tokens)
-    register(rclient, "adapt")(
-        [USED, SLOTS],
-        ["nan", "-3", "1e300", "inf", "abc", "2", "-1", "1e300", "nan", "0", "1e400", *[""] * 4],
-    )
+    a.adapt("srv", Load(math.nan, -3, 1e300, math.inf), 10**400)  # type: ignore[arg-type]
     assert register(rclient, "unadmit")(list(req.keys), [req.args[0], "1e300"]) == 1
     # Then nothing is left counted, and the server admits ordinary requests
     assert in_flight(rclient) == {"total": 0, "short": 0, "n": 0, "n:short": 0, "unpaced": 0, "tail": 0}

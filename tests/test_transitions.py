@@ -16,7 +16,9 @@ JOB_KEY = {
     "KEYS[i]": ("seal", "unseal"),
 }
 # the scripts whose hash commands are on other hashes (a manifest, a server's, the pause): no job's
-TOUCH_NO_JOB = "adapt admit feed finish pause qref_sample seal_reserve series unadmit unpause wait".split()
+TOUCH_NO_JOB = (
+    "admit feed finish pause qref_sample seal_reserve series unadmit unpause wait window_state".split()
+)
 HASH_CALL = re.compile(r"redis\.p?call\('(H[A-Z]+)',\s*|\bbump\(()")
 
 

@@ -73,6 +73,9 @@ class Settings:
     # paced, requests start in groups of this many: a group opens when all its starts are due,
     # and they go at once, so the server prefills them in one batch
     admission_pace_group: int = 2
+    # a file to append the window rule's every input and decision to, one JSON line each
+    # (workers/admission/policy.py; tests replay such a trace): empty, none
+    admission_trace: str = ""
     # several servers: a job goes first to the server its prefix key prefers (rendezvous hashing,
     # workers/admission/affinity.py), the rest least full first; off: least full first
     server_affinity: bool = True

@@ -34,7 +34,7 @@ from tokenmill.replies import text
 R = TypeVar("R")
 SCRIPT_NAMES = tuple(
     "enqueue seal_reserve seal unseal claim heartbeat commit fail release reap promote feed admit "
-    "unadmit adapt wait cancel retry start finish series pause unpause qref_sample".split()
+    "unadmit window_state wait cancel retry start finish series pause unpause qref_sample".split()
 )
 # Every script opens with prelude.lua (clamped reads of ARGV and stored values). Scripts made of
 # others: each part's body becomes a local function of the same name, taking its own KEYS and ARGV
@@ -481,10 +481,31 @@ def unadmit(server: str, member: str, generated: int | None = None) -> Call[int]
     return Call("unadmit", [keys.admission(server), keys.admission_used(server)], args, int)
 
 
-def adapt(server: str, args: list[Any]) -> Call[int]:
-    """``adapt.lua``: steer a server's window by what it reports (ARGV as the script's header
-    gives them); the new window."""
-    return Call("adapt", [keys.admission_used(server), keys.admission(server)], args, int)
+class WindowState(NamedTuple):
+    """What admission's window rule reads of a server (``window_state.lua``)."""
+
+    now_ms: int  # Redis's clock
+    stored: dict[str, bytes | None]  # the fields asked for
+    slots: list[tuple[bytes, bytes]]  # each slot's (start ms, projected peak)
+
+
+def window_state(server: str, fields: Sequence[str]) -> Call[WindowState]:
+    """``window_state.lua``: ``fields`` of ``server``'s used hash and its slots, at one moment."""
+
+    def decode(reply: list[Any]) -> WindowState:
+        flat = reply[2]
+        return WindowState(
+            int(reply[0]),
+            dict(zip(fields, reply[1], strict=True)),
+            list(zip(flat[::2], flat[1::2], strict=True)),
+        )
+
+    return Call("window_state", [keys.admission_used(server), keys.admission(server)], list(fields), decode)
+
+
+def set_window(server: str, fields: dict[str, float]) -> Call[int]:
+    """Store what admission's window rule decided in ``server``'s used hash (its own fields)."""
+    return Call("", [], ["HSET", keys.admission_used(server), *(x for kv in fields.items() for x in kv)], int)
 
 
 # -- the upkeep's ------------------------------------------------------------------------------

@@ -4,12 +4,12 @@
 -- Post: on success the slot holds ARGV tokens until released or expired; the used hash counts one
 --       more request in flight (`n`, `n:<queue>`) and ARGV tokens more (`total`, `<queue>`).
 --       Room is decided by one of two rules:
---       * closed loop: while the server's window (`window`, set by adapt.lua from what the server
+--       * closed loop: while the server's window (`window`, set by the window rule from what the server
 --         reports) was refreshed within ARGV 9 ms, at most `window` requests are in flight on it,
 --         and a queue at most ARGV 8 (its share) of them while the other queue is active;
 --       * guard (no fresh window: the first seconds of a run, a silent watcher): the tokens held
 --         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
---       * paced (closed loop only): while the pool binds (`bound`, set by adapt.lua) and the
+--       * paced (closed loop only): while the pool binds (`bound`, set by policy.py) and the
 --         requests' outputs are of about one length (`len_dev` under a quarter of `len_mean`,
 --         unadmit.lua; before any is known, their lifetimes: `life_dev`, `life_ms`), a
 --         request starts every `life_ms` / window ms on average, in groups of ARGV 10: a group
@@ -24,7 +24,7 @@
 --         now without the pool overflowing at any moment until they end (`fits_after`: each
 --         request in flight grows linearly from a young size to its projected peak over a
 --         lifetime and then ends; the young size, `young_fit`, is what made the requests in
---         flight hold the KV use the server last reported, fitted by adapt.lua), this one
+--         flight hold the KV use the server last reported, fitted by policy.py), this one
 --         starts at once, past the pace and past the
 --         window: nothing queued behind it would start together with it later, and started now
 --         it ends sooner. If they would fit together only once some of those in flight end, but
@@ -71,7 +71,7 @@ end
 -- How soon (ms from now, 0: now) `count` requests of `peak` tokens each, started together, keep
 -- the pool within `budget` at every moment until they end, if nothing else starts before them
 -- (nil: not within `within` ms). Every request lives `life` ms and grows linearly from `young`
--- tokens (adapt.lua's `young_fit`: the size that makes the requests in flight hold what the
+-- tokens (policy.py's `young_fit`: the size that makes the requests in flight hold what the
 -- server last reported) to its projected peak (its slot's tokens). The pool is fullest just
 -- before a request ends, or when the new ones peak: those moments are checked, for a start now
 -- and for one just after each request in flight ends.
@@ -134,7 +134,7 @@ if window > 0 and now_ms - window_ms <= num(ARGV[9], 0, 0) then
   local qcap = other_active and math.max(1, math.floor(window * num(ARGV[8], 1, 0, 1))) or window
   room = n == 0 or (n < window and nq < qcap)
   redis.call('HSET', KEYS[2], 'rule', 'window', 'cap:' .. queue, qcap)
-  -- paced while the pool binds (adapt.lua's `bound`) and requests live about as long as each
+  -- paced while the pool binds (policy.py's `bound`) and requests live about as long as each
   -- other (those started together would end together, their successors start together again):
   -- a request every lifetime / window, in groups of ARGV 10
   local life, dev, group = num(f[9], 0, 0, MAX_LEASE_MS), num(f[10], 0, 0), int(ARGV[10], 0, 0)
@@ -145,7 +145,7 @@ if window > 0 and now_ms - window_ms <= num(ARGV[9], 0, 0) then
     if len > 0 then return len_dev * parts < len end
     return life > 0 and dev * parts < life
   end
-  -- paced while they are within a quarter (adapt.lua decides alike the same way)
+  -- paced while they are within a quarter (policy.py decides alike the same way)
   if group > 0 and f[12] == '1' and life > 0 and one_length(4) then
     pace = life / window
   end
@@ -215,7 +215,7 @@ if tail then  -- started together with the rest of the run
     'tail', int(f[14], 0, 0) + 1, 'tailed', int(f[20], 0, 0) + 1)
 elseif pace > 0 then
   also('pace_tat', tat + pace)
-else  -- started unpaced: it may have started together with others (adapt.lua counts them)
+else  -- started unpaced: it may have started together with others (policy.py counts them)
   also('up:' .. member, 1, 'unpaced', int(f[19], 0, 0) + 1)
 end
 redis.call('HSET', KEYS[2], unpack(w))

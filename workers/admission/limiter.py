@@ -1,9 +1,10 @@
 """Capacity-aware admission: a global limiter in Redis, shared by every worker on every host.
 
 The closed loop: each server has a *window*, the requests tokenmill may have in flight on it,
-steered about twice a second by what the server reports (``adapt.lua``: its running and
-waiting requests, its KV use, its retractions) so that a few requests always wait in the server's
-own queue and its scheduler, which knows its KV cache best, keeps the pool full. Requests are
+steered about twice a second by what the server reports (its running and waiting requests, its KV
+use, its retractions; the rule is :mod:`workers.admission.policy`) so that a few requests
+always wait in the server's own queue and its scheduler, which knows its KV cache best, keeps the
+pool full. Requests are
 counted in the window whatever their size; the server decides which fit. One worker at a time
 reads each server (:class:`workers.loadwatch.LoadWatch`).
 
@@ -46,6 +47,7 @@ from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.tokens import estimate_prompt_tokens
 from tokenmill.transitions import AdmitRequest, LengthReport, SlotUpdate
+from workers.admission import policy
 from workers.admission.waitline import WaitLine
 
 STATS_TTL_S = 1.0  # how stale a process's copy of a run's length curve may be
@@ -148,6 +150,19 @@ class Admission:
         self.ledger = Executor(client)
         self._curves: dict[str, tuple[float, Survival]] = {}
         self.line = WaitLine()
+        s = settings
+        self.knobs = policy.Knobs(
+            queue_target=s.admission_queue_target,
+            queue_share=0.1,
+            backoff=s.admission_backoff,
+            hold_ms=int(BACKOFF_HOLD_S * 1000),
+            ceiling=s.admission_usage_ceiling,
+            smallest=SMALLEST_WINDOW,
+            fresh_ms=int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
+            reserve=s.admission_reserve,
+            guard=s.admission_fraction,
+            group=s.admission_pace_group if s.admission_pacing else 0,
+        )
 
     def budget(self, capacity: int | None) -> int | None:
         return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
@@ -246,32 +261,17 @@ class Admission:
         )
 
     def adapt(self, server: str, load: Load, retractions: int | None) -> int:
-        """Steer ``server``'s window by what it reports now (``adapt.lua``); the new window."""
-        s = self.s
-        window = self.ledger.call(
-            t.adapt(
-                server,
-                [
-                    load.running,
-                    load.waiting,
-                    load.used_tokens,
-                    load.capacity,
-                    s.admission_queue_target,
-                    0.1,
-                    s.admission_backoff,
-                    int(BACKOFF_HOLD_S * 1000),
-                    s.admission_usage_ceiling,
-                    SMALLEST_WINDOW,
-                    -1 if retractions is None else retractions,
-                    int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
-                    s.admission_reserve,
-                    s.admission_fraction,
-                    s.admission_pace_group if s.admission_pacing else 0,
-                ],
-            )
-        )
+        """Steer ``server``'s window by what it reports now (:func:`policy.steer`); the new window.
+        One watcher at a time reads a server; the rule writes only fields of its own."""
+        state = self.ledger.call(t.window_state(server, policy.FIELDS))
+        report = policy.Report(*load, -1 if retractions is None else retractions)
+        decided = policy.steer(report, self.knobs, state.stored, state.slots, state.now_ms)
+        self.ledger.call(t.set_window(server, decided.fields))
+        if self.s.admission_trace:
+            with open(self.s.admission_trace, "ab") as trace:
+                trace.write(policy.trace_line(report, self.knobs, state, decided))
         self.wake()  # a wider window: let the head of this process's line ask now
-        return int(window)
+        return decided.window
 
     def release(self, slot: Slot) -> None:
         if slot.tokens:
