@@ -575,6 +575,13 @@ def kill_producer(c: Cluster, wl: Workload, path: Path, after_jobs: int = 0) -> 
     producer.proc.send_signal(signal.SIGKILL)
     at = time.time()
     producer.proc.wait(10)
+
+    # Redis still runs what the producer had sent before it died (a pipelined batch in its socket)
+    # until it drops the connection: only then is the count of its jobs final
+    def gone() -> bool:
+        return all(x.get("name") != "tokenmill-enqueue" for x in c.client.client_list())
+
+    wait_for(gone, 10, "the killed producer's connections to close", 0.01)
     notes = {"returncode": producer.proc.returncode, "jobs_at_kill": int(c.client.llen(jobs))}
     return _record(c, Fault("producer SIGKILL", at, {}, notes))
 
