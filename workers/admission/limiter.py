@@ -4,9 +4,8 @@ The closed loop: each server has a *window*, the requests tokenmill may have in 
 steered about twice a second by what the server reports (its running and waiting requests, its KV
 use, its retractions; the rule is :mod:`workers.admission.policy`) so that a few requests
 always wait in the server's own queue and its scheduler, which knows its KV cache best, keeps the
-pool full. Requests are
-counted in the window whatever their size; the server decides which fit. One worker at a time
-reads each server (:class:`workers.loadwatch.LoadWatch`).
+pool full. Requests are counted in the window whatever their size; the server decides which fit.
+One worker at a time reads each server (:class:`workers.loadwatch.LoadWatch`).
 
 The guard, while a server has no fresh window (the first seconds of a run, a silent watcher):
 each server gets a token budget, ``admission_fraction`` of its ``max_total_num_tokens`` (published
@@ -63,7 +62,7 @@ LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (ad
 # (doubles), exact integers only up to 2**53, and a server's counts sum its slots. A job asking
 # for more (``max_tokens`` 2**64 - 1) holds this, as if it filled any pool, until its server
 # refuses it (context length).
-MAX_SLOT_TOKENS = 2**40
+MAX_SLOT_TOKENS = policy.SLOT_MAX
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,7 @@ import orjson
 from tokenmill.transitions import WindowState
 
 INT_MAX = 2**53 - 1  # prelude.lua's: the largest integer a double holds exactly
-SLOT_MAX = 2**40  # prelude.lua's: the most tokens one slot holds
+SLOT_MAX = 2**40  # prelude.lua's: the most tokens one slot holds (limiter.MAX_SLOT_TOKENS)
 
 # The used hash's fields the rule reads (tokenmill.transitions.window_state fetches them).
 FIELDS = (
