@@ -296,7 +296,6 @@ def run_tokenmill(
     group: int | None = None,
     shared: Server | None = None,
     oracle: tuple[int, float] | None = None,
-    rule: str = "window",
 ) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
     ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group; ``oracle``:
@@ -312,7 +311,6 @@ def run_tokenmill(
             "TOKENMILL_SERVER_URL": server.url,
             "TOKENMILL_ADMISSION": "true" if admission else "false",
             "TOKENMILL_ADMISSION_PACING": "true" if paced else "false",
-            "TOKENMILL_ADMISSION_RULE": rule,
         }
         if group is not None:
             env["TOKENMILL_ADMISSION_PACE_GROUP"] = str(group)
@@ -497,8 +495,6 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             if "admission" not in [k for _, k, _ in out]:
                 raise SystemExit("--only: oracle takes its window from an admission run named before it")
             out.append((f"admission told its window (oracle, threads {args.high})", "oracle", args.high))
-        elif name == "queue":
-            out.append((f"admission, queue rule (threads {args.high})", "queue", args.high))
         elif name == "unpaced":
             out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
         elif m := re.fullmatch(r"paced(\d+)", name):
@@ -509,7 +505,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             kind = m[1]
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
-            known = "low, tuned, high, admission, oracle, queue, unpaced, pacedN, fixedN, directN"
+            known = "low, tuned, high, admission, oracle, unpaced, pacedN, fixedN, directN"
             raise SystemExit(f"--only: unknown variant {name!r} ({known})")
     return out
 
@@ -662,7 +658,6 @@ def measure(
                             work, data, args, admission=kind != "fixed", threads=n,
                             paced=kind != "unpaced", group=group, shared=shared,
                             oracle=learned if kind == "oracle" else None,
-                            rule="queue" if kind == "queue" else "window",
                         )  # fmt: skip
                         if kind == "admission" and "window_max" in r:
                             learned = (r["window_max"], r["life_ms"])

@@ -367,22 +367,6 @@ def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: 
     assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pace_group=4), 10)) == 4
 
 
-def test_the_queue_rule_refills_a_wave_that_ended_together_at_once(rclient: redis.Redis) -> None:
-    # Given the queue rule steering a window of 12 on a pool that binds, the window rule having
-    # left it paced (lifetimes of 10 s, alike)
-    a = adm(rclient, admission_rule="queue", admission_queue_target=3)
-    set_window(rclient, 12, life_ms=10_000, life_dev=100, bound=1)
-    assert a.adapt("srv", load(0, used=0), 0) == 12  # its first figures: the window as it stands
-    wave = admit_all(a, 12)
-    assert len(wave) == 12
-    # When the whole wave ends together and the server says so
-    for slot in wave:
-        a.release(slot)
-    a.adapt("srv", load(0, used=0), 0)
-    # Then the next 12 start at once, not one group a pace apart
-    assert len(admit_all(a, 12)) == 12 and rclient.hget(USED, "paced") is None
-
-
 def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together(
     rclient: redis.Redis,
 ) -> None:

@@ -73,9 +73,6 @@ class Settings:
     # paced, requests start in groups of this many: a group opens when all its starts are due,
     # and they go at once, so the server prefills them in one batch
     admission_pace_group: int = 2
-    # the window's rule: "window" (sized from what requests hold, paced; policy.steer) or "queue"
-    # (keep a few requests waiting on the server, back off on a retraction; policy.feedback)
-    admission_rule: str = "window"
     # a file to append the window rule's every input and decision to, one JSON line each
     # (workers/admission/policy.py; tests replay such a trace): empty, none
     admission_trace: str = ""
@@ -238,8 +235,6 @@ class Settings:
             raise ConfigError(f"TOKENMILL_EVENT_LOOP={self.event_loop!r} must be one of {choices}")
         if self.admission_poll_s <= 0 or self.admission_queue_target < 1:
             raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
-        if self.admission_rule not in ("window", "queue"):
-            raise ConfigError(f"TOKENMILL_ADMISSION_RULE={self.admission_rule!r} must be window or queue")
         if self.admission_pace_group < 1:
             raise ConfigError(f"admission_pace_group must be at least 1, got {self.admission_pace_group}")
         for name in (f.name for f in fields(self) if f.name.startswith("input_max_")):

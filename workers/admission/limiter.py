@@ -57,10 +57,6 @@ YOUNG_CURVE_ENDED = 32
 WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the token guard decides
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
-# the queue rule (policy.feedback): requests kept waiting on the server, a share of those running
-# (or admission_queue_target, if more); the window after a retraction, of what is on the server;
-# how long it then holds, in polls (one overflow's retractions show in the next figures too)
-QUEUE_RULE_SHARE, QUEUE_RULE_BACKOFF, QUEUE_RULE_HOLD_POLLS = 0.5, 0.9, 2
 LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (admit.lua)
 # The most tokens a slot holds (prelude.lua's SLOT_MAX): admission's scripts count in Lua numbers
 # (doubles), exact integers only up to 2**53, and a server's counts sum its slots. A job asking
@@ -154,19 +150,17 @@ class Admission:
         self._curves: dict[str, tuple[float, Survival]] = {}
         self.line = WaitLine()
         s = settings
-        queue = s.admission_rule == "queue"  # its own backoff, hold and queue (policy.feedback)
         self.knobs = policy.Knobs(
             queue_target=s.admission_queue_target,
-            queue_share=QUEUE_RULE_SHARE if queue else 0.1,
-            backoff=QUEUE_RULE_BACKOFF if queue else s.admission_backoff,
-            hold_ms=int((QUEUE_RULE_HOLD_POLLS * s.admission_poll_s if queue else BACKOFF_HOLD_S) * 1000),
+            queue_share=0.1,
+            backoff=s.admission_backoff,
+            hold_ms=int(BACKOFF_HOLD_S * 1000),
             ceiling=s.admission_usage_ceiling,
             smallest=SMALLEST_WINDOW,
             fresh_ms=int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000),
             reserve=s.admission_reserve,
             guard=s.admission_fraction,
             group=s.admission_pace_group if s.admission_pacing else 0,
-            rule=s.admission_rule,
         )
 
     def budget(self, capacity: int | None) -> int | None:

@@ -85,7 +85,6 @@ class Knobs:
     reserve: float  # the share of the projected growth a request is sized by
     guard: float  # the guard's budget, a share of the pool
     group: int  # the pacing group (0: not paced)
-    rule: str = "window"  # "window": :func:`steer`'s rules; "queue": :func:`feedback`'s
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +127,6 @@ def steer(
 ) -> Steer:
     """The window by these figures (see the module's docstring); ``stored`` is the used hash's
     :data:`FIELDS`, ``slots`` each slot's (start ms, projected peak)."""
-    if k.rule == "queue":
-        return feedback(report, k, stored, now_ms)
     f = dict(stored)
     running, waiting = num(report.running, 0, 0), num(report.waiting, 0, 0)
     used, capacity = num(report.used, 0, 0), num(report.capacity, 0, 0)
@@ -213,45 +210,6 @@ def steer(
     out |= {"pace_ms": math.floor(life / window) if paced else 0}
     out["young_fit"] = young_fit(slots, life, running, used, now_ms)
     return Steer(window, out)
-
-
-def feedback(report: Report, k: Knobs, stored: Mapping[str, Any], now_ms: int) -> Steer:
-    """The queue rule (``admission_rule`` "queue"), a feedback loop on the server's own figures: keep
-    ``queue_target`` requests (or ``queue_share`` of those running, if more) waiting on the server,
-    so that its scheduler always has one to take in when KV frees, and let it decide what runs.
-    On a retraction, back off to ``backoff`` of what is on the server and hold for ``hold_ms``;
-    while its queue stays deeper than the target, shrink to running + target; otherwise (less
-    waiting than the target, KV use below the ceiling, the window limiting) grow by the shortfall.
-    The first window is what the guard lets in at the projected peak, plus the target. No pacing,
-    no tail (``bound`` 0)."""
-    running, waiting = num(report.running, 0, 0), num(report.waiting, 0, 0)
-    used, capacity = num(report.used, 0, 0), num(report.capacity, 0, 0)
-    retractions = num(report.retractions, -1, -1)
-    out: dict[str, float] = {"srv_running": running, "srv_waiting": waiting, "srv_used": used}
-    out |= {"srv_cap": capacity, "srv_retractions": retractions, "young_fit": -1, "bound": 0, "pace_ms": 0}
-    smallest = whole(k.smallest, 1, 1)
-    target = max(whole(k.queue_target, 1, 1), math.ceil(running * num(k.queue_share, 0, 0, 1)))
-    n, window = whole(stored.get("n"), 0, 0), whole(stored.get("window"), 0, 0)
-    if window <= 0 or now_ms - num(stored.get("window_ms"), 0, 0, now_ms) > num(k.fresh_ms, 0, 0):
-        if n == 0:  # nothing to start from: the guard decides until something is in flight
-            return Steer(smallest, out)
-        peak = num(stored.get("total"), 0, 0) / n
-        window = max(n, math.floor(num(k.guard, 1, 0) * capacity / peak) if peak > 0 else 0) + target
-    refused = whole(stored.get("refused"), 0, 0)
-    limiting = refused > whole(stored.get("refused_seen"), 0, 0)
-    hold_ms = num(k.hold_ms, 0, 0)
-    holding = now_ms < num(stored.get("hold_until"), 0, 0, now_ms + hold_ms)
-    if 0 <= num(stored.get("srv_retractions"), -1, -1) < retractions:
-        if not holding:
-            window = math.floor((running + waiting) * num(k.backoff, 0, 0, 1))
-            out |= {"hold_until": now_ms + hold_ms, "backoffs": whole(stored.get("backoffs"), 0, 0) + 1}
-    elif not holding:
-        if waiting > target and num(stored.get("srv_waiting"), 0, 0) > target:
-            window = min(window, math.floor(running) + target)
-        elif waiting < target and limiting and used < num(k.ceiling, 1, 0) * capacity:
-            window = max(window, n) + target - math.floor(waiting)
-    window = whole(window, smallest, smallest)
-    return Steer(window, out | {"window": window, "window_ms": now_ms, "refused_seen": refused})
 
 
 def one_length(f: Mapping[str, Any], life: float) -> bool:
