@@ -19,7 +19,8 @@ from tokenmill.ledger import Ledger, register
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.transitions import Claim, JobError, LengthReport
-from workers.admission.limiter import MAX_SLOT_TOKENS, Admission, output_tokens
+from workers.admission.limiter import Admission, output_tokens
+from workers.admission.policy import SLOT_MAX
 
 SLOTS, USED = keys.admission("srv"), keys.admission_used("srv")
 HUGE = 18446744073709551615  # the max_tokens: 2**64 - 1
@@ -203,8 +204,8 @@ def test_a_request_is_sized_within_what_the_scripts_count_whatever_its_max_token
     a = adm(rclient, admission_default_output_tokens=1000)
     messages = [{"role": "user", "content": "hello"}]
     # Given the max_tokens, and values no server takes
-    assert a.estimate("r", {"messages": messages, "max_tokens": HUGE}) == MAX_SLOT_TOKENS
-    assert output_tokens(float("inf"), 1000) == MAX_SLOT_TOKENS
+    assert a.estimate("r", {"messages": messages, "max_tokens": HUGE}) == SLOT_MAX
+    assert output_tokens(float("inf"), 1000) == SLOT_MAX
     for bad in (None, 0, -5, "abc", float("nan"), True, [1]):
         assert output_tokens(bad, 1000) == 1000, bad
     assert output_tokens(100.7, 1000) == 100

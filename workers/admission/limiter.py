@@ -58,11 +58,6 @@ WINDOW_FRESH_POLLS = 6  # a window older than this many polls is stale: the toke
 SMALLEST_WINDOW = 2
 BACKOFF_HOLD_S = 5.0  # after a retraction the window holds still this long
 LOAD_FIELD = "total"  # the used hash's field: tokens admitted on the server (admit.lua)
-# The most tokens a slot holds (prelude.lua's SLOT_MAX): admission's scripts count in Lua numbers
-# (doubles), exact integers only up to 2**53, and a server's counts sum its slots. A job asking
-# for more (``max_tokens`` 2**64 - 1) holds this, as if it filled any pool, until its server
-# refuses it (context length).
-MAX_SLOT_TOKENS = policy.SLOT_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +110,11 @@ class LengthTracker:
 
 def output_tokens(max_tokens: Any, default: int) -> int:
     """The output a request is projected to reach by its ``max_tokens``, within 1 and
-    :data:`MAX_SLOT_TOKENS` (``default`` when it is absent or not a positive number: the server
+    :data:`policy.SLOT_MAX` (``default`` when it is absent or not a positive number: the server
     refuses such a request, and its size must not enter admission's counts meanwhile)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | float) or not max_tokens >= 1:
         return default
-    return int(min(max_tokens, MAX_SLOT_TOKENS))
+    return int(min(max_tokens, policy.SLOT_MAX))
 
 
 def held_count(raw: bytes | str | None) -> int:
@@ -175,10 +170,10 @@ class Admission:
         return self.held_on(self.survival(run), request, generated)
 
     def held_on(self, curve: Survival, request: dict[str, Any], generated: int = 0) -> int:
-        """:meth:`held` by the curve given, at most :data:`MAX_SLOT_TOKENS`."""
+        """:meth:`held` by the curve given, at most :data:`policy.SLOT_MAX`."""
         max_tokens = output_tokens(request.get("max_tokens"), self.s.admission_default_output_tokens)
         prompt = curve.prompt(estimate_prompt_tokens(request["messages"]))
-        return min(MAX_SLOT_TOKENS, curve.hold(prompt, max_tokens, generated))
+        return min(policy.SLOT_MAX, curve.hold(prompt, max_tokens, generated))
 
     def survival(self, run: str) -> Survival:
         """The run's completion-length curve (cached for ``STATS_TTL_S``, ``YOUNG_CURVE_TTL_S``

@@ -59,7 +59,10 @@ import orjson
 from tokenmill.transitions import WindowState
 
 INT_MAX = 2**53 - 1  # prelude.lua's: the largest integer a double holds exactly
-SLOT_MAX = 2**40  # prelude.lua's: the most tokens one slot holds (limiter.MAX_SLOT_TOKENS)
+# The most tokens a slot holds (prelude.lua's): admission's scripts count in Lua numbers (doubles),
+# exact integers only up to 2**53, and a server's counts sum its slots. A job asking for more
+# (``max_tokens`` 2**64 - 1) holds this, as if it filled any pool, until its server refuses it.
+SLOT_MAX = 2**40
 
 # The used hash's fields the rule reads (tokenmill.transitions.window_state fetches them).
 FIELDS = (
