@@ -30,7 +30,8 @@ each variant's timeline: where the time goes.
 ``--matrix`` runs the workload matrix of issue 26 (see ``CELLS``; on real SGLang the outputs of
 the early-stop and mixed-outputs cells end at stop tokens, see ``SGLANG_STOPS``): a base cell, the issue's
 workload (96 short prompts, outputs that run to ``max_tokens`` 200, a 4,000-token KV pool, a cold
-start, one worker of 64 threads), and one cell per other value of each axis; each cell runs fixed
+start, one worker of 64 threads; the sim's steps timed as real SGLang's on these CPUs, see
+``SIM_STEPS``), and one cell per other value of each axis; each cell runs fixed
 8/16/32/64 and admission in alternating rounds (3 unless ``--repeat``) and prints a table with
 each one's median wall time, retractions and mean running requests (SGLang's decode steps;
 the sim sampled every 0.25 s), on SGLang its forward passes (decode steps + prefill batches, from
@@ -532,6 +533,12 @@ CELLS: dict[str, dict[str, Any]] = {
     "steady": {"prompts": 480},  # issue 55: the cold start amortised over five waves
 }
 POOLS = {"small": 4000, "roomy": 20000}
+# The sim's step in the matrix: real SGLang's on these CPUs at half the time. Its decode steps
+# took 7 ms + 0.69 ms a running request (a least-squares fit over the base cell's 14,000 steps,
+# 2026-12-06); a sim whose steps barely grow with the batch (a GPU's: 0.05) spreads paced starts
+# evenly where real SGLang, whose lifetimes stretch with the batch, does not, and it hid that
+# admission's pacing margin keeps the real server from retracting.
+SIM_STEPS = (3.5, 0.345)
 MATRIX_VARIANTS = "fixed8,fixed16,fixed32,fixed64,admission"
 TARGET = 1.05  # admission's wall over the fastest fixed setting's, at most (issue 55)
 
@@ -571,8 +578,15 @@ def main() -> None:
     ap.add_argument(
         "--max-tokens", type=int, default=None, help="default 1024 (sim), 200 (sglang and --matrix)"
     )
-    ap.add_argument("--step-ms", type=float, default=8.0)
-    ap.add_argument("--step-ms-per-req", type=float, default=0.05)
+    ap.add_argument(
+        "--step-ms", type=float, default=None, help=f"the sim's step: default 8 ({SIM_STEPS[0]} in --matrix)"
+    )
+    ap.add_argument(
+        "--step-ms-per-req",
+        type=float,
+        default=None,
+        help=f"... and per request: 0.05 ({SIM_STEPS[1]} in --matrix)",
+    )
     ap.add_argument("--low", type=int, default=8)
     ap.add_argument("--high", type=int, default=256, help="the admission variant's threads (a worker's)")
     ap.add_argument("--workers", type=int, default=1)
@@ -599,6 +613,9 @@ def main() -> None:
     args.prompts = args.prompts or (96 if real or matrix else 400)
     args.kv = args.kv or (4000 if real else 24000)
     args.max_tokens = args.max_tokens or (200 if real or matrix else 1024)
+    step, per_req = SIM_STEPS if matrix else (8.0, 0.05)
+    args.step_ms = step if args.step_ms is None else args.step_ms
+    args.step_ms_per_req = per_req if args.step_ms_per_req is None else args.step_ms_per_req
     if matrix:
         args.high = 64 if "--high" not in sys.argv else args.high  # the issue's worker: concurrency 64
         args.repeat = args.repeat if "--repeat" in sys.argv else 3

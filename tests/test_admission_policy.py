@@ -14,7 +14,8 @@ import pytest
 from workers.admission import policy
 
 # TOKENMILL_ADMISSION_TRACE=FILE bench/admission.py --matrix base,mixed-outputs --only admission
-# --repeat 1 --step-ms 4 (the sim; 2026-12-06): every decision of the two runs' watchers
+# --repeat 1 --step-ms 4 --step-ms-per-req 0.05 (the sim; 2026-12-06): every decision of the two
+# runs' watchers
 TRACE = Path(__file__).parent / "data" / "admission-trace.jsonl"
 KNOBS = policy.Knobs(
     queue_target=4, queue_share=0.1, backoff=0.75, hold_ms=5000, ceiling=0.95, smallest=2,
