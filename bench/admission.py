@@ -534,7 +534,7 @@ CELLS: dict[str, dict[str, Any]] = {
 }
 POOLS = {"small": 4000, "roomy": 20000}
 # The sim's step in the matrix: real SGLang's on these CPUs at half the time. Its decode steps
-# took 7 ms + 0.69 ms a running request (a least-squares fit over the base cell's 14,000 steps,
+# took 7 ms + 0.69 ms a running request (a least-squares fit over the base cell's 13,940 steps,
 # 2026-12-06); a sim whose steps barely grow with the batch (a GPU's: 0.05) spreads paced starts
 # evenly where real SGLang, whose lifetimes stretch with the batch, does not, and it hid that
 # admission's pacing margin keeps the real server from retracting.
