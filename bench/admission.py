@@ -539,6 +539,7 @@ POOLS = {"small": 4000, "roomy": 20000}
 # evenly where real SGLang, whose lifetimes stretch with the batch, does not, and it hid that
 # admission's pacing margin keeps the real server from retracting.
 SIM_STEPS = (3.5, 0.345)
+SIM_STEPS_ALONE = (8.0, 0.05)  # outside the matrix: a GPU's flat step
 MATRIX_VARIANTS = "fixed8,fixed16,fixed32,fixed64,admission"
 TARGET = 1.05  # admission's wall over the fastest fixed setting's, at most (issue 55)
 
@@ -579,13 +580,16 @@ def main() -> None:
         "--max-tokens", type=int, default=None, help="default 1024 (sim), 200 (sglang and --matrix)"
     )
     ap.add_argument(
-        "--step-ms", type=float, default=None, help=f"the sim's step: default 8 ({SIM_STEPS[0]} in --matrix)"
+        "--step-ms",
+        type=float,
+        default=None,
+        help=f"the sim's step: default {SIM_STEPS_ALONE[0]} ({SIM_STEPS[0]} in --matrix)",
     )
     ap.add_argument(
         "--step-ms-per-req",
         type=float,
         default=None,
-        help=f"... and per request: 0.05 ({SIM_STEPS[1]} in --matrix)",
+        help=f"... and per request: {SIM_STEPS_ALONE[1]} ({SIM_STEPS[1]} in --matrix)",
     )
     ap.add_argument("--low", type=int, default=8)
     ap.add_argument("--high", type=int, default=256, help="the admission variant's threads (a worker's)")
@@ -613,7 +617,7 @@ def main() -> None:
     args.prompts = args.prompts or (96 if real or matrix else 400)
     args.kv = args.kv or (4000 if real else 24000)
     args.max_tokens = args.max_tokens or (200 if real or matrix else 1024)
-    step, per_req = SIM_STEPS if matrix else (8.0, 0.05)
+    step, per_req = SIM_STEPS if matrix else SIM_STEPS_ALONE
     args.step_ms = step if args.step_ms is None else args.step_ms
     args.step_ms_per_req = per_req if args.step_ms_per_req is None else args.step_ms_per_req
     if matrix:
