@@ -401,7 +401,7 @@ async def _stream_path(
 
     sem = asyncio.Semaphore(concurrency)
     s = Settings.load(server_url=url)
-    client = StreamClient.of(url, s.api_key, s.connect_timeout_s)  # as a worker's Runtime builds it
+    client = StreamClient(url, s.api_key, s.connect_timeout_s)  # as a worker's Runtime builds it
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     loop = asyncio.get_running_loop()
     headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}

@@ -14,20 +14,18 @@ from tokenmill import keys
 
 if TYPE_CHECKING:
     import redis
-    from rich.progress import Progress
 
     from tokenmill.quick_redis import ReadClient
     from tokenmill.settings import Settings
 
 
-def _connect(redis_url: str | None, name: str, retries: int = 1) -> tuple[Settings, redis.Redis]:
-    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST (``retries``:
-    redis-py's own, see :func:`tokenmill.redis_conn.connect`)."""
+def _connect(redis_url: str | None, name: str) -> tuple[Settings, redis.Redis]:
+    """Settings and a checked Redis client named ``tokenmill-<name>`` in CLIENT LIST."""
     from tokenmill import redis_conn
     from tokenmill.settings import Settings
 
     settings = Settings.load(redis_url=redis_url)
-    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}", retries=retries)
+    return settings, redis_conn.connect(settings, name=f"tokenmill-{name}")
 
 
 def _connect_read(redis_url: str | None, name: str) -> tuple[Settings, ReadClient]:
@@ -38,6 +36,12 @@ def _connect_read(redis_url: str | None, name: str) -> tuple[Settings, ReadClien
 
     settings = Settings.load(redis_url=redis_url)
     return settings, quick_redis.connect(settings, name=f"tokenmill-{name}")
+
+
+def _check_run(client: redis.Redis | ReadClient, run: str, hint: str = "") -> None:
+    keys.check_run(run)
+    if not client.sismember(keys.runs(), run):
+        raise click.ClickException(f"no run named {run!r} in this Redis{hint}")
 
 
 redis_option = click.option(
@@ -194,8 +198,19 @@ def enqueue(
         samples=samples,
         on_invalid=lambda e: click.echo(f"skipped: {e}", err=True),
     )
-    progress = _progress()
-    if progress is not None:
+    progress = None
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("enqueued"),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
         task = progress.add_task("enqueue", total=None)
         enq.on_progress = lambda n: progress.advance(task, n)
         progress.start()
@@ -212,22 +227,6 @@ def enqueue(
         raise SystemExit(1)
 
 
-def _progress() -> Progress | None:
-    if not sys.stderr.isatty():
-        return None
-    from rich.console import Console
-    from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("enqueued"),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
 @click.command()
 @run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
@@ -238,10 +237,8 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     """Show a run's progress: per partition, throughput, ETA, failures, servers."""
     from producer.status import run_status
 
-    keys.check_run(run)
     settings, client = _connect_read(redis_url, "status")
-    if not client.sismember(keys.runs(), run):
-        raise click.ClickException(f"no run named {run!r} in this Redis (enqueue into it first)")
+    _check_run(client, run, " (enqueue into it first)")
     urls = settings.server_urls
     if as_json:
         while True:
@@ -292,10 +289,8 @@ def export(
     from producer.export_rows import run_store
     from tokenmill.ledger import Ledger
 
-    keys.check_run(run)
     _, client = _connect(redis_url, "export")
-    if not client.sismember(keys.runs(), run):
-        raise click.ClickException(f"no run named {run!r} in this Redis")
+    _check_run(client, run)
     ledger = Ledger(client, run)
     summary = export_run(ledger, out_dir, include_truncated, fmt, run_store(ledger, results_url))
     for path, n in summary.files.items():
@@ -328,10 +323,8 @@ def resume(run: str, max_queued: int | None, redis_url: str | None) -> None:
     job of it that is not done (duplicates are harmless)."""
     from producer.resume import resume_run
 
-    keys.check_run(run)
     settings, client = _connect(redis_url, "resume")
-    if not client.sismember(keys.runs(), run):
-        raise click.ClickException(f"no run named {run!r} in this Redis")
+    _check_run(client, run)
     click.echo(resume_run(client, run, max_queued or settings.max_queued).line(run))
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Union
 
 import orjson
@@ -78,9 +77,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- enqueue ----------------------------------------------------------------------------
@@ -168,7 +165,7 @@ class Client:
             enq.enqueue_records(source.records, source.partition)
         result = EnqueueResult.of(run, enq.summary)
         if enq.summary.conflicts:
-            raise conflict_error(run, enq.summary.conflicts, result)
+            raise conflict_error(enq.summary.conflicts, result)
         return result
 
     # -- watch ------------------------------------------------------------------------------
@@ -222,7 +219,7 @@ class Client:
         newest first: ``{"job_id", "partition", "source", "truncated", "row"}``, ``row`` being
         the export row (:meth:`results`' rows), from Redis or from the job's shard. With
         ``job_id`` (and its ``partition``), that job's sample alone (none while it is not done)."""
-        from producer.samples import job_sample, recent_samples
+        from producer.samples import recent_samples, samples_of
         from producer.scope import partitions
 
         _check_counts(per_partition=per_partition)
@@ -231,7 +228,7 @@ class Client:
         if job_id is not None:
             if partition is None:
                 raise ConfigError(f"job_id {job_id!r}: name its partition too")
-            return job_sample(ledger, partition, job_id, results_url)
+            return samples_of(ledger, [(partition, [job_id])], 1, results_url)
         return recent_samples(ledger, names, per_partition, results_url)
 
     def flagged_jobs(self, run: str, per_flag: int = 20) -> dict[str, list[dict[str, str]]]:
@@ -385,14 +382,16 @@ class _ExportRows:
     def _read(
         self, ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool
     ) -> Iterator[dict[str, Any]]:
-        from producer.export import run_rows
+        from producer.export import export_row
+        from producer.export_rows import RowCounts, partition_rows
 
-        for line in run_rows(ledger, readers, include_truncated=True):
-            row = orjson.loads(line)
-            if not include_truncated and row.get("finish_reason") == "length":
-                self.left_out += 1
-                continue
-            yield row
+        for reader in readers.values():  # the rows ``export_run`` writes, in its order
+            for line in partition_rows(ledger, reader, RowCounts(), export_row):
+                row = orjson.loads(line.row)
+                if not include_truncated and row.get("finish_reason") == "length":
+                    self.left_out += 1
+                    continue
+                yield row
 
     def warn(self, run: str, stacklevel: int) -> None:
         """A ``UserWarning`` naming how many truncated rows were left out, if any (``stacklevel``

@@ -21,26 +21,25 @@ BATCH_ROWS = 1000
 COLUMNS = ("id", "partition", "messages", "finish_reason", "usage", "model", "metadata")  # of every row
 
 
-def need(package: str, extra: str, what: str) -> Any:
+def need(package: str, what: str) -> Any:
     """The module ``package``; :class:`MissingExtraError` naming the extra that installs it."""
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise MissingExtraError(
-            f"{what} needs the {package} package: pip install 'tokenmill[{extra}]'"
-        ) from None
+        install = f"pip install 'tokenmill[{package}]'"
+        raise MissingExtraError(f"{what} needs the {package} package: {install}") from None
 
 
 def to_pandas(rows: Iterable[dict[str, Any]]) -> Any:
     """A DataFrame of ``rows``, one column per key."""
-    pd = need("pandas", "pandas", "to_pandas()")
+    pd = need("pandas", "to_pandas()")
     records = list(rows)
     return pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=list(COLUMNS))
 
 
 def to_dataset(run: str, rows: Iterable[dict[str, Any]]) -> Any:
     """A ``datasets.Dataset`` of ``rows``, built through Arrow ``BATCH_ROWS`` at a time."""
-    datasets = need("datasets", "datasets", "to_dataset()")
+    datasets = need("datasets", "to_dataset()")
     import pyarrow as pa
 
     try:

@@ -34,8 +34,10 @@ class DeleteSummary:
         return text
 
 
-def holders(client: redis.Redis, run: str) -> tuple[int, int, int]:
-    """(jobs running under a live lease, jobs waiting for admission, seals in progress)."""
+def delete_run(
+    client: redis.Redis, run: str, *, results: bool, force: bool, store: ResultStore | None
+) -> DeleteSummary:
+    """Delete ``run``; ``store`` is where its shards are (None: the one its ledger records)."""
     k = keys.RunKeys(run)
     sec, usec = client.time()
     now_ms = int(sec) * 1000 + int(usec) // 1000
@@ -44,15 +46,6 @@ def holders(client: redis.Redis, run: str) -> tuple[int, int, int]:
     pipe.zcount(k.waiting(), now_ms, "+inf")
     pipe.scard(k.seals_pending())
     running, waiting, sealing = pipe.execute()
-    return int(running), int(waiting), int(sealing)
-
-
-def delete_run(
-    client: redis.Redis, run: str, *, results: bool, force: bool, store: ResultStore | None
-) -> DeleteSummary:
-    """Delete ``run``; ``store`` is where its shards are (None: the one its ledger records)."""
-    k = keys.RunKeys(run)
-    running, waiting, sealing = holders(client, run)
     if (running or waiting or sealing) and not force:
         busy = [f"{running} job(s) running under a live lease"] if running else []
         busy += [f"{waiting} delivered and waiting for admission"] if waiting else []

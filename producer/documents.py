@@ -121,7 +121,7 @@ class EnqueueResult:
         )
 
 
-def conflict_error(run: str, conflicts: list[IdConflictError], result: EnqueueResult) -> IdConflictError:
+def conflict_error(conflicts: list[IdConflictError], result: EnqueueResult) -> IdConflictError:
     """The first id conflict, noting the others and that every other row was enqueued (the CLI
     prints them all and exits 1)."""
     first = conflicts[0]

@@ -37,14 +37,11 @@ from tokenmill.ledger import Ledger
 
 
 @dataclass(slots=True)
-class ExportSummary:
+class ExportSummary(RowCounts):
+    """What the walks over every partition found, and the files written."""
+
     files: dict[str, int] = field(default_factory=dict)  # path -> rows
     skipped_truncated: int = 0
-    not_done: int = 0
-    cancelled: int = 0
-    from_shards: int = 0
-    from_redis: int = 0
-    failed: int = 0  # written as error lines (openai-batch)
 
 
 def row_id(job_id: str, spec: dict[str, Any]) -> str:
@@ -106,13 +103,12 @@ def export_run(
     for partition, reader in readers.items():
         target = out / f"{partition}.{'jsonl' if batch else fmt}"
         tmp = target.with_name(f".{target.name}.tmp")
-        counts = RowCounts()
         n = 0
         rows: Iterator[tuple[bytes, bool]]  # (row, truncated)
         if batch:  # a truncated job's line is written too, as OpenAI would return it
-            rows = ((line, False) for line, _ in batch_lines(ledger, reader, counts))
+            rows = ((line, False) for line, _ in batch_lines(ledger, reader, summary))
         else:
-            rows = ((x.row, x.truncated) for x in partition_rows(ledger, reader, counts, export_row))
+            rows = ((x.row, x.truncated) for x in partition_rows(ledger, reader, summary, export_row))
         try:
             with _writer(fmt, tmp) as write:
                 for row, truncated in rows:
@@ -126,11 +122,6 @@ def export_run(
             raise
         os.replace(tmp, target)
         summary.files[str(target)] = n
-        summary.not_done += counts.not_done
-        summary.cancelled += counts.cancelled
-        summary.failed += counts.failed
-        summary.from_shards += counts.from_shards
-        summary.from_redis += counts.from_redis
     return summary
 
 
@@ -149,18 +140,6 @@ def open_shards(
         check_store_reachable(store, ledger.run)
         raise ShardLostError(ledger.run, lost)
     return readers
-
-
-def run_rows(
-    ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool = False
-) -> Iterator[bytes]:
-    """The export rows (JSON) of the readers' partitions, one after another, each in enqueue
-    order: the rows ``export_run`` writes as JSON Lines, streamed (``Client.results``)."""
-    for reader in readers.values():
-        for line in partition_rows(ledger, reader, RowCounts(), export_row):
-            if line.truncated and not include_truncated:
-                continue
-            yield line.row
 
 
 def batch_lines(

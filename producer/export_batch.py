@@ -69,12 +69,8 @@ def failed_line(run: str, job_id: str, row_id: str, error_class: str, message: s
     status = HTTP_STATUS.get(error_class)
     if status is None:
         code = "batch_cancelled" if error_class == "cancelled" else error_class
-        return {
-            "id": line_id,
-            "custom_id": row_id,
-            "response": None,
-            "error": {"code": code, "message": message},
-        }
+        error = {"code": code, "message": message}
+        return {"id": line_id, "custom_id": row_id, "response": None, "error": error}
     kind = "authentication_error" if status == 401 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": error_class}}
     response = {"status_code": status, "request_id": request_id, "body": body}

@@ -14,7 +14,6 @@ row groups of :data:`BATCH`, so memory stays flat. A message Parquet's struct ca
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 import orjson
@@ -124,9 +123,7 @@ class ParquetRows:
     def __enter__(self) -> ParquetRows:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:
             self.close()
         elif self.writer is not None:

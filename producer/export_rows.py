@@ -96,7 +96,6 @@ class GroupMerge:
         self.tie = itertools.count()
         self.ahead: list[tuple[int, int, RowGroup]] = []  # (min seq, tie, group) not loaded yet
         self.heads: list[tuple[int, int, str, ShardRow, Iterator[ShardRow]]] = []  # loaded rows
-        self.ignored = 0  # rows no job of the ledger points to (never exported)
 
     def add(self, groups: list[RowGroup], from_seq: int = 0) -> None:
         for g in groups:
@@ -104,8 +103,8 @@ class GroupMerge:
                 heapq.heappush(self.ahead, (g.min_seq, next(self.tie), g))
 
     def take(self, seq: int, shard_id: str) -> ShardRow | None:
-        """The row of ``shard_id`` for ``seq`` (None if it has none); rows before ``seq`` are
-        passed over."""
+        """The row of ``shard_id`` for ``seq`` (None if it has none); rows before ``seq``, and rows
+        no job of the ledger points to, are passed over (never exported)."""
         while self.ahead and self.ahead[0][0] <= seq:
             group = heapq.heappop(self.ahead)[2]
             self._push(group.shard_id, iter(self.reader.read(group)))
@@ -114,8 +113,6 @@ class GroupMerge:
             row_seq, _, sid, row, rest = heapq.heappop(self.heads)
             if row_seq == seq and sid == shard_id and found is None:
                 found = row
-            else:
-                self.ignored += 1
             self._push(sid, rest)
         return found
 
@@ -144,11 +141,6 @@ class RowCounts:
     not_done: int = 0
     cancelled: int = 0
     failed: int = 0  # written as such (openai-batch)
-    ignored: int = 0
-
-
-def sealed_shards(ledger: Ledger, partition: str) -> list[str]:
-    return sorted(text(x) for x in ledger.r.smembers(ledger.k.shards(partition)))
 
 
 def sealed_by_shard(ledger: Ledger, partition: str) -> dict[str, list[str]]:
@@ -169,7 +161,7 @@ def check_shards(ledger: Ledger, reader: ShardReader) -> dict[str, tuple[str, li
     """Open the footer of every sealed shard of the reader's partition; the lost ones, each with
     why and the jobs it held."""
     lost: dict[str, tuple[str, list[str]]] = {}
-    for shard_id in sealed_shards(ledger, reader.partition):
+    for shard_id in sorted(text(x) for x in ledger.r.smembers(ledger.k.shards(reader.partition))):
         try:
             reader.check(shard_id)
         except Exception as exc:
@@ -226,7 +218,6 @@ def partition_rows(
             else:
                 counts.not_done += 1
     finally:
-        counts.ignored += merge.ignored
         reader.close()
 
 
@@ -237,15 +228,11 @@ def _text(raw: bytes | None) -> str:
 def _sealed_row(
     ledger: Ledger, reader: ShardReader, merge: GroupMerge, seq: int, job_id: str, shard_id: str
 ) -> ShardRow:
-    if shard_id not in reader.groups:  # sealed since the export started
-        try:
-            merge.add(reader.check(shard_id), from_seq=seq)
-        except Exception as exc:
-            jobs = jobs_of_shard(ledger, reader.partition, shard_id)
-            raise ShardLostError(ledger.run, {shard_id: (_why(reader, shard_id, exc), jobs)}) from exc
     try:
-        found = merge.take(seq, shard_id)
-    except Exception as exc:  # a row group that does not decode
+        if shard_id not in reader.groups:  # sealed since the export started
+            merge.add(reader.check(shard_id), from_seq=seq)
+        found = merge.take(seq, shard_id)  # raises for a row group that does not decode
+    except Exception as exc:
         jobs = jobs_of_shard(ledger, reader.partition, shard_id)
         raise ShardLostError(ledger.run, {shard_id: (_why(reader, shard_id, exc), jobs)}) from exc
     if found is None or found.job_id != job_id:

@@ -10,9 +10,6 @@ from __future__ import annotations
 import click
 
 from producer import web_access
-from producer.web_access import is_loopback
-
-__all__ = ["check_exposure", "flower", "flower_argv", "is_loopback", "parse_basic_auth"]
 
 DEFAULT_PORT = 5555
 DEFAULT_MAX_TASKS = 10_000
@@ -21,44 +18,8 @@ TASK_COLUMNS = "name,args,state,received,started,runtime,worker,retries"
 AUTH_ENVVARS = ("TOKENMILL_FLOWER_BASIC_AUTH", "FLOWER_BASIC_AUTH")
 
 
-def parse_basic_auth(value: str | None) -> list[str]:
-    """``user:password[,user2:password2]`` as Flower's list; raises naming the entry, not the secret."""
-    return web_access.parse_basic_auth(value, f"--basic-auth or {AUTH_ENVVARS[0]}")
-
-
-def check_exposure(address: str, credentials: list[str]) -> None:
-    """Refuse to serve Flower beyond loopback without authentication."""
-    how = f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth)"
-    web_access.check_exposure(address, credentials, "Flower", how)
-
-
-def flower_argv(
-    address: str, port: int, credentials: list[str], max_tasks: int, url_prefix: str | None
-) -> list[str]:
-    """The ``celery flower`` arguments: in-memory state only, bounded, readable task columns."""
-    argv = [
-        "flower",
-        f"--address={address}",
-        f"--port={port}",
-        "--persistent=False",
-        f"--max_tasks={max_tasks}",
-        f"--tasks_columns={TASK_COLUMNS}",
-    ]
-    if url_prefix:
-        argv.append(f"--url_prefix={url_prefix}")
-    if credentials:
-        argv.append(f"--basic_auth={','.join(credentials)}")
-    return argv
-
-
 @click.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True)
-@click.option(
-    "--address",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to bind; anything beyond loopback requires basic auth.",
-)
+@web_access.bind_options(DEFAULT_PORT, "basic auth")
 @click.option(
     "--basic-auth",
     envvar=list(AUTH_ENVVARS),
@@ -90,10 +51,24 @@ def flower(
     from tokenmill.app import configure
     from tokenmill.settings import Settings
 
-    credentials = parse_basic_auth(basic_auth)
-    check_exposure(address, credentials)
+    credentials = web_access.parse_basic_auth(basic_auth, f"--basic-auth or {AUTH_ENVVARS[0]}")
+    how = f"{AUTH_ENVVARS[0]}=user:password (or --basic-auth)"
+    web_access.check_exposure(address, credentials, "Flower", how)
+    # in-memory state only, bounded, readable task columns
+    argv = [
+        "flower",
+        f"--address={address}",
+        f"--port={port}",
+        "--persistent=False",
+        f"--max_tasks={max_tasks}",
+        f"--tasks_columns={TASK_COLUMNS}",
+    ]
+    if url_prefix:
+        argv.append(f"--url_prefix={url_prefix}")
+    if credentials:
+        argv.append(f"--basic_auth={','.join(credentials)}")
     app = configure(Settings.load(redis_url=redis_url))
     # celery-types says start() does not return; Celery's returns the exit code its command raised
-    code: int | None = app.start(flower_argv(address, port, credentials, max_tasks, url_prefix))
+    code: int | None = app.start(argv)
     if code:
         raise SystemExit(code)

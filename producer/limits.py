@@ -12,7 +12,6 @@ run's servers publish in the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,14 +69,10 @@ DEFAULT = Limits.of(Settings())
 def for_servers(client: ReadClient, settings: Settings) -> Limits:
     """The run's bounds, max_tokens below the shortest context of the servers it sends to, as the
     server manager publishes them for admission (:func:`tokenmill.servers.load_all`)."""
-    return Limits.of(settings, shortest_context(servers.load_all(client), settings.server_urls))
-
-
-def shortest_context(records: Iterable[servers.ServerRecord], urls: Iterable[str]) -> tuple[int, str] | None:
-    """The smallest published context length (and its server) among the servers at ``urls``."""
-    wanted = set(urls)
+    wanted = set(settings.server_urls)
+    records = servers.load_all(client)
     known = [(r.context_length, r.name) for r in records if r.context_length and r.url.rstrip("/") in wanted]
-    return min(known) if known else None
+    return Limits.of(settings, min(known) if known else None)
 
 
 def check_max_tokens(source: str, what: str, value: int, limits: Limits) -> None:

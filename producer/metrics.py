@@ -132,20 +132,18 @@ class LedgerCollector(Collector):
     # -- servers and admission --------------------------------------------------------------
 
     def _servers(self) -> list[Metric]:
+        """The server records, and each one's admission: slots (zset cardinality) and the
+        used-tokens hash; fields are absent until admission runs."""
         records = server_records.load_all(self.r)
-        return [*_server_families(records), *self._admission([rec.name for rec in records])]
-
-    def _admission(self, names: list[str]) -> list[Metric]:
-        """Slots (zset cardinality) and the used-tokens hash; fields are absent until admission runs."""
-        families = _AdmissionFamilies()
+        admission = _AdmissionFamilies()
         pipe = self.r.pipeline(transaction=False)
-        for name in names:
-            pipe.zcard(keys.admission(name))
-            pipe.hmget(keys.admission_used(name), _AdmissionFamilies.FIELDS)
+        for rec in records:
+            pipe.zcard(keys.admission(rec.name))
+            pipe.hmget(keys.admission_used(rec.name), _AdmissionFamilies.FIELDS)
         replies = pipe.execute()
-        for i, name in enumerate(names):
-            families.add(name, replies[2 * i], replies[2 * i + 1])
-        return families.all()
+        for i, rec in enumerate(records):
+            admission.add(rec.name, replies[2 * i], replies[2 * i + 1])
+        return [*_server_families(records), *admission.all()]
 
 
 class _RunFamilies:

@@ -190,11 +190,10 @@ def _number(low: float, high: float | None, low_open: bool = False) -> Callable[
     return check
 
 
-def _integer(low: int, high: int | None = None) -> Callable[[Any], int]:
+def _integer(low: int, high: int) -> Callable[[Any], int]:
     def check(value: Any) -> int:
-        if not _is_int(value) or value < low or (high is not None and value > high):
-            where = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise Bad(f"must be an integer {where}, got {_show(value)}")
+        if not _is_int(value) or not low <= value <= high:
+            raise Bad(f"must be an integer in [{low}, {high}], got {_show(value)}")
         return value
 
     return check
@@ -434,5 +433,6 @@ def _is_number(value: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    """``repr(value)``, cut short for display in an error message."""
     text = repr(value)
     return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."

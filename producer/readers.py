@@ -207,7 +207,6 @@ def _iter_parquet(p: Path) -> Iterator[Record]:
 
 
 def _rows(name: str, batches: Iterable[pa.RecordBatch], *, start: int) -> Iterator[Record]:
-    """Records for each row of ``batches``, numbered from ``start``."""
     n = start
     for batch in batches:
         for row in batch.to_pylist():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.export_rows import check_store_reachable, sealed_by_shard
+from producer.export_rows import ShardReader, _why, check_store_reachable, sealed_by_shard
 from producer.result_store import ResultStore
 from producer.sealing import Sealer
 from producer.shards import ShardFile, SpecRow, read_specs
@@ -57,10 +57,8 @@ def shard_problem(store: ResultStore, run: str, partition: str, shard_id: str, j
     try:
         with store.open(path) as source, ShardFile(shard_id, source) as shard:
             held = {row.job_id for row in shard.iter_rows()}
-    except FileNotFoundError:
-        return f"{store.describe(path)} is missing"
     except Exception as exc:
-        return f"{store.describe(path)} is unreadable ({type(exc).__name__}: {exc})"
+        return _why(ShardReader(store, run, partition), shard_id, exc)
     absent = [j for j in jobs if j not in held]
     if absent:
         return f"{store.describe(path)} lacks {len(absent)} of its jobs' rows (e.g. {absent[0]!r})"

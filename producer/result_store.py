@@ -30,7 +30,6 @@ Hook = Callable[[str], None]
 
 def no_hook(step: str) -> None:
     """The default hook: does nothing."""
-    return None
 
 
 class ResultStore:
@@ -62,21 +61,18 @@ class ResultStore:
 
     # -- paths ------------------------------------------------------------------------------
 
-    def _join(self, *parts: str) -> str:
+    def path(self, *parts: str) -> str:
+        """A path under the store's root (``tokenmill api`` keeps its files under ``_api``)."""
         return os.path.join(self.root, *parts) if self.local else "/".join((self.root, *parts))
 
     def run_dir(self, run: str) -> str:
-        return self._join(run)
+        return self.path(run)
 
     def shard_path(self, run: str, partition: str, shard_id: str) -> str:
-        return self._join(run, partition, f"{shard_id}.parquet")
+        return self.path(run, partition, f"{shard_id}.parquet")
 
     def specs_path(self, run: str, partition: str, shard_id: str) -> str:
-        return self._join(run, partition, SPECS_DIR, f"{shard_id}.parquet")
-
-    def path(self, *parts: str) -> str:
-        """A path under the store's root (``tokenmill api`` keeps its files under ``_api``)."""
-        return self._join(*parts)
+        return self.path(run, partition, SPECS_DIR, f"{shard_id}.parquet")
 
     def describe(self, path: str) -> str:
         """``path`` as a user can find it (with the store's scheme for remote stores)."""
@@ -160,7 +156,6 @@ class ResultStore:
         return io.BufferedReader(self.fs.open(path, "rb", cache_type="none"), 1 << 20)
 
     def remove(self, path: str) -> None:
-        """Delete ``path`` if it is there."""
         if self.fs.exists(path):
             self.fs.rm_file(path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 from redis.exceptions import LockError, RedisError
 
-from producer.cli import _connect, redis_option, run_option, run_store_option
+from producer.cli import _check_run, _connect, redis_option, run_option, run_store_option
 from tokenmill import keys
 from tokenmill.errors import TokenmillError
 
@@ -63,12 +64,6 @@ def make_sealer(
     )
 
 
-def _check_run(client: redis.Redis, run: str) -> None:
-    keys.check_run(run)
-    if not client.sismember(keys.runs(), run):
-        raise click.ClickException(f"no run named {run!r} in this Redis")
-
-
 @click.command()
 @click.option("--run", "runs", multiple=True, help="Seal only this run (repeatable; default: every run).")
 @click.option("--once", is_flag=True, help="One pass, then exit.")
@@ -103,7 +98,7 @@ def seal(
     for run in runs:
         _check_run(client, run)
     if results_url:
-        settings = settings.replace(results_url=results_url)
+        settings = dataclasses.replace(settings, results_url=results_url)
     store = ResultStore(settings.results_location)
     lock = client.lock(keys.seal_lock(), timeout=LOCK_TTL_S)
     token = uuid.uuid4().hex  # this process's: a lock it held when Redis went away is its own

@@ -24,19 +24,6 @@ from tokenmill.replies import text
 _NEVER_FAILED = (errors.ShutdownError, errors.JobCancelledError)
 
 
-def failure_classes() -> set[str]:
-    """Every class a job can fail with: the ``error_class`` of each concrete generation error."""
-    found: set[str] = set()
-    todo: list[type[errors.GenerationError]] = [errors.GenerationError]
-    while todo:
-        cls = todo.pop()
-        subclasses = cls.__subclasses__()
-        if not subclasses and not issubclass(cls, _NEVER_FAILED):
-            found.add(cls.error_class)
-        todo.extend(subclasses)
-    return found
-
-
 @dataclass(slots=True)
 class RetrySummary:
     run: str
@@ -103,7 +90,14 @@ def retry_run(
 def _check_classes(client: redis.Redis, failures_key: str, classes: tuple[str, ...]) -> None:
     """Each of ``classes`` must be a failure class tokenmill knows, or one this run's jobs have."""
     current = {text(k): int(v) for k, v in client.hgetall(failures_key).items()}
-    known = failure_classes() | set(current)
+    known = set(current)
+    todo: list[type[errors.GenerationError]] = [errors.GenerationError]
+    while todo:  # every class a job can fail with: the error_class of each concrete generation error
+        error = todo.pop()
+        subclasses = error.__subclasses__()
+        if not subclasses and not issubclass(error, _NEVER_FAILED):
+            known.add(error.error_class)
+        todo.extend(subclasses)
     for cls in classes:
         if cls not in known:
             now = ", ".join(f"{c} ({n})" for c, n in sorted(current.items()) if n > 0) or "none"

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from producer.limits import DEFAULT, Limits, check_max_tokens, depth_problem
-from producer.options import check_option
+from producer.options import _is_int, _show, check_option
 from producer.readers import json_kind
 from tokenmill.errors import InputError
 from tokenmill.options import OPTIONS, REFUSED
@@ -34,7 +34,6 @@ ROW_FIELDS = frozenset({"messages", "prompt", "id", "max_tokens", "max_completio
 _OPTION_LIKE = OPTIONS | REFUSED.keys() | {"n"}  # fields read as options (refused ones raise)
 BATCH_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 BATCH_URL = "/v1/chat/completions"
-_SHOW_CHARS = 60
 
 
 @dataclass(slots=True)
@@ -269,24 +268,18 @@ def _record_id(source: str, value: Any) -> str:
     return str(value)
 
 
-def _max_tokens(source: str, value: Any) -> int:
+def _max_tokens(source: str, value: Any, name: str = "max_tokens") -> int:
     if not _is_int(value) or value <= 0:
-        raise InputError(source, f'"max_tokens" must be a positive integer, got {_show(value)}')
+        raise InputError(source, f'"{name}" must be a positive integer, got {_show(value)}')
     return int(value)
 
 
-def _max_completion_tokens(source: str, max_tokens: Any, value: Any) -> Any:
+def _max_completion_tokens(source: str, max_tokens: Any, value: Any) -> int:
     """``max_completion_tokens`` (OpenAI's newer name) is ``max_tokens``; both must agree."""
     if max_tokens is not None and max_tokens != value:
         both = f'"max_tokens" ({_show(max_tokens)}) and "max_completion_tokens" ({_show(value)})'
         raise InputError(source, f"{both} disagree")
-    if not _is_int(value) or value <= 0:
-        raise InputError(source, f'"max_completion_tokens" must be a positive integer, got {_show(value)}')
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return _max_tokens(source, value, "max_completion_tokens")
 
 
 # --- metadata ------------------------------------------------------------------------------------
@@ -314,9 +307,3 @@ def _to_json(source: str, what: str, value: Any, option: int = 0) -> bytes:
         return orjson.dumps(value, option=option)
     except TypeError as exc:
         raise InputError(source, f"{what} cannot be stored as JSON: {exc}") from None
-
-
-def _show(value: Any) -> str:
-    """``repr(value)``, cut short for display in an error message."""
-    text = repr(value)
-    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."

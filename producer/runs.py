@@ -56,13 +56,13 @@ def _seconds(ms: int | None) -> float | None:
     return ms / 1000 if ms else None
 
 
-def render_runs(runs: list[dict[str, Any]], now: float | None = None) -> Table | str:
+def render_runs(runs: list[dict[str, Any]]) -> Table | str:
     """The human view: one row per run."""
     if not runs:
         return "no runs in this Redis (tokenmill enqueue FILE --run NAME creates one)"
     from rich.table import Table
 
-    now = time.time() if now is None else now
+    now = time.time()
     table = Table(box=None, pad_edge=False)
     for col in ("run", "parts", "total", *COLUMNS, "tokens", "first enqueue", "last activity"):
         table.add_column(col, justify="left" if col in ("run", "first enqueue", "last activity") else "right")

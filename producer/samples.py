@@ -16,20 +16,17 @@ from typing import Any
 import orjson
 
 from producer.export import export_row
-from producer.export_rows import run_store
+from producer.export_rows import FIELDS, run_store
 from producer.shards import ShardFile
 from tokenmill.keys import FIELD_SEP
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
 from tokenmill.quality import SIGNALS
 from tokenmill.replies import text
-from tokenmill.transitions import F
-
-FIELDS = (F.STATE, F.SPEC, F.RESULT, F.TRUNCATED, F.SHARD)
 
 
 def recent_samples(
-    ledger: Ledger, partitions: list[str], per_partition: int, results_url: str | None = None
+    ledger: Ledger, partitions: list[str], per_partition: int, results_url: str | None
 ) -> list[dict[str, Any]]:
     """Up to ``per_partition`` of the latest completions of each of ``partitions``, newest first:
     ``{"job_id", "partition", "source": "redis"|"shard", "truncated", "row"}`` with ``row`` the
@@ -39,15 +36,7 @@ def recent_samples(
     for partition in partitions:
         pipe.lrange(k.recent(partition), 0, RECENT_KEPT - 1)
     recent = [[x.decode() for x in ids] for ids in pipe.execute()]
-    return _samples(ledger, list(zip(partitions, recent, strict=True)), per_partition, results_url)
-
-
-def job_sample(
-    ledger: Ledger, partition: str, job_id: str, results_url: str | None = None
-) -> list[dict[str, Any]]:
-    """The sample of one job of ``partition`` (a :func:`recent_samples` entry): none while it
-    is not done (or is no job of it)."""
-    return _samples(ledger, [(partition, [job_id])], 1, results_url)
+    return samples_of(ledger, list(zip(partitions, recent, strict=True)), per_partition, results_url)
 
 
 def flagged_jobs(ledger: Ledger, per_flag: int) -> dict[str, list[dict[str, str]]]:
@@ -63,10 +52,11 @@ def flagged_jobs(ledger: Ledger, per_flag: int) -> dict[str, list[dict[str, str]
     return out
 
 
-def _samples(
+def samples_of(
     ledger: Ledger, candidates: list[tuple[str, list[str]]], per_partition: int, results_url: str | None
 ) -> list[dict[str, Any]]:
-    """The samples of the first ``per_partition`` done or sealed jobs of each (partition, ids)."""
+    """The samples (as :func:`recent_samples`') of the first ``per_partition`` done or sealed
+    jobs of each (partition, ids); a job not done, or not of that partition, has none."""
     r, k = ledger.r, ledger.k
     pipe = r.pipeline(transaction=False)
     for _, ids in candidates:

@@ -29,15 +29,16 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 import redis
 
+from producer.export_rows import RowBuilder, _text
 from producer.result_store import Hook, ResultStore, no_hook
 from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
 from tokenmill import transitions as t
+from tokenmill.counts import run_counts
 from tokenmill.ledger import Executor
 from tokenmill.replies import text
 from tokenmill.transitions import F
@@ -50,8 +51,6 @@ STEPS = ("reserved", "specs_written", "tmp_written", "shard_written", "half_mark
 MARK_CHUNK = 250  # jobs per seal.lua call: bounds how long one call blocks Redis
 READ_CHUNK = 500
 _FIELDS = (F.STATE, F.SEQ, F.SPEC, F.RESULT, F.TRUNCATED, F.QUEUE, F.HASH, F.SOURCE, F.SHARD)
-
-RowBuilder = Callable[[str, str, dict[str, Any], dict[str, Any]], dict[str, Any]]
 
 
 def new_shard_id() -> str:
@@ -75,13 +74,6 @@ class SealReport:
     bytes: int = 0
     recovered: int = 0
     other_store: dict[str, str] = field(default_factory=dict)  # run -> the store its shards are in
-
-    def add(self, other: SealReport) -> None:
-        self.shards += other.shards
-        self.jobs += other.jobs
-        self.bytes += other.bytes
-        self.recovered += other.recovered
-        self.other_store.update(other.other_store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,28 +123,24 @@ class Sealer:
         report = SealReport()
         names = runs if runs is not None else sorted(text(x) for x in self.r.smembers(keys.runs()))
         for run in names:
-            report.add(self.seal_run(run, force))
+            self.seal_run(run, force, report)
         return report
 
-    def seal_run(self, run: str, force: bool = False) -> SealReport:
+    def seal_run(self, run: str, force: bool, report: SealReport) -> None:
         """Complete the run's half-done seals, then seal each partition whose results are due
-        (``force``: every done result now). A partition with no queued or running job left is
-        always due: the end of a run is sealed without waiting."""
+        (``force``: every done result now), adding to ``report``. A partition with no queued or
+        running job left is always due: the end of a run is sealed without waiting."""
         k = keys.RunKeys(run)
-        report = SealReport()
         recorded = self.r.get(k.results_store())
         if recorded is not None and text(recorded) != self.store.url:
-            return self._elsewhere(report, run, text(recorded))
-        report.recovered = self.recover(run)
-        counts: dict[str, dict[str, int]] = {}
-        for field_, value in self.r.hgetall(k.counts()).items():
-            state, partition = keys.split_count_field(text(field_))
-            counts.setdefault(partition, {})[state] = int(value)
+            self._elsewhere(report, run, text(recorded))
+            return
+        report.recovered += self.recover(run)
+        counts = run_counts(self.r, run)
         for partition in sorted(counts):
             idle = counts[partition].get("queued", 0) + counts[partition].get("running", 0) == 0
             if not self._seal_partition(run, partition, force or idle, report):
                 break
-        return report
 
     def _seal_partition(self, run: str, partition: str, force: bool, report: SealReport) -> bool:
         """Seal the partition's due results, a shard at a time; False when the run's shards
@@ -180,13 +168,12 @@ class Sealer:
         args = (self.batch_jobs, self.after_ms, force, self.store.url)
         return self.ledger.call(t.seal_reserve(k, partition, shard_id, *args))
 
-    def _elsewhere(self, report: SealReport, run: str, store: str) -> SealReport:
+    def _elsewhere(self, report: SealReport, run: str, store: str) -> None:
         """``run``'s shards are in ``store``, not this sealer's: leave it (and say so once)."""
         report.other_store[run] = store = redact_url(store)
         if run not in self.warned:
             self.warned.add(run)
             log.warning("run %s: its shards are in %s, not here; not sealed", run, store)
-        return report
 
     # -- recovery ---------------------------------------------------------------------------
 
@@ -232,8 +219,8 @@ class Sealer:
             return self._mark_from_file(run, partition, shard_id, ids)  # another sealer is marking
         done = [j for j in jobs if j.state == "done"]
         specs = [
-            SpecRow(j.job_id, int(j.get(F.SEQ) or 0), _str(j.get(F.QUEUE)), _str(j.get(F.HASH)),
-                    _str(j.get(F.SOURCE)), j.get(F.SPEC) or b"")
+            SpecRow(j.job_id, int(j.get(F.SEQ) or 0), _text(j.get(F.QUEUE)), _text(j.get(F.HASH)),
+                    _text(j.get(F.SOURCE)), j.get(F.SPEC) or b"")
             for j in done
         ]  # fmt: skip
         rows = [self._shard_row(j, partition) for j in done]
@@ -290,7 +277,3 @@ class Sealer:
         marked = [j.job_id for j in done if j.job_id in in_file]
         self._mark(run, partition, shard_id, marked, len(in_file), nbytes)
         return len(marked), nbytes
-
-
-def _str(raw: bytes | None) -> str:
-    return raw.decode() if raw else ""

@@ -100,7 +100,6 @@ def shard_bytes(rows: Sequence[ShardRow]) -> bytes:
 
 
 def specs_bytes(rows: Sequence[SpecRow]) -> bytes:
-    """A spec file holding ``rows``."""
     columns: list[pa.Array[Any]] = [
         pa.array([r.job_id for r in rows], pa.string()),
         pa.array([r.seq for r in rows], pa.int64()),

@@ -52,7 +52,7 @@ def sources(rows: Any, partition: str | None) -> Iterator[Source]:
         raise InputError("rows", f"expected dicts, a DataFrame, a Dataset or file paths, got {_kind(rows)}")
     if isinstance(rows, list | tuple) and rows and all(isinstance(p, str | os.PathLike) for p in rows):
         for path in rows:
-            yield Source(partition or dataset_stem(path), _LazyFile(Path(path)))
+            yield Source(partition or dataset_stem(path), _lazy_file(Path(path)))
         return
     yield Source(partition or DEFAULT_PARTITION, _dict_records(rows))
 
@@ -68,14 +68,9 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-@dataclass(frozen=True, slots=True)
-class _LazyFile:
+def _lazy_file(path: Path) -> Iterator[Record]:
     """A file's records, opened (and checked) when the enqueue reaches it, as the CLI does."""
-
-    path: Path
-
-    def __iter__(self) -> Iterator[Record]:
-        return iter_records(self.path)
+    yield from iter_records(path)
 
 
 def _dict_records(rows: Iterable[Any]) -> Iterator[Record]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys
@@ -17,10 +18,6 @@ if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
 
 WINDOW_S = 60
-
-
-def _i(v: Any) -> int:
-    return int(v) if v is not None else 0
 
 
 def totals_of(partitions: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -62,8 +59,8 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
     for partition in partitions:
         pipe.scard(k.shards(partition))
     tput, stats, failures, last, sealed, store, sealing, dead, *shards = pipe.execute()
-    tokens_per_s = sum(_i(v) for v in tput) / WINDOW_S
-    stats = {a.decode(): _i(b) for a, b in stats.items()}
+    tokens_per_s = sum(int(v or 0) for v in tput) / WINDOW_S
+    stats = {a.decode(): int(b) for a, b in stats.items()}
     done = totals["done"]
     remaining = totals["queued"] + totals["running"]
     eta_s = None
@@ -82,7 +79,7 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "totals": totals,
         "tokens_per_s": round(tokens_per_s, 1),
         "eta_s": eta_s,
-        "failures": {a.decode(): _i(b) for a, b in failures.items()},
+        "failures": {a.decode(): int(b) for a, b in failures.items()},
         "failure_messages": {a.decode(): b.decode() for a, b in last.items()},
         "stats": stats,
         "servers": servers,
@@ -93,25 +90,16 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "paused": quality.paused,
         "results": {  # sealed jobs also count as done above
             "store": redact_url(store.decode()) if store else None,
-            "sealed": {a.decode(): _i(b) for a, b in sealed.items()},
-            "shards": sum(_i(n) for n in shards),
-            "sealing": _i(sealing),
+            "sealed": {a.decode(): int(b) for a, b in sealed.items()},
+            "shards": sum(int(n) for n in shards),
+            "sealing": int(sealing),
         },
-        "dead_letters": _i(dead),  # of every run: the queues are shared (tokenmill.dead_letters)
+        "dead_letters": int(dead or 0),  # of every run: the queues are shared (tokenmill.dead_letters)
         "at": time.time(),
     }
 
 
 def _server_view(rec: server_records.ServerRecord) -> dict[str, Any]:
-    return {
-        "name": rec.name,
-        "engine": rec.engine,
-        "url": redact_url(rec.url),
-        "state": rec.state,
-        "pid": rec.pid,
-        "restarts": rec.restarts,
-        "max_total_num_tokens": rec.max_total_num_tokens,
-        "context_length": rec.context_length,
-        "last_error": rec.last_error,
-        "live": rec.live,
-    }
+    view = {**asdict(rec), "url": redact_url(rec.url)}
+    del view["updated_at"]
+    return view

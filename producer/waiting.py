@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.errors import WaitTimeoutError
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
+    from rich.progress import Progress
 
     from producer.documents import Status
 
@@ -23,7 +23,7 @@ def wait_run(
     (None: no limit)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     status = read()
-    bar = _Bar.shown(status) if progress else None
+    bar = _bar(status) if progress else None
     try:
         while not status.finished and not (status.paused and status.totals["running"] == 0):
             left = None if deadline is None else deadline - time.monotonic()
@@ -34,7 +34,7 @@ def wait_run(
             time.sleep(interval_s if left is None else min(interval_s, left))
             status = read()
             if bar is not None:
-                bar.update(status)
+                bar.update(bar.task_ids[0], **_fields(status))
     finally:
         if bar is not None:
             bar.stop()
@@ -48,47 +48,35 @@ def _counts(status: Status) -> str:
     return text + (f", {t['cancelled']} cancelled" if t.get("cancelled") else "")
 
 
-class _Bar:
-    """One rich progress bar for a run: jobs ended (done, failed, cancelled) of all."""
+def _bar(status: Status) -> Progress | None:
+    """A rich progress bar on stderr for the run, jobs ended (done, failed, cancelled) of all, if
+    a terminal or a notebook shows it (else None: logs get no bar)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def __init__(self, progress: Progress, status: Status) -> None:
-        self.progress = progress
-        self.task: TaskID = progress.add_task(f"run {status.run}", **self._fields(status))
-        progress.start()
+    console = Console(stderr=True)
+    if not (console.is_terminal or console.is_jupyter):
+        return None
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed · {task.fields[rate]} tok/s · ETA {task.fields[eta]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    progress.add_task(f"run {status.run}", **_fields(status))
+    progress.start()
+    return progress
 
-    @classmethod
-    def shown(cls, status: Status) -> _Bar | None:
-        """A bar on stderr if a terminal or a notebook shows it (else None: logs get no bar)."""
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=True)
-        if not (console.is_terminal or console.is_jupyter):
-            return None
-        progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[failed]} failed · {task.fields[rate]} tok/s · ETA {task.fields[eta]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        return cls(progress, status)
-
-    def update(self, status: Status) -> None:
-        self.progress.update(self.task, **self._fields(status))
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-    @staticmethod
-    def _fields(status: Status) -> dict[str, Any]:
-        t = status.totals
-        eta = status.eta_s
-        return {
-            "completed": t["done"] + t["failed"] + t.get("cancelled", 0),
-            "total": t["total"],
-            "failed": t["failed"],
-            "rate": f"{status.tokens_per_s:,.0f}",
-            "eta": "?" if eta is None else f"{int(eta) // 60}m{int(eta) % 60:02d}s",
-        }
+def _fields(status: Status) -> dict[str, Any]:
+    t = status.totals
+    eta = status.eta_s
+    return {
+        "completed": t["done"] + t["failed"] + t.get("cancelled", 0),
+        "total": t["total"],
+        "failed": t["failed"],
+        "rate": f"{status.tokens_per_s:,.0f}",
+        "eta": "?" if eta is None else f"{int(eta) // 60}m{int(eta) % 60:02d}s",
+    }

@@ -1,6 +1,7 @@
-"""Who may reach a web UI tokenmill serves (Flower, the dashboard): loopback by default, and
-beyond it only behind HTTP basic auth; and which ``Host`` names the dashboard answers to, so that
-a web page cannot read it through a name of its own rebound to this host (DNS rebinding).
+"""Who may reach a web UI tokenmill serves (Flower, the dashboard, the API): loopback by default,
+and beyond it only behind HTTP basic auth (the API: bearer keys); which ``Host`` names the
+dashboard and the API answer to, so that a web page cannot read them through a name of its own
+rebound to this host (DNS rebinding); and how the dashboard and the API are served.
 
 Credentials come as ``user:password[,user2:password2]`` (from an environment variable, so they
 never appear on a command line); an entry that is not well formed is refused naming its
@@ -14,12 +15,33 @@ import binascii
 import hmac
 import ipaddress
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
 
 from tokenmill.errors import ConfigError
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
+Command = TypeVar("Command", bound=Callable[..., Any])
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _HOST_HEADER = re.compile(r"(?:\[(?P<v6>[^\]]+)\]|(?P<name>[^:\[\]]+))(?::[0-9]*)?")
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
+
+
+def bind_options(port: int, needs: str) -> Callable[[Command], Command]:
+    """A command's ``--port`` (``port`` by default) and ``--address`` (loopback by default;
+    beyond it ``needs`` is required)."""
+    port_option = click.option("--port", type=click.IntRange(1, 65535), default=port, show_default=True)
+    address_option = click.option(
+        "--address",
+        default="127.0.0.1",
+        show_default=True,
+        help=f"Address to bind; anything beyond loopback requires {needs}.",
+    )
+    return lambda command: port_option(address_option(command))
 
 
 def is_loopback(address: str) -> bool:
@@ -59,20 +81,22 @@ def check_exposure(address: str, credentials: list[str], service: str, how: str)
         )
 
 
-def authorized(header: str | None, credentials: list[str]) -> bool:
-    """Whether an ``Authorization`` header carries one of ``credentials`` (basic auth; compared
-    in constant time). With no credentials configured, every request is."""
+def authorized(header: str | None, credentials: list[str], scheme: str = "basic") -> bool:
+    """Whether an ``Authorization`` header carries one of ``credentials`` (``basic`` auth, or
+    ``bearer`` keys; compared in constant time). With no credentials configured, every request is."""
     if not credentials:
         return True
-    scheme, _, token = (header or "").partition(" ")
-    if scheme.lower() != "basic" or not token:
+    given, _, token = (header or "").partition(" ")
+    if given.lower() != scheme or not token:
         return False
-    try:
-        given = base64.b64decode(token.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        return False
+    secret = token.strip().encode()
+    if scheme == "basic":
+        try:
+            secret = base64.b64decode(secret, validate=True)
+        except (binascii.Error, ValueError):
+            return False
     # every entry is compared, so the time taken does not tell which one came close
-    return sum(hmac.compare_digest(given, entry.encode()) for entry in credentials) > 0
+    return sum(hmac.compare_digest(secret, entry.encode()) for entry in credentials) > 0
 
 
 def allowed_hosts(address: str, extra: str, source: str) -> frozenset[str]:
@@ -107,3 +131,18 @@ def host_name(value: str) -> str:
         return ipaddress.ip_address(name).compressed
     except ValueError:
         return name if _HOST_NAME.fullmatch(name) else ""
+
+
+def serve(app: web.Application, address: str, port: int, name: str, path: str, about: str) -> None:
+    """Say that ``tokenmill {name}`` serves at ``address:port`` and ``path`` (``about`` in
+    brackets), and serve ``app`` there until stopped; a port it cannot listen on is refused
+    naming it."""
+    from aiohttp import web
+
+    shown = f"[{address}]" if ":" in address else address
+    click.echo(f"tokenmill {name} on http://{shown}:{port}{path} ({about})", err=True)
+    try:
+        web.run_app(app, host=address, port=port, print=None, access_log=None)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise ConfigError(f"--port {port}: cannot listen on {address}:{port} ({why})") from None

@@ -24,6 +24,7 @@ from tokenmill.url_secrets import redact_url
 
 LAZY = {"sim": ("server_mgr.sim.cli:sim", "Run the SGLang-compatible simulator (no GPU).")}
 STALE_AFTER_S = 30.0
+COLUMNS = "NAME,ENGINE,STATE,URL,PID,RESTARTS,KV TOKENS,CONTEXT,RUNNING,QUEUED,USAGE,LAST ERROR".split(",")
 
 _config_option = click.option(
     "--config",
@@ -36,8 +37,7 @@ _redis_option = click.option("--redis-url", default=None, help="Redis URL [env T
 
 @click.group(
     cls=LazyGroup,
-    lazy={name: target for name, (target, _) in LAZY.items()},
-    summaries={name: summary for name, (_, summary) in LAZY.items()},
+    lazy=LAZY,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 def server() -> None:
@@ -55,7 +55,8 @@ def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool
 
     Runs until SIGTERM/SIGINT (drain, then stop) or `tokenmill server stop`.
     """
-    from server_mgr.manager import make_gate, serve, setup_logging
+    from server_mgr.consumers import ConsumerGate, celery_control
+    from server_mgr.manager import serve, setup_logging
     from tokenmill import redis_conn
 
     configs = load_config(_required(config_path))
@@ -63,7 +64,7 @@ def up(config_path: Path | None, redis_url: str | None, no_pause_consumers: bool
     setup_logging(Path(configs[0].log_dir))
     client = redis_conn.connect(settings)
     redis_conn.warn_durability(client)
-    gate = None if no_pause_consumers else make_gate(client, settings)
+    gate = None if no_pause_consumers else ConsumerGate(client, celery_control(settings))
     sys.exit(serve(configs, client, gate, settings))
 
 
@@ -126,11 +127,7 @@ def stop(
     if timeout_s is None:
         timeout_s = max([c.drain_grace_s + c.stop_grace_s for c in configs] or [600.0]) + 60
     ok = stop_servers(
-        client,
-        list(dict.fromkeys(wanted)),
-        drain=not now,
-        timeout_s=None if no_wait else timeout_s,
-        echo=click.echo,
+        client, list(dict.fromkeys(wanted)), drain=not now, timeout_s=None if no_wait else timeout_s
     )
     sys.exit(0 if ok else 1)
 
@@ -204,14 +201,8 @@ def check_quality(
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
     settings = Settings.load(api_key=api_key, model=model)
-    sides = [
-        _side(label, path, url, settings)
-        for label, path, url in (
-            ("reference", reference, reference_url),
-            ("candidate", candidate, candidate_url),
-        )
-    ]
-    reference_side, candidate_side = sides
+    reference_side = _side("reference", reference, reference_url, settings)
+    candidate_side = _side("candidate", candidate, candidate_url, settings)
     result = quality.run_check(
         reference_side,
         candidate_side,
@@ -224,7 +215,7 @@ def check_quality(
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
-        _print_quality(result, sides)
+        _print_quality(result, [reference_side, candidate_side])
     sys.exit(0 if result.passed else 1)
 
 
@@ -259,32 +250,18 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         click.echo("no servers published")
         return
-    header = (
-        "NAME",
-        "ENGINE",
-        "STATE",
-        "URL",
-        "PID",
-        "RESTARTS",
-        "KV TOKENS",
-        "CONTEXT",
-        "RUNNING",
-        "QUEUED",
-        "USAGE",
-        "LAST ERROR",
-    )
-    table = [header] + [_table_row(r) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    table = [COLUMNS] + [_table_row(r) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS) - 1)]
     for row in table:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         click.echo("  ".join([*cells, row[-1]]).rstrip())
 
 
-def _table_row(row: dict[str, Any]) -> tuple[str, ...]:
+def _table_row(row: dict[str, Any]) -> list[str]:
     live = row["live"]
     age = time.time() - row["updated_at"]
     state = row["state"] + (f" (stale {age:.0f}s)" if row["stale"] else "")
-    return (
+    return [
         row["name"],
         row["engine"],
         state,
@@ -297,7 +274,7 @@ def _table_row(row: dict[str, Any]) -> tuple[str, ...]:
         _cell(live.get("queue_req")),
         _cell(live.get("token_usage")),
         row["last_error"][:80],
-    )
+    ]
 
 
 def _cell(value: Any) -> str:

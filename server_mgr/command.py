@@ -37,22 +37,9 @@ SIM_UNSUPPORTED = frozenset(
 
 
 def launch_argv(config: ServerConfig, *, redact: bool = False, key_file: Path | None = None) -> list[str]:
-    """The exact argv that starts ``config``'s server: the API key as ``--config key_file`` when
-    given, else as ``--api-key`` (``***`` when ``redact``)."""
-    if config.engine == "sim":
-        flags = server_flags(config, redact=redact, skip=SIM_UNSUPPORTED, key_file=key_file)
-        return [sys.executable, "-m", "server_mgr.sim", *flags, *sim_flags(config)]
-    return [*config.launcher, *server_flags(config, redact=redact, key_file=key_file)]
-
-
-def server_flags(
-    config: ServerConfig,
-    *,
-    redact: bool = False,
-    skip: frozenset[str] = frozenset(),
-    key_file: Path | None = None,
-) -> list[str]:
-    """The SGLang flags for ``config`` in a fixed order (minus ``skip``), then ``extra_args``."""
+    """The exact argv that starts ``config``'s server: the SGLang flags in a fixed order (a sim's
+    without those it does not model), then ``extra_args`` (then a sim's knobs). The API key goes
+    as ``--config key_file`` when given, else as ``--api-key`` (``***`` when ``redact``)."""
     c = config
     key = (REDACTED if redact else c.api_key) if c.api_key else None
     pairs: list[tuple[str, object]] = [
@@ -76,12 +63,15 @@ def server_flags(
         ("--cuda-graph-backend-prefill", None if c.cuda_graphs else "disabled"),
         ("--config", key_file) if key and key_file else ("--api-key", key),
     ]
+    skip = SIM_UNSUPPORTED if c.engine == "sim" else frozenset()
     argv: list[str] = []
     for flag, value in pairs:
         if value is None or value is False or flag in skip:
             continue
         argv.extend([flag] if value is True else [flag, _text(value)])
-    return [*argv, *c.extra_args]
+    if c.engine == "sim":
+        return [sys.executable, "-m", "server_mgr.sim", *argv, *c.extra_args, *sim_flags(c)]
+    return [*c.launcher, *argv, *c.extra_args]
 
 
 def sim_flags(config: ServerConfig) -> list[str]:
@@ -94,29 +84,19 @@ def sim_flags(config: ServerConfig) -> list[str]:
     return argv
 
 
-def key_file_path(config: ServerConfig) -> Path | None:
-    """Where the server reads its API key from (beside its log), or None when the key goes on the
-    command line: there is none, or ``extra_args`` hold the one ``--config`` SGLang takes."""
+def write_key_file(config: ServerConfig) -> Path | None:
+    """Write the API key where the server reads it from (beside its log, mode 0600) and return
+    that path; None when the key goes on the command line: there is none, or ``extra_args`` hold
+    the one ``--config`` SGLang takes."""
     if not config.api_key or "--config" in config.extra_args:
         return None
-    return config.log_path.with_name(f".{config.name}.api-key.yaml")
-
-
-def write_key_file(config: ServerConfig) -> Path | None:
-    """Write the API key to :func:`key_file_path` (mode 0600) and return that path (or None)."""
-    path = key_file_path(config)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # a file left by an older launch keeps its mode otherwise
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(orjson.dumps({"api-key": config.api_key}))
+    path = config.log_path.with_name(f".{config.name}.api-key.yaml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an older launch keeps its mode otherwise
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(orjson.dumps({"api-key": config.api_key}))
     return path
-
-
-def launch_env(config: ServerConfig) -> dict[str, str]:
-    """The environment of the server process: ours, plus the config's ``env`` table."""
-    return {**os.environ, **config.env}
 
 
 def display_command(config: ServerConfig, *, show_secrets: bool = False, key_file: Path | None = None) -> str:

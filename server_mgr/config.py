@@ -128,10 +128,6 @@ class ServerConfig:
         """The name clients send as ``model``."""
         return self.served_model_name or self.model_path or "default"
 
-    def with_mem_fraction(self, fraction: float) -> ServerConfig:
-        """This config with ``mem_fraction_static`` replaced (OOM remediation)."""
-        return dataclasses.replace(self, mem_fraction_static=fraction)
-
 
 def load_config(path: str | Path, env: typing.Mapping[str, str] | None = None) -> list[ServerConfig]:
     """Every ``[[server]]`` of the TOML file at ``path``, validated; ConfigError names the problem."""
@@ -362,11 +358,9 @@ def _validate_fraction(c: ServerConfig, where: str) -> None:
 def _validate_sim(sim: SimKnobs, where: str) -> None:
     for f in dataclasses.fields(sim):
         value = getattr(sim, f.name)
-        if value is None:
-            continue
-        ok = 0 <= value <= 1 if f.name in ("perturb", "oom_above", "oom_below") else value >= 0
-        if not ok:
-            limit = "within [0, 1]" if f.name in ("perturb", "oom_above", "oom_below") else ">= 0"
+        fraction = f.name in ("perturb", "oom_above", "oom_below")
+        if value is not None and not (0 <= value <= 1 if fraction else value >= 0):
+            limit = "within [0, 1]" if fraction else ">= 0"
             raise _bad(where, f"sim.{f.name}", f"must be {limit}, got {value!r}")
 
 

@@ -47,9 +47,9 @@ def paused_reason(client: ReadClient) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def pause_consumers(client: redis.Redis, control: Any, reason: str, inspect_timeout_s: float = 1.0) -> None:
+def pause_consumers(client: redis.Redis, control: Any, reason: str) -> None:
     """Record ``reason`` in the worker control hash and cancel every worker's queue consumers."""
-    active = _active_consumers(control, inspect_timeout_s)
+    active = _active_consumers(control)
     known = _merged(_saved_consumers(client), active)
     client.hset(
         keys.worker_control(),
@@ -98,13 +98,11 @@ class ConsumerGate:
         *,
         stale_after_s: float = 60.0,
         rebroadcast_s: float = 30.0,
-        inspect_timeout_s: float = 1.0,
     ) -> None:
         self.client = client
         self.control = control
         self.stale_after_s = stale_after_s
         self.rebroadcast_s = rebroadcast_s
-        self.inspect_timeout_s = inspect_timeout_s
         self._lock = threading.Lock()
         self._last_pause = 0.0
 
@@ -128,7 +126,7 @@ class ConsumerGate:
             return
         due = time.monotonic() - self._last_pause >= self.rebroadcast_s
         if paused is None or due:
-            pause_consumers(self.client, self.control, _reason(records), self.inspect_timeout_s)
+            pause_consumers(self.client, self.control, _reason(records))
             self._last_pause = time.monotonic()
 
 
@@ -141,10 +139,10 @@ def _reason(records: list[servers.ServerRecord]) -> str:
     return f"no server is ready: {states}"[:500]
 
 
-def _active_consumers(control: Any, timeout_s: float) -> dict[str, list[str]]:
-    """Queue name -> the workers consuming it now (asks every worker; silent ones are missed)."""
+def _active_consumers(control: Any) -> dict[str, list[str]]:
+    """Queue name -> the workers consuming it now (asks every worker for 1 s; silent ones are missed)."""
     try:
-        replies = control.inspect(timeout=timeout_s).active_queues() or {}
+        replies = control.inspect(timeout=1.0).active_queues() or {}
     except Exception as exc:  # any broker trouble just means "nobody answered"
         log.warning("cannot ask the workers which queues they consume: %s", exc)
         return {}

@@ -49,24 +49,11 @@ def parse_batch_line(line: str) -> tuple[str, dict[str, float]] | None:
     for part in match["fields"].split(","):
         pair = _PAIR_RE.match(part)
         if pair:
-            figures[field_name(pair["name"])] = _number(pair["value"])
+            # a known name's published one, else a slug of it
+            name = pair["name"].strip()
+            slug = re.sub(r"[^a-z0-9]+", "_", name.lower().replace("(token/s)", "")).strip("_")
+            figures[FIELD_NAMES.get(name, slug)] = _number(pair["value"])
     return match[1].lower(), figures
-
-
-def field_name(raw: str) -> str:
-    """The published name of an SGLang log field (a slug when it is not a known one)."""
-    raw = raw.strip()
-    if raw in FIELD_NAMES:
-        return FIELD_NAMES[raw]
-    return re.sub(r"[^a-z0-9]+", "_", raw.lower().replace("(token/s)", "")).strip("_")
-
-
-def retracted(line: str) -> int:
-    """How many requests a ``KV cache pool is full. Retract requests.`` line retracted (else 0)."""
-    if "Retract requests" not in line:
-        return 0
-    match = _RETRACT_RE.search(line)
-    return int(match[1]) if match else 0
 
 
 def capacity_line(line: str) -> tuple[int, int | None] | None:
@@ -110,8 +97,9 @@ class LiveFigures:
             self.figures.update(figures)
             self.changed = True
             return
-        count = retracted(line)
-        if count:
+        # a ``KV cache pool is full. Retract requests.`` line: how many it retracted
+        match = _RETRACT_RE.search(line) if "Retract requests" in line else None
+        if match and (count := int(match[1])):
             self.retractions += count
             self.figures["retractions"] = float(self.retractions)
             self.changed = True

@@ -16,7 +16,7 @@ from types import FrameType
 import redis
 
 from server_mgr.config import ServerConfig
-from server_mgr.consumers import ConsumerGate, celery_control
+from server_mgr.consumers import ConsumerGate
 from server_mgr.reporting import RedisReporter, clear_stop_request
 from server_mgr.supervisor import Supervisor
 from tokenmill import servers
@@ -28,29 +28,24 @@ GATE_SYNC_S = 10.0
 LOG_FORMAT = "[%(asctime)s] %(name)s %(levelname)s: %(message)s"
 
 
-def setup_logging(log_dir: Path) -> Path:
+def setup_logging(log_dir: Path) -> None:
     """The manager's own log: stderr and ``<log_dir>/manager.log``."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / "manager.log"
     root = logging.getLogger("tokenmill")
     root.setLevel(logging.INFO)
-    for handler in (logging.StreamHandler(), logging.FileHandler(path)):
+    for handler in (logging.StreamHandler(), logging.FileHandler(log_dir / "manager.log")):
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         root.addHandler(handler)
-    return path
 
 
 def serve(
-    configs: list[ServerConfig],
-    client: redis.Redis,
-    gate: ConsumerGate | None,
-    settings: Settings | None = None,
+    configs: list[ServerConfig], client: redis.Redis, gate: ConsumerGate | None, settings: Settings
 ) -> int:
     """Supervise ``configs`` until they are all stopped or failed."""
     stop = threading.Event()
     changed = threading.Event()  # a state changed: the main thread syncs the gate (off the
     # supervisors' threads, since a pause asks the workers first)
-    reporter = RedisReporter(client, (settings or Settings()).series_keep_s)
+    reporter = RedisReporter(client, settings.series_keep_s)
     supervisors = [Supervisor(c, reporter, stop_event=stop, on_change=changed.set) for c in configs]
     for c in configs:
         clear_stop_request(client, c.name)
@@ -71,11 +66,6 @@ def serve(
     for s in failed:
         log.error("[%s] failed: %s", s.config.name, s.record.last_error)
     return 1 if failed else 0
-
-
-def make_gate(client: redis.Redis, settings: Settings) -> ConsumerGate:
-    """The consumer gate on the Celery app configured from ``settings``."""
-    return ConsumerGate(client, celery_control(settings))
 
 
 def _install_signals(stop: threading.Event, supervisors: list[Supervisor]) -> None:

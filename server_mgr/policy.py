@@ -76,14 +76,14 @@ class RestartPolicy:
                 "so raising mem_fraction_static cannot help: fix that value",
             )
         low, high = c.mem_fraction_bounds
-        too = "low" if direction > 0 else "high"
+        too, other = ("low", "high") if direction > 0 else ("high", "low")
         if fraction is None:
             fraction = low if direction > 0 else high
         if self.last_step == -direction:
             return Decision(
                 FAIL,
                 f"no mem_fraction_static fits: {fraction:g} is too {too}, but "
-                f"the previous step found the other side too {_other(too)}; "
+                f"the previous step found the other side too {other}; "
                 f"last: {crash.describe()}",
             )
         new = round(fraction + direction * c.mem_fraction_step, 4)
@@ -99,10 +99,6 @@ class RestartPolicy:
             )
         self.last_step = direction
         return Decision(RELAUNCH, f"{crash.kind}: mem_fraction_static {fraction:g} -> {new:g}", fraction=new)
-
-
-def _other(too: str) -> str:
-    return "high" if too == "low" else "low"
 
 
 def pinned_pool(extra_args: tuple[str, ...]) -> str | None:

@@ -8,6 +8,7 @@ where ``nvidia-smi`` exists, that none of them still holds GPU memory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -248,21 +249,15 @@ def _same_process(pid: int, start: int) -> bool:
 
 
 def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

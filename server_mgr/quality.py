@@ -77,16 +77,6 @@ def words(text: str) -> list[str]:
     return _WORD_RE.findall(text)
 
 
-def shared_prefix(a: list[str], b: list[str]) -> int:
-    """How many leading items ``a`` and ``b`` have in common."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
 def compare(reference: list[str], candidate: list[str], threshold: float) -> Comparison:
     """Agreement of ``candidate`` with ``reference`` (same prompts, same order)."""
     fractions: list[float] = []
@@ -94,7 +84,8 @@ def compare(reference: list[str], candidate: list[str], threshold: float) -> Com
     exact = 0
     for ref, cand in zip(reference, candidate, strict=True):
         a, b = words(ref), words(cand)
-        common = shared_prefix(a, b)
+        # the leading words the two have in common
+        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         longest = max(len(a), len(b))
         fractions.append(1.0 if longest == 0 else common / longest)
         if ref == cand:
@@ -147,30 +138,17 @@ def run_check(
     max_tokens: int,
     seed: int = 0,
     concurrency: int = 1,
-    startup_timeout_s: float | None = None,
 ) -> Comparison:
     """Answer ``prompts`` on each side in turn (launching and stopping configs), then compare."""
     outputs = []
     for side in (reference, candidate):
-        with _serving(side, startup_timeout_s) as url:
-            outputs.append(
-                asyncio.run(
-                    generate_all(
-                        url,
-                        side.api_key,
-                        side.model,
-                        prompts,
-                        max_tokens=max_tokens,
-                        seed=seed,
-                        concurrency=concurrency,
-                    )
-                )
-            )
+        with _serving(side) as url:
+            outputs.append(asyncio.run(generate_all(url, side, prompts, max_tokens, seed, concurrency)))
     return compare(outputs[0], outputs[1], threshold)
 
 
 @contextmanager
-def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
+def _serving(side: Side) -> Iterator[str]:
     """The side's base URL; a config side is launched first and stopped afterwards."""
     if side.config is None:
         yield (side.url or "").rstrip("/")
@@ -179,8 +157,7 @@ def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
     thread = threading.Thread(target=supervisor.run, name=f"quality-{side.label}", daemon=True)
     thread.start()
     try:
-        timeout = startup_timeout_s or side.config.startup_timeout_s
-        state = supervisor.wait_for((servers.READY, servers.FAILED), timeout)
+        state = supervisor.wait_for((servers.READY, servers.FAILED), side.config.startup_timeout_s)
         if state != servers.READY:
             raise ServerStartError(
                 f"the {side.label} server {side.config.name!r} did not become "
@@ -195,47 +172,35 @@ def _serving(side: Side, startup_timeout_s: float | None) -> Iterator[str]:
 
 async def generate_all(
     base_url: str,
-    api_key: str | None,
-    model: str,
+    side: Side,
     prompts: list[list[dict[str, Any]]],
-    *,
     max_tokens: int,
     seed: int,
     concurrency: int,
 ) -> list[str]:
     """Greedy completions of every prompt (reasoning text, if separated, comes first)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limit = asyncio.Semaphore(max(1, concurrency))
+    headers = {"Authorization": f"Bearer {side.api_key}"} if side.api_key else {}
+    limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
 
         async def one(messages: list[dict[str, Any]]) -> str:
-            async with limit:
-                return await _complete(session, base_url, model, messages, max_tokens, seed)
+            body = {
+                "model": side.model,
+                "messages": messages,
+                "temperature": 0,
+                "seed": seed,
+                "max_tokens": max_tokens,
+                "stream": False,
+            }
+            async with limit, session.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    error = InvalidRequestError if resp.status < 500 else ServerUnavailableError
+                    raise error(
+                        f"{redact_url(base_url)} answered {resp.status}: {text[:300]}", status=resp.status
+                    )
+            message = orjson.loads(text)["choices"][0]["message"]
+            return (message.get("reasoning_content") or "") + (message.get("content") or "")
 
         return list(await asyncio.gather(*(one(m) for m in prompts)))
-
-
-async def _complete(
-    session: aiohttp.ClientSession,
-    base_url: str,
-    model: str,
-    messages: list[dict[str, Any]],
-    max_tokens: int,
-    seed: int,
-) -> str:
-    body = {
-        "model": model,
-        "messages": messages,
-        "temperature": 0,
-        "seed": seed,
-        "max_tokens": max_tokens,
-        "stream": False,
-    }
-    async with session.post(f"{base_url}/v1/chat/completions", json=body) as resp:
-        text = await resp.text()
-        if resp.status >= 400:
-            error = InvalidRequestError if resp.status < 500 else ServerUnavailableError
-            raise error(f"{redact_url(base_url)} answered {resp.status}: {text[:300]}", status=resp.status)
-    message = orjson.loads(text)["choices"][0]["message"]
-    return (message.get("reasoning_content") or "") + (message.get("content") or "")

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 import redis
@@ -23,35 +23,24 @@ from tokenmill.servers import ServerRecord
 log = logging.getLogger("tokenmill.server")
 
 
-class Reporter(Protocol):
-    """What a supervisor reports to."""
+class LogReporter:
+    """What a supervisor reports to; this one reports to the manager's log only (a quality check
+    must not attract workers)."""
 
     def publish(self, record: ServerRecord, **extra: Any) -> None:
         """The whole record (plus fields outside :class:`ServerRecord`)."""
-
-    def event(self, name: str, kind: str, message: str, **data: Any) -> None:
-        """One action of the manager (launch, restart, OOM step, verdict)."""
-
-    def take_stop_request(self, name: str) -> dict[str, Any] | None:
-        """A pending stop request for ``name`` (consumed), or None."""
-
-    def previous_pid(self, name: str) -> int | None:
-        """The pid an earlier run published for ``name`` (to find an orphaned server)."""
-
-
-class LogReporter:
-    """Reports to the manager's log only (a quality check must not attract workers)."""
-
-    def publish(self, record: ServerRecord, **extra: Any) -> None:
         log.debug("%s: %s", record.name, record.state)
 
     def event(self, name: str, kind: str, message: str, **data: Any) -> None:
+        """One action of the manager (launch, restart, OOM step, verdict)."""
         log.info("[%s] %s: %s", name, kind, message)
 
     def take_stop_request(self, name: str) -> dict[str, Any] | None:
+        """A pending stop request for ``name`` (consumed), or None."""
         return None
 
     def previous_pid(self, name: str) -> int | None:
+        """The pid an earlier run published for ``name`` (to find an orphaned server)."""
         return None
 
 

@@ -8,54 +8,24 @@ emits must be accepted by each of those parsers.
 from __future__ import annotations
 
 # --kv-cache-dtype choices of 0.5.23 (0.5.10 had fp4_e2m1 instead of mxfp8/nvfp4/fp4_mx_block16).
-KV_CACHE_DTYPES = (
-    "auto",
-    "fp8_e5m2",
-    "fp8_e4m3",
-    "mxfp8",
-    "bf16",
-    "bfloat16",
-    "nvfp4",
-    "fp4_mx_block16",
-)
+KV_CACHE_DTYPES = "auto fp8_e5m2 fp8_e4m3 mxfp8 bf16 bfloat16 nvfp4 fp4_mx_block16".split()
 # Quantized KV caches measurably change greedy outputs (the workload this project was born from
 # had to roll FP8 KV back), so they need an explicit opt-in.
 LOSSLESS_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 
 # --reasoning-parser: the 0.5.10 choices plus the 0.5.23 additions the contract names.
 REASONING_PARSERS = (
-    "deepseek-r1",
-    "deepseek-v3",
-    "glm45",
-    "gpt-oss",
-    "kimi",
-    "kimi_k2",
-    "mimo",
-    "qwen3",
-    "qwen3-thinking",
-    "minimax",
-    "minimax-append-think",
-    "step3",
-    "step3p5",
-    "mistral",
-    "nemotron_3",
-    "interns1",
-    "auto",
-    "deepseek-v4",
-    "hunyuan",
-    "kimi_k3",
-    "gemma4",
-)
+    "deepseek-r1 deepseek-v3 glm45 gpt-oss kimi kimi_k2 mimo qwen3 qwen3-thinking minimax "
+    "minimax-append-think step3 step3p5 mistral nemotron_3 interns1 auto deepseek-v4 hunyuan kimi_k3 gemma4"
+).split()
 
 # --tool-call-parser: SGLang 0.5.23's choices (FunctionCallParser.ToolCallParserEnum), and "auto".
 TOOL_CALL_PARSERS = (
-    "auto", "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
-    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon", "kimi_k2",
-    "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse", "poolside_v1",
-    "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5", "minimax-m2",
-    "minimax-m3", "nanbeige", "trinity", "interns1", "hermes", "hunyuan", "gigachat3", "gigachat35",
-    "gemma4", "inkling", "iquest_q1", "response_template",
-)  # fmt: skip
+    "auto apertus2509 beam cohere_command4 deepseekv3 deepseekv31 deepseekv32 deepseekv4 deepseekv41 dots "
+    "glm glm45 glm47 gpt-oss k2_horizon kimi_k2 kimi_k3 lfm2 ling3 llama3 mimo minicpm5 mistral muse "
+    "poolside_v1 pythonic qwen qwen25 qwen3_coder spark25 step3 step3p5 minimax-m2 minimax-m3 nanbeige "
+    "trinity interns1 hermes hunyuan gigachat3 gigachat35 gemma4 inkling iquest_q1 response_template"
+).split()
 
 # Flags the config owns: giving them in extra_args would duplicate or contradict a config key
 # (and --mem-fraction-static would defeat the OOM remediation, --api-key would leak in logs).
@@ -96,45 +66,15 @@ REFUSED_FLAGS: dict[str, str] = {
 
 # Other flags of the 0.5.x parsers (contract §1.2), used to catch abbreviations of real flags.
 OTHER_FLAGS = (
-    "--tokenizer-path",
-    "--base-gpu-id",
-    "--gpu-id-step",
-    "--hicache-ratio",
-    "--max-queued-requests",
-    "--max-total-tokens",
-    "--chunked-prefill-size",
-    "--stream-interval",
-    "--admin-api-key",
-    "--watchdog-timeout",
-    "--soft-watchdog-timeout",
-    "--log-level",
-    "--log-level-http",
-    "--decode-log-interval",
-    "--cuda-graph-max-bs-decode",
-    "--cuda-graph-max-bs-prefill",
-    "--cuda-graph-config",
-    "--disable-cuda-graph",
-    "--disable-decode-cuda-graph",
-    "--disable-prefill-cuda-graph",
-    "--schedule-policy",
-    "--random-seed",
-    "--skip-server-warmup",
-    "--trust-remote-code",
-    "--allow-auto-truncate",
-    "--enable-cache-report",
-    "--stream-response-default-include-usage",
-    "--incremental-streaming-output",
-    "--attn-dp-size",
-    "--enable-dp-attention",
-    "--tool-call-parser",
-    "--tokenizer-worker-num",
-    "--device",
-    "--dtype",
-    "--load-format",
-    "--attention-backend",
-    "--sampling-backend",
-    "--sleep-on-idle",
-)
+    "--tokenizer-path --base-gpu-id --gpu-id-step --hicache-ratio --max-queued-requests --max-total-tokens "
+    "--chunked-prefill-size --stream-interval --admin-api-key --watchdog-timeout --soft-watchdog-timeout "
+    "--log-level --log-level-http --decode-log-interval --cuda-graph-max-bs-decode "
+    "--cuda-graph-max-bs-prefill --cuda-graph-config --disable-cuda-graph --disable-decode-cuda-graph "
+    "--disable-prefill-cuda-graph --schedule-policy --random-seed --skip-server-warmup --trust-remote-code "
+    "--allow-auto-truncate --enable-cache-report --stream-response-default-include-usage "
+    "--incremental-streaming-output --attn-dp-size --enable-dp-attention --tokenizer-worker-num --device "
+    "--dtype --load-format --attention-backend --sampling-backend --sleep-on-idle"
+).split()
 
 
 def is_lossy_kv_cache(dtype: str) -> bool:

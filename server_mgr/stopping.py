@@ -8,8 +8,8 @@ has no live supervisor: there is nothing to ask, and the request is withdrawn.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
+import click
 import redis
 
 from server_mgr.reporting import clear_stop_request, request_stop
@@ -19,14 +19,7 @@ STALE_AFTER_S = 30.0
 _FINAL = (servers.DOWN, servers.FAILED)
 
 
-def stop_servers(
-    client: redis.Redis,
-    names: list[str],
-    *,
-    drain: bool,
-    timeout_s: float | None,
-    echo: Callable[[str], None],
-) -> bool:
+def stop_servers(client: redis.Redis, names: list[str], *, drain: bool, timeout_s: float | None) -> bool:
     """Ask every server in ``names`` to stop; with a timeout, wait for each to be down.
 
     Returns False when a server is unknown or did not stop in time.
@@ -36,12 +29,12 @@ def stop_servers(
     for name in names:
         record = servers.load(client, name)
         if record is None:
-            echo(f"{name}: no such server in Redis")
+            click.echo(f"{name}: no such server in Redis")
             ok = False
         elif record.state in _FINAL and not record.is_fresh(STALE_AFTER_S):
-            echo(f"{name}: already {record.state}")
+            click.echo(f"{name}: already {record.state}")
         elif not record.is_fresh(STALE_AFTER_S):
-            echo(
+            click.echo(
                 f"{name}: {record.state}, but no supervisor has refreshed it for "
                 f"{time.time() - record.updated_at:.0f} s; nothing to stop"
             )
@@ -49,13 +42,13 @@ def stop_servers(
         else:
             request_stop(client, name, drain=drain)
             pending.append(name)
-            echo(f"{name}: stop requested ({'drain first' if drain else 'now'})")
+            click.echo(f"{name}: stop requested ({'drain first' if drain else 'now'})")
     if timeout_s is None:
         return ok
-    return _wait_down(client, pending, timeout_s, echo) and ok
+    return _wait_down(client, pending, timeout_s) and ok
 
 
-def _wait_down(client: redis.Redis, names: list[str], timeout_s: float, echo: Callable[[str], None]) -> bool:
+def _wait_down(client: redis.Redis, names: list[str], timeout_s: float) -> bool:
     """Wait until each supervisor took its request and published down (or failed)."""
     deadline = time.monotonic() + timeout_s
     waiting = list(names)
@@ -68,11 +61,11 @@ def _wait_down(client: redis.Redis, names: list[str], timeout_s: float, echo: Ca
                 continue
             if failed:
                 clear_stop_request(client, name)
-            echo(f"{name}: {record.state}")
+            click.echo(f"{name}: {record.state}")
             waiting.remove(name)
         if waiting and time.monotonic() >= deadline:
             for name in waiting:
-                echo(f"{name}: not down after {timeout_s:g} s")
+                click.echo(f"{name}: not down after {timeout_s:g} s")
             return False
         if waiting:
             time.sleep(0.2)

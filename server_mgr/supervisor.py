@@ -1,7 +1,7 @@
 """One server's life: launch, readiness, watch, restart with backoff, OOM steps, drain, stop.
 
 ``Supervisor.run`` blocks until the server is stopped (``down``) or given up on (``failed``).
-Every action is reported to a :class:`~server_mgr.reporting.Reporter` (Redis for ``server up``) and to
+Every action is reported to a :class:`~server_mgr.reporting.LogReporter` (Redis for ``server up``) and to
 the manager's log. Stopping: set ``stop_event`` (signals) or leave a stop request in Redis
 (``tokenmill server stop``); ``hurry`` skips the drain.
 """
@@ -9,20 +9,21 @@ the manager's log. Stopping: set ``stop_event`` (signals) or leave a stop reques
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server_mgr import health, logparse, process
-from server_mgr.command import display_command, launch_argv, launch_env, write_key_file
+from server_mgr.command import display_command, launch_argv, write_key_file
 from server_mgr.config import ServerConfig
 from server_mgr.crash import GIVE_UP, RESTART, Crash, classify, dooms_the_start
 from server_mgr.policy import FAIL, RestartPolicy
-from server_mgr.reporting import Reporter
+from server_mgr.reporting import LogReporter
 from tokenmill import capacity, server_report, servers
 from tokenmill.servers import ServerRecord
 
@@ -38,9 +39,8 @@ LOG_QUIET_S = 10.0  # no batch line for this long: the log says nothing is in fl
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """How one launch ended: ``stopped`` on request, else a ``crash`` to remedy."""
+    """How one launch ended: stopped on request (no ``crash``), else a ``crash`` to remedy."""
 
-    kind: str
     crash: Crash | None = None
 
 
@@ -50,7 +50,7 @@ class Supervisor:
     def __init__(
         self,
         config: ServerConfig,
-        reporter: Reporter,
+        reporter: LogReporter,
         *,
         stop_event: threading.Event | None = None,
         on_change: Callable[[], None] | None = None,
@@ -93,11 +93,10 @@ class Supervisor:
         self._stop_orphan()
         while True:
             outcome = self._run_once()
-            if outcome.kind == "stopped":
+            if outcome.crash is None:
                 self._set_state(servers.DOWN)
                 self._event("stopped", "server stopped")
                 return servers.DOWN
-            assert outcome.crash is not None
             decision = self.policy.decide(outcome.crash, time.time(), self._launched_fraction)
             if decision.action == FAIL:
                 return self._fail(decision.reason)
@@ -108,7 +107,7 @@ class Supervisor:
                     previous=self.config.mem_fraction_static,
                     fraction=decision.fraction,
                 )
-                self.config = self.config.with_mem_fraction(decision.fraction)
+                self.config = replace(self.config, mem_fraction_static=decision.fraction)
             if self._sleep_unless_stopped(decision.delay_s):
                 self._set_state(servers.DOWN)
                 self._event("stopped", "server stopped (it was down, waiting to restart)")
@@ -128,7 +127,7 @@ class Supervisor:
             engine = self._launch()
         except OSError as exc:
             argv0 = launch_argv(self.config)[0]
-            return Outcome("crashed", Crash("launch_failed", f"cannot start {argv0!r}: {exc}", GIVE_UP))
+            return Outcome(Crash("launch_failed", f"cannot start {argv0!r}: {exc}", GIVE_UP))
         outcome = self._await_ready(engine)
         if outcome is None:
             self._on_ready(engine)
@@ -143,10 +142,9 @@ class Supervisor:
         deadline = time.monotonic() + 5.0
         while process.port_in_use(host, self.config.port):
             if self._stop_wanted():
-                return Outcome("stopped")
+                return Outcome()
             if time.monotonic() >= deadline:
                 return Outcome(
-                    "crashed",
                     Crash("port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART),
                 )
             time.sleep(0.2)
@@ -157,7 +155,8 @@ class Supervisor:
         key_file = write_key_file(c)
         shown = display_command(c, key_file=key_file)
         banner = f"===== tokenmill: launching {c.name} (restart {self.record.restarts}): {shown}"
-        engine = process.launch(launch_argv(c, key_file=key_file), launch_env(c), c.log_path, banner)
+        env = {**os.environ, **c.env}  # ours, plus the config's env table
+        engine = process.launch(launch_argv(c, key_file=key_file), env, c.log_path, banner)
         self._engine = engine
         # The old figures read 0 until the new process logs its own (Redis keeps every field).
         self.live = logparse.LiveFigures(figures={k: 0.0 for k in self.record.live})
@@ -185,12 +184,11 @@ class Supervisor:
             self._read_log()
             code = engine.returncode()
             if code is not None or self._doomed:
-                return Outcome("crashed", self._classify(engine, code, first_prefill=True))
+                return Outcome(self._classify(engine, code, first_prefill=True))
             if self._stop_wanted():
-                return Outcome("stopped")
+                return Outcome()
             if time.monotonic() >= deadline:
                 return Outcome(
-                    "crashed",
                     Crash(
                         "startup_timeout",
                         f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
@@ -226,15 +224,8 @@ class Supervisor:
             return capacity.fetch(c.probe_url, c.api_key, c.health_timeout_s)
         except (OSError, ValueError) as exc:
             log.warning("[%s] /server_info failed (%s); capacity from the log", c.name, exc)
-        summary = next(
-            (
-                logparse.capacity_line(line)
-                for line in logparse.read_since(c.log_path, engine.log_offset).splitlines()
-                if logparse.capacity_line(line)
-            ),
-            None,
-        )
-        return summary if summary else (None, None)
+        lines = logparse.read_since(c.log_path, engine.log_offset).splitlines()
+        return next(filter(None, map(logparse.capacity_line, lines)), (None, None))
 
     # --- watching a ready server ---------------------------------------------------------------
 
@@ -248,20 +239,20 @@ class Supervisor:
             self._read_log()
             code = engine.returncode()
             if code is not None:
-                return Outcome(
-                    "crashed", self._classify(engine, code, first_prefill=self.live.decode_lines == 0)
-                )
+                return Outcome(self._classify(engine, code, first_prefill=self.live.decode_lines == 0))
             if self._stop_wanted():
                 self._drain(engine)
-                return Outcome("stopped")
+                return Outcome()
             if probe is not None and probe.done():
-                failures = self._count_probe(probe.result(), failures)
+                result = probe.result()
+                failures = 0 if result.ok else failures + 1
+                if failures:
+                    log.warning("[%s] health probe failed (%d in a row): %s", c.name, failures, result.error)
                 if failures >= c.health_failures:
                     return Outcome(
-                        "crashed",
                         Crash(
                             "health_failed",
-                            f"{failures} /health probes failed in a row (last: {probe.result().error})",
+                            f"{failures} /health probes failed in a row (last: {result.error})",
                             RESTART,
                         ),
                     )
@@ -271,14 +262,6 @@ class Supervisor:
                 next_probe = time.monotonic() + c.health_interval_s
                 self._periodic(engine)
             time.sleep(TICK_S)
-
-    def _count_probe(self, result: health.Probe, failures: int) -> int:
-        if result.ok:
-            return 0
-        log.warning(
-            "[%s] health probe failed (%d in a row): %s", self.config.name, failures + 1, result.error
-        )
-        return failures + 1
 
     def _periodic(self, engine: process.Engine) -> None:
         """Each health interval: /metrics figures, the process tree, and a heartbeat."""
@@ -384,7 +367,7 @@ class Supervisor:
         self._engine = None
         if left:
             reason = f"processes of the old server remain after SIGKILL: {'; '.join(left)}"
-            return Outcome("crashed", Crash("not_released", reason, GIVE_UP, code))
+            return Outcome(Crash("not_released", reason, GIVE_UP, code))
         log.info("[%s] pid %d and its process group are gone (exit %s)", c.name, engine.pid, code)
         return outcome
 

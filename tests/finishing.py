@@ -15,6 +15,7 @@ import redis
 
 from server_mgr.sim.textgen import expected_completion
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.transitions import Claim
 
@@ -46,7 +47,7 @@ def finish_jobs(
     ledger = Ledger(client, run)
     committed = 0
     for job_id in list(job_ids) if job_ids is not None else all_job_ids(client, run):
-        claim = ledger.claim(job_id, "finisher", 60)
+        claim = ledger.call(t.claim(ledger.k, job_id, "finisher", 60))
         if not isinstance(claim, Claim):
             continue
         request = claim.spec["request"]
@@ -73,5 +74,5 @@ def finish_jobs(
             "ttft_s": None,
             "decode_tps": None,
         }
-        committed += ledger.commit(claim, result, want.completion_tokens) == "ok"
+        committed += ledger.call(t.commit(ledger.k, claim, result, want.completion_tokens)) == "ok"
     return committed

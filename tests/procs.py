@@ -63,14 +63,30 @@ def wait_for(
 
 
 class RedisServer(LocalRedis):
-    """The tests' private redis-server: ``LocalRedis`` plus a client and a restart."""
+    """The tests' private redis-server: ``LocalRedis`` plus a port and a password of the test's
+    choosing, a client, a kill and a restart."""
 
     def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
-        super().__init__(workdir, port or free_port(), password)
+        super().__init__(workdir)
+        self.port = port or self.port
+        self.password = password
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        return super().argv() + (["--requirepass", self.password] if self.password else [])
 
     def client(self, retries: int = 1) -> redis.Redis:
         """redis-py's own client with its defaults (the tests' view of Redis, not tokenmill's)."""
         return redis.Redis.from_url(self.url)
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(10)
 
     def restart(self) -> None:
         self.kill()

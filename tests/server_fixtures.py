@@ -6,6 +6,7 @@ condition against a deadline (``tests.procs.wait_for``).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import redis
 
 from server_mgr import process
 from tests.procs import wait_for
-from tokenmill import servers
+from tokenmill import keys, servers
 from tokenmill.local_redis import free_port
 
 # A sim that starts in well under a second and answers /health at once.
@@ -128,7 +129,7 @@ class Up:
         return wait_for(ready, timeout_s, f"{name} to be {state}")
 
     def events(self, name: str = "s1") -> list[dict[str, Any]]:
-        return servers.load_events(self.client, name)
+        return [json.loads(e) for e in self.client.lrange(keys.server_events(name), 0, -1)]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -72,7 +72,7 @@ def chat(engine: Engine, messages: list[dict[str, Any]], **params: Any) -> dict[
 
 def client(engine: Engine, api_key: str | None = None) -> StreamClient:
     """tokenmill's stream client for ``engine``, as a worker builds it."""
-    return StreamClient.of(engine.url, api_key or engine.api_key, connect_timeout_s=10.0)
+    return StreamClient(engine.url, api_key or engine.api_key, connect_timeout_s=10.0)
 
 
 def stream(

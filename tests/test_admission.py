@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import uuid
 from collections import Counter
 
 import pytest
@@ -40,54 +41,70 @@ def adm(rclient: redis.Redis, **kw: object) -> Admission:
     return Admission(rclient, Settings.load(env={}, **{**base, **kw}))
 
 
+def admit_alone(req: t.AdmitRequest) -> t.Call[int]:
+    """``admit.lua`` alone: 1 admitted, 0 no room, -ms paced (the next start is due in that many ms)."""
+    return t.Call("admit", list(req.keys), req.args, int)
+
+
+def try_admit(a: Admission, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
+    """A slot on ``server`` by ``admit.lua`` alone (a worker admits inside ``start.lua``, with the
+    claim), or None when its window (or, without a fresh window, its token budget), or the
+    queue's share of it, has no room."""
+    req = a.request(server, capacity, tokens, queue)
+    if req is None:
+        return Slot(server, uuid.uuid4().hex, 0)  # no known capacity and no closed loop: not limited
+    admitted = a.ledger.call(admit_alone(req))  # 1; 0 no room; < 0 paced
+    return Slot(server, str(req.args[0]), tokens) if admitted == 1 else None
+
+
 def test_budget_bounds_tokens_in_flight_and_release_frees_room(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    s1 = a.try_admit("srv", 1000, 400, "short")
-    s2 = a.try_admit("srv", 1000, 300, "long")
+    s1 = try_admit(a, "srv", 1000, 400, "short")
+    s2 = try_admit(a, "srv", 1000, 300, "long")
     assert s1 and s2
-    assert a.try_admit("srv", 1000, 400, "long") is None  # 700 + 400 > 1000
-    assert a.load("srv") == 700
+    assert try_admit(a, "srv", 1000, 400, "long") is None  # 700 + 400 > 1000
+    assert admission_view(rclient, "srv")["total"] == 700
     a.release(s1)
-    assert a.try_admit("srv", 1000, 400, "long") is not None
+    assert try_admit(a, "srv", 1000, 400, "long") is not None
     view = admission_view(rclient, "srv")
     assert view["total"] == 700 and view["budget"] == 1000 and view["slots"] == 2 and view["refused"] == 1
 
 
 def test_a_queue_cannot_take_the_whole_budget_while_the_other_is_active(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    assert a.try_admit("srv", 1000, 100, "short")
-    assert a.try_admit("srv", 1000, 700, "long")
-    assert a.try_admit("srv", 1000, 100, "long") is None  # long's cap is 750 while short runs
-    assert a.try_admit("srv", 1000, 100, "short")  # short still has room
+    assert try_admit(a, "srv", 1000, 100, "short")
+    assert try_admit(a, "srv", 1000, 700, "long")
+    assert try_admit(a, "srv", 1000, 100, "long") is None  # long's cap is 750 while short runs
+    assert try_admit(a, "srv", 1000, 100, "short")  # short still has room
 
 
 def test_an_idle_queues_share_is_not_wasted(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    assert a.try_admit("srv", 1000, 700, "long")
-    assert a.try_admit("srv", 1000, 250, "long")  # short is idle: long may use the whole budget
-    assert a.try_admit("srv", 1000, 100, "short") is None  # no room; short is now waiting...
-    assert a.try_admit("srv", 1000, 10, "long") is None  # ...so long is capped again
+    assert try_admit(a, "srv", 1000, 700, "long")
+    assert try_admit(a, "srv", 1000, 250, "long")  # short is idle: long may use the whole budget
+    assert try_admit(a, "srv", 1000, 100, "short") is None  # no room; short is now waiting...
+    assert try_admit(a, "srv", 1000, 10, "long") is None  # ...so long is capped again
 
 
 def test_one_request_is_always_admitted_on_an_idle_server(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    assert a.try_admit("srv", 1000, 5000, "short") is not None
-    assert a.try_admit("srv", 1000, 1, "short") is None
+    assert try_admit(a, "srv", 1000, 5000, "short") is not None
+    assert try_admit(a, "srv", 1000, 1, "short") is None
 
 
 def test_a_dead_workers_slots_expire(rclient: redis.Redis) -> None:
     a = adm(rclient, lease_ttl_s=0.2)
-    assert a.try_admit("srv", 1000, 900, "short")
-    assert a.try_admit("srv", 1000, 500, "short") is None
-    wait_for(lambda: a.try_admit("srv", 1000, 500, "short"), 5, "the expired slot to free its tokens")
-    assert a.load("srv") == 500
+    assert try_admit(a, "srv", 1000, 900, "short")
+    assert try_admit(a, "srv", 1000, 500, "short") is None
+    wait_for(lambda: try_admit(a, "srv", 1000, 500, "short"), 5, "the expired slot to free its tokens")
+    assert admission_view(rclient, "srv")["total"] == 500
 
 
 def test_unknown_capacity_is_not_limited_by_tokens(rclient: redis.Redis) -> None:
     a = adm(rclient)
-    assert all(a.try_admit("srv", None, 10**9, "short") for _ in range(5))
+    assert all(try_admit(a, "srv", None, 10**9, "short") for _ in range(5))
     off = adm(rclient, admission_closed_loop=False)
-    slot = off.try_admit("srv2", None, 10**9, "short")
+    slot = try_admit(off, "srv2", None, 10**9, "short")
     assert slot is not None and slot.tokens == 0  # not even counted
 
 
@@ -125,7 +142,7 @@ def test_a_stale_window_starts_again_from_what_is_in_flight(rclient: redis.Redis
 def test_the_first_figures_start_from_what_is_in_flight_and_may_grow_at_once(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_queue_target=3)
     # Given 5 requests the token budget let in, each projected to peak at 400 tokens
-    assert all(a.try_admit("srv", 10_000, 400, "short") for _ in range(5))
+    assert all(try_admit(a, "srv", 10_000, 400, "short") for _ in range(5))
     # When the server first reports them (100 tokens each so far), the window starts at as many
     # as the guard lets in at 400 each, whether or not they asked yet: 23 below the ceiling (the
     # lower of it and the guard's budget)
@@ -136,7 +153,7 @@ def admit_all(a: Admission, n: int, queue: str = "short", tokens: int = 10**6) -
     """Up to ``n`` slots, stopping at the first refusal."""
     slots = []
     for _ in range(n):
-        slot = a.try_admit("srv", 1000, tokens, queue)
+        slot = try_admit(a, "srv", 1000, tokens, queue)
         if slot is None:
             break
         slots.append(slot)
@@ -149,7 +166,7 @@ def test_a_fresh_window_counts_requests_whatever_their_size(rclient: redis.Redis
     slots = admit_all(a, 10)  # each asks far more tokens than the budget: the window decides
     assert len(slots) == 2 and admission_view(rclient, "srv")["rule"] == "window"
     a.release(slots[0])
-    assert a.try_admit("srv", 1000, 10**6, "short") is not None
+    assert try_admit(a, "srv", 1000, 10**6, "short") is not None
 
 
 def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: redis.Redis) -> None:
@@ -162,9 +179,9 @@ def test_the_window_grows_while_the_server_has_room_and_nothing_waits(rclient: r
     held += admit_all(a, 20, tokens=500)
     assert len(held) == 10
     assert a.adapt("srv", load(10, used=9600), None) == 10  # no growth above the usage ceiling
-    assert a.try_admit("srv", 1000, 1, "short") is None
+    assert try_admit(a, "srv", 1000, 1, "short") is None
     assert a.adapt("srv", load(8, waiting=2, used=5000), None) == 10  # something waits: no growth
-    assert a.try_admit("srv", 1000, 1, "short") is None
+    assert try_admit(a, "srv", 1000, 1, "short") is None
     # 19 would fit at the 500 each they use now, but they were seen holding 960 each: none more
     assert a.adapt("srv", load(10, used=5000), None) == 10
 
@@ -298,7 +315,7 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
         rclient, admission_fraction=0.9, admission_queue_target=3, admission_reserve=0.6,
         admission_pacing=False,
     )  # fmt: skip
-    slots = [a.try_admit("srv", 4000, 223, "short") for _ in range(17)]
+    slots = [try_admit(a, "srv", 4000, 223, "short") for _ in range(17)]
     assert slots.count(None) == 1  # the 17th was refused: the budget is what limits
     # When the first figures show them young (60 tokens each), none ended
     # Then the window starts at the 16 and does not grow: sized by projection alone, at their
@@ -307,7 +324,7 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
     # 60 + 0.6 * 163 each (24 fit: 20), which started together would overflow the pool when they
     # peak together
     assert a.adapt("srv", load(16, used=16 * 60, capacity=4000), None) == 16
-    assert a.try_admit("srv", 4000, 223, "short") is None
+    assert try_admit(a, "srv", 4000, 223, "short") is None
     assert a.adapt("srv", load(16, used=16 * 120, capacity=4000), None) == 16
     # And while fewer than half of those in flight ended (their successors admitted), the rest
     # of the batch has yet to peak: still sized at their whole peaks; once half ended, the reserve
@@ -315,8 +332,8 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
     first_batch = [slot for slot in slots if slot is not None]
     for ended in range(1, 9):
         a.release(first_batch[ended - 1])
-        assert a.try_admit("srv", 4000, 223, "short") is not None
-        assert a.try_admit("srv", 4000, 223, "short") is None
+        assert try_admit(a, "srv", 4000, 223, "short") is not None
+        assert try_admit(a, "srv", 4000, 223, "short") is None
         window = a.adapt("srv", load(16, used=(16 - ended) * 120 + ended * 25, capacity=4000), None)
         assert window == 16 if ended < 8 else window > 16
 
@@ -389,7 +406,7 @@ def test_a_paced_group_opens_when_all_its_starts_are_due_and_they_start_together
     req = a.request("srv", 1000, 10, "short")
     assert req is not None
     # (a second, less the time since the figures were set: a fixed bound on that a loaded machine misses)
-    assert -1_000 <= a.ledger.call(t.admit(req)) <= -1_000 + redis_ms(rclient) - now_ms
+    assert -1_000 <= a.ledger.call(admit_alone(req)) <= -1_000 + redis_ms(rclient) - now_ms
     # When both are due, the group opens and its two start together, and no third
     opened(2_000)
     assert len(admit_all(a, 10)) == 2
@@ -431,7 +448,7 @@ def tail_admit(a: Admission, behind: int | None, tokens: int = 300) -> int:
     req = a.request("srv", 4000, tokens, "short")
     assert req is not None
     return a.ledger.call(
-        t.admit(t.AdmitRequest(req.keys, [*req.args, *([] if behind is None else [behind])]))
+        admit_alone(t.AdmitRequest(req.keys, [*req.args, *([] if behind is None else [behind])]))
     )
 
 
@@ -532,7 +549,7 @@ def test_a_pace_group_under_one_is_refused_naming_the_setting() -> None:
 def test_a_slots_lifetime_and_its_spread_are_measured_and_pace_the_window(rclient: redis.Redis) -> None:
     # Given requests that held their slots 200 ms, 200 ms and 400 ms (their admission time set back)
     a = adm(rclient, admission_queue_target=3)
-    slots = [a.try_admit("srv", 10_000, 100, "short") for _ in range(3)]
+    slots = [try_admit(a, "srv", 10_000, 100, "short") for _ in range(3)]
     seconds, micros = rclient.time()
     now_ms = seconds * 1000 + micros // 1000
     lives = []
@@ -584,9 +601,9 @@ def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed
     # And the lengths are measured at each release that says how many tokens the request made
     rclient.delete(USED, keys.admission("srv"))
     for out in (200, 100, 200):
-        slot = a.try_admit("srv", 10_000, 100, "short")
+        slot = try_admit(a, "srv", 10_000, 100, "short")
         assert slot is not None
-        a.ledger.call(t.unadmit("srv", slot.member, out))
+        a.ledger.call(t.Call("unadmit", [keys.admission("srv"), USED], [slot.member, out], int))
     assert rclient.hmget(USED, "len_mean", "len_dev") == [b"191", b"10"]
 
 
@@ -664,7 +681,7 @@ def test_a_stale_window_leaves_the_decision_to_the_token_budget(rclient: redis.R
     a = adm(rclient, admission_poll_s=0.02)  # fresh for 6 polls: 120 ms
     set_window(rclient, 2)
     assert len(admit_all(a, 5, tokens=100)) == 2
-    wait_for(lambda: a.try_admit("srv", 1000, 100, "short"), 5, "the window to go stale")
+    wait_for(lambda: try_admit(a, "srv", 1000, 100, "short"), 5, "the window to go stale")
     assert admission_view(rclient, "srv")["rule"] == "budget"
 
 
@@ -673,10 +690,10 @@ def test_in_a_window_a_queue_gets_its_share_while_the_other_is_active(rclient: r
     set_window(rclient, 8)
     a.adapt("srv", load(0), None)
     assert len(admit_all(a, 8, "long")) == 8  # short idle: long may fill the window
-    assert a.try_admit("srv", 1000, 1, "short") is None  # full; short now wants in...
+    assert try_admit(a, "srv", 1000, 1, "short") is None  # full; short now wants in...
     set_window(rclient, 12)
     a.adapt("srv", load(8, waiting=1), None)
-    assert len(admit_all(a, 10, "short")) == 4 and a.try_admit("srv", 1000, 1, "long") is None
+    assert len(admit_all(a, 10, "short")) == 4 and try_admit(a, "srv", 1000, 1, "long") is None
 
 
 def test_in_a_window_a_queue_takes_no_more_than_its_share_while_the_other_is_active(
@@ -687,7 +704,7 @@ def test_in_a_window_a_queue_takes_no_more_than_its_share_while_the_other_is_act
     set_window(rclient, 8)
     a.adapt("srv", load(0), None)
     assert len(admit_all(a, 8, "long")) == 8
-    assert a.try_admit("srv", 1000, 1, "short") is None
+    assert try_admit(a, "srv", 1000, 1, "short") is None
 
     # When the window grows to 24: room for 16 more
     set_window(rclient, 24)
@@ -771,8 +788,8 @@ def test_requests_cut_at_max_tokens_hold_all_of_it() -> None:
 def test_estimate_uses_the_runs_length_curve_from_redis(rclient: redis.Redis) -> None:
     a = adm(rclient, admission_default_output_tokens=1000)
     request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 5000}
-    assert a.estimate("r", request) == 104 + 5000  # nothing known: max_tokens
-    assert a.estimate("r", {"messages": request["messages"]}) == 104 + 1000  # no max_tokens: the default
+    assert a.held("r", request, 0) == 104 + 5000  # nothing known: max_tokens
+    assert a.held("r", {"messages": request["messages"]}, 0) == 104 + 1000  # no max_tokens: the default
     # When 40 requests of the run end at 200 tokens (reported as a worker does)
     ledger_fields: Counter[str] = Counter()
     for _ in range(40):
@@ -783,8 +800,8 @@ def test_estimate_uses_the_runs_length_curve_from_redis(rclient: redis.Redis) ->
         ledger_fields.update([ended_field(report.ended), *map(reached_field, report.reached)])
     rclient.hset("tm:r2:lengths", mapping=dict(ledger_fields))
     # Then a request of that run is projected to hold its prompt plus ~200
-    assert 104 + 200 <= a.estimate("r2", request) <= 104 + edge(bin_of(200) + 1)
-    assert a.held("r2", request, 190) == a.estimate("r2", request)
+    assert 104 + 200 <= a.held("r2", request, 0) <= 104 + edge(bin_of(200) + 1)
+    assert a.held("r2", request, 190) == a.held("r2", request, 0)
     view = length_view(rclient, "r2")
     assert view["ended"] == 40 and view["running"] == 0 and view["unknown_tail"] == 0
     assert view["p50"] == edge(bin_of(200) + 1) and view["mean_known"] == 200
@@ -795,7 +812,7 @@ def test_prompts_are_projected_at_the_servers_size_once_enough_requests_reported
 ) -> None:
     a = adm(rclient)
     request = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 100}  # 104 estimated
-    assert a.estimate("r3", request) == 104 + 100
+    assert a.held("r3", request, 0) == 104 + 100
     # Given requests whose server counted 208 prompt tokens (a chat template's included), 52 of
     # them served from its prefix cache; a continuation and a prompt netted by affinity report none
     usage = {"prompt_tokens": 208, "prompt_tokens_details": {"cached_tokens": 52}, "completion_tokens": 9}
@@ -812,7 +829,7 @@ def test_prompts_are_projected_at_the_servers_size_once_enough_requests_reported
         rclient.hincrby(lengths, "pk", 156)
         a._curves.clear()
         expected = 104 if reported < MIN_PROMPT_SAMPLE else 156
-        assert a.estimate("r3", request) == expected + 100, reported
+        assert a.held("r3", request, 0) == expected + 100, reported
     assert a.held("r3", request, 60) == 156 + 100
 
 
@@ -821,7 +838,7 @@ def test_a_young_curve_is_read_again_sooner_than_a_settled_one(rclient: redis.Re
     # reach max_tokens, as this process read the curve
     a = adm(rclient)
     request = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 200}
-    cold = a.estimate("r4", request)
+    cold = a.held("r4", request, 0)
     # When 16 of its requests have ended at 20 tokens
     lengths = keys.RunKeys("r4").lengths()
     for _ in range(16):
@@ -830,7 +847,7 @@ def test_a_young_curve_is_read_again_sooner_than_a_settled_one(rclient: redis.Re
         rclient.hincrby(lengths, ended_field(bin_of(20)), 1)
     # Then the process's projections follow within a fraction of a second, not only once its
     # copy is STATS_TTL_S old: every request admitted meanwhile keeps its hold for its life
-    wait_for(lambda: a.estimate("r4", request) < cold, YOUNG_CURVE_TTL_S + 0.5, "the young curve read again")
+    wait_for(lambda: a.held("r4", request, 0) < cold, YOUNG_CURVE_TTL_S + 0.5, "the young curve read again")
     # And a copy half a second old is stale while fewer than YOUNG_CURVE_ENDED have ended, fresh
     # once as many have
     for c, fresh in ((curve([20] * 16), False), (curve([20] * YOUNG_CURVE_ENDED), True)):
@@ -907,7 +924,7 @@ def test_a_slot_released_from_another_thread_wakes_the_head_at_once_and_leaving_
     rclient: redis.Redis,
 ) -> None:
     a = adm(rclient)
-    slot = a.try_admit("srv", 1000, 900, "short")
+    slot = try_admit(a, "srv", 1000, 900, "short")
     assert slot is not None
     woken: list[str] = []
     first_in = threading.Event()
@@ -916,7 +933,7 @@ def test_a_slot_released_from_another_thread_wakes_the_head_at_once_and_leaving_
     async def head() -> None:
         async with a.line.join() as turn:
             turn.arm()
-            assert a.try_admit("srv", 1000, 500, "short") is None
+            assert try_admit(a, "srv", 1000, 500, "short") is None
             first_in.set()
             await turn.wait(60)  # a release here must wake it long before this timeout
             woken.append("head")

@@ -11,6 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tokenmill.server_report import Load
 from workers.admission import policy
 
 # TOKENMILL_ADMISSION_TRACE=FILE bench/admission.py --matrix base,mixed-outputs --only admission
@@ -47,8 +48,8 @@ def test_the_recorded_trace_exercises_first_windows_growth_pacing_and_the_young_
 
 
 def test_with_nothing_in_flight_no_window_starts_and_the_figures_are_kept() -> None:
-    report = policy.Report(running=0, waiting=0, used=0, capacity=4000, retractions=-1)
-    decided = policy.steer(report, KNOBS, {}, [], now_ms=1_000)
+    load = Load(running=0, waiting=0, used_tokens=0, capacity=4000)
+    decided = policy.steer(load, -1, KNOBS, {}, [], now_ms=1_000)
     assert decided.window == 2
     assert "window" not in decided.fields and decided.fields["young_fit"] == -1
 
@@ -56,8 +57,8 @@ def test_with_nothing_in_flight_no_window_starts_and_the_figures_are_kept() -> N
 @pytest.mark.parametrize("garbage", ["abc", "nan", "inf", "-inf", "1e400", str(2**64)])
 def test_garbage_stored_or_reported_reads_as_the_fields_default(garbage: str) -> None:
     stored = dict.fromkeys(policy.FIELDS, garbage.encode())
-    report = policy.Report(running=math.nan, waiting=-3, used=math.inf, capacity=4000, retractions=math.nan)
-    decided = policy.steer(report, KNOBS, stored, [(garbage, garbage)], now_ms=1_000)
+    load = Load(running=math.nan, waiting=-3, used_tokens=math.inf, capacity=4000)  # type: ignore[arg-type]
+    decided = policy.steer(load, math.nan, KNOBS, stored, [(garbage, garbage)], now_ms=1_000)
     assert 2 <= decided.window <= policy.INT_MAX
     assert all(math.isfinite(v) for v in decided.fields.values())
 
@@ -65,14 +66,14 @@ def test_garbage_stored_or_reported_reads_as_the_fields_default(garbage: str) ->
 def test_a_retraction_backs_off_once_and_holds() -> None:
     # Given a window of 20 with 20 in flight at a projected peak of 300 each on a 4,000 pool
     stored = {"window": b"20", "window_ms": b"900", "n": b"20", "total": b"6000", "srv_retractions": b"0"}
-    report = policy.Report(running=18, waiting=2, used=3900, capacity=4000, retractions=1)
+    load = Load(running=18, waiting=2, used_tokens=3900, capacity=4000)
     # When the server reports its first retraction
-    backed = policy.steer(report, KNOBS, stored, [], now_ms=1_000)
+    backed = policy.steer(load, 1, KNOBS, stored, [], now_ms=1_000)
     # Then the window backs off to 3/4 of what is on the server (15; 12 would fit at their peaks)
     # and holds for hold_ms
     assert backed.window == 15 and backed.fields["hold_until"] == 6_000 and backed.fields["backoffs"] == 1
     # and the same figures again (the server's figures lag) move nothing during the hold
-    again = policy.steer(report, KNOBS, {**stored, **encode(backed.fields)}, [], now_ms=1_500)
+    again = policy.steer(load, 1, KNOBS, {**stored, **encode(backed.fields)}, [], now_ms=1_500)
     assert again.window == 15 and "hold_until" not in again.fields
 
 

@@ -20,6 +20,7 @@ from server_mgr.sim.textgen import Completion, expected_completion
 from tests import chaos
 from tests.chaos import Cluster, Workload, prompt_rows
 from tests.procs import RedisServer, wait_for, worker_env
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.transitions import Checkpoint, Claim, JobError
 
@@ -190,7 +191,7 @@ def _die_after_checkpointing(
     ledger = Ledger(c.client, wl.run)
     finishes = set()
     for job_id in chaos.all_job_ids(c.client, wl.run):
-        claim = ledger.claim(job_id, "ghost", LEASE_TTL_S)
+        claim = ledger.call(t.claim(ledger.k, job_id, "ghost", LEASE_TTL_S))
         assert isinstance(claim, Claim), claim
         want = expected_completion(
             claim.spec["request"]["messages"],
@@ -199,13 +200,16 @@ def _die_after_checkpointing(
             mean_output_tokens=wl.mean_output_tokens,
         )
         finishes.add(want.finish_reason)
-        verdict = ledger.release(
-            claim,
-            JobError("worker_lost", "died"),
-            delay_s=0,
-            burn=False,
-            max_attempts=8,
-            checkpoint=partial(want),
+        verdict = ledger.call(
+            t.release(
+                ledger.k,
+                claim,
+                JobError("worker_lost", "died"),
+                delay_s=0,
+                burn=False,
+                max_attempts=8,
+                checkpoint=partial(want),
+            )
         )
         assert verdict == "queued", verdict
     return finishes

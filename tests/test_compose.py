@@ -18,7 +18,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from producer.flower import is_loopback
+from producer.web_access import is_loopback
 from server_mgr.config import load_config
 from tokenmill.cli import cli
 from tokenmill.settings import Settings

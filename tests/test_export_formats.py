@@ -16,6 +16,7 @@ import redis
 from tests import sealing
 from tests.finishing import all_job_ids
 from tests.pipeline import cli, write_jsonl
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.transitions import Claim, JobError
 
@@ -90,11 +91,14 @@ def _finish(client: redis.Redis, run: str) -> None:
         name = job_id.split(":", 1)[1]
         if name == "gone":
             continue
-        claim = ledger.claim(job_id, "tester", 60)
+        claim = ledger.call(t.claim(ledger.k, job_id, "tester", 60))
         assert isinstance(claim, Claim)
         if name == "bad":
             assert (
-                ledger.fail(claim, JobError("context_length", "Requested token count exceeds 8192")) == "ok"
+                ledger.call(
+                    t.fail(ledger.k, claim, JobError("context_length", "Requested token count exceeds 8192"))
+                )
+                == "ok"
             )
             continue
         want = RESULTS[name]
@@ -104,7 +108,7 @@ def _finish(client: redis.Redis, run: str) -> None:
             "model": "default",
         }
         result |= {"reasoning_content": None, "attempt": 1, "continued_tokens": 0}
-        assert ledger.commit(claim, result, want["completion_tokens"]) == "ok"
+        assert ledger.call(t.commit(ledger.k, claim, result, want["completion_tokens"])) == "ok"
 
 
 @pytest.fixture

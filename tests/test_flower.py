@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from producer.flower import check_exposure, is_loopback, parse_basic_auth
+from producer.web_access import check_exposure, is_loopback, parse_basic_auth
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, http_status, spawn, start_sim, start_worker, wait_for, worker_env
 from tokenmill.errors import ConfigError
@@ -116,16 +116,16 @@ def test_flower_refuses_to_bind_beyond_loopback_without_auth(redis_url: str) -> 
 def test_exposure_rules() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("flower.example.com")
-    check_exposure("127.0.0.1", [])
-    check_exposure("0.0.0.0", ["ops:pw"])
+    check_exposure("127.0.0.1", [], "Flower", "")
+    check_exposure("0.0.0.0", ["ops:pw"], "Flower", "")
     with pytest.raises(ConfigError, match="every interface"):
-        check_exposure("", [])
+        check_exposure("", [], "Flower", "")
 
 
 def test_basic_auth_must_be_user_colon_password_and_errors_never_show_the_password() -> None:
-    assert parse_basic_auth("a:b,c:d:e") == ["a:b", "c:d:e"]
-    assert parse_basic_auth(None) == [] and parse_basic_auth("") == []
+    assert parse_basic_auth("a:b,c:d:e", "") == ["a:b", "c:d:e"]
+    assert parse_basic_auth(None, "") == [] and parse_basic_auth("", "") == []
     for bad in ("hunter2", "ops:", ":hunter2", "ops:pw,hunter2"):
         with pytest.raises(ConfigError) as err:
-            parse_basic_auth(bad)
+            parse_basic_auth(bad, "")
         assert "hunter2" not in str(err.value)

@@ -24,6 +24,7 @@ from producer.metrics import registry_for
 from server_mgr.logparse import FIELD_NAMES
 from tests.test_compose import ENV, interpolate
 from tokenmill import Client, keys, servers
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.quality import RATE_NAMES, RULE_NAMES
 from tokenmill.transitions import Claim, JobError
@@ -61,11 +62,11 @@ def exported(rclient: redis.Redis, redis_url: str) -> dict[str, set[str]]:
     tm.enqueue([{"prompt": f"q{i}"} for i in range(3)], run="g", partition="A")
     ledger = Ledger(rclient, "g")
     job_ids = [x.decode() for x in rclient.lrange(keys.RunKeys("g").jobs("A"), 0, -1)]
-    claims = [ledger.claim(j, "w", 30) for j in job_ids[:2]]
+    claims = [ledger.call(t.claim(ledger.k, j, "w", 30)) for j in job_ids[:2]]
     assert all(isinstance(c, Claim) for c in claims)
     result = {"content": "x", "finish_reason": "length", "usage": {"completion_tokens": 4}}
-    ledger.commit(claims[0], result, 4)
-    ledger.fail(claims[1], JobError("context_length", "too long"))
+    ledger.call(t.commit(ledger.k, claims[0], result, 4))
+    ledger.call(t.fail(ledger.k, claims[1], JobError("context_length", "too long")))
     k = keys.RunKeys("g")
     flags = {f"A|{flag}": 1 for flag in RATE_NAMES.values()}
     rclient.hset(k.quality(), mapping={"A|judged": 2, **flags})

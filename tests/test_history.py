@@ -17,7 +17,9 @@ from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
 from tests.test_ledger import spec
+from tests.test_series import read
 from tokenmill import Client, history, keys, quality, series
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.outputs import RECENT_KEPT
 from tokenmill.server_report import Load
@@ -33,7 +35,7 @@ def tm(redis_url: str) -> Client:
 
 
 def run_points(client: redis.Redis, run: str) -> list[dict[str, float]]:
-    return [fields for _, fields in series.read(client, keys.RunKeys(run).series())]
+    return [fields for _, fields in read(client, keys.RunKeys(run).series())]
 
 
 def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_it_changes(
@@ -43,12 +45,14 @@ def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_i
     # upkeep's recorder (step 50 ms)
     ledger = Ledger(rclient, "r1")
     jobs = [spec(i) for i in range(4)]
-    ledger.enqueue_batch("P", jobs, 100)
-    claims = [ledger.claim(j.job_id, "w", 30) for j in jobs]
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
+    claims = [ledger.call(t.claim(ledger.k, j.job_id, "w", 30)) for j in jobs]
     assert all(isinstance(c, Claim) for c in claims)
     judged = Judged(quality.EMPTY | quality.REPETITION, 200)
-    ledger.commit(claims[0], {"content": "x", "usage": {"completion_tokens": 7}}, 7, judged=judged)
-    ledger.fail(claims[1], JobError("context_length", "too long"))
+    ledger.call(
+        t.commit(ledger.k, claims[0], {"content": "x", "usage": {"completion_tokens": 7}}, 7, judged=judged)
+    )
+    ledger.call(t.fail(ledger.k, claims[1], JobError("context_length", "too long")))
     settings = Settings.load(env={})
     recorder = series.SeriesWriter(rclient, step_s=0.05, keep_s=3600)
 
@@ -67,7 +71,7 @@ def test_the_pump_records_a_moving_run_every_step_and_a_finished_one_only_when_i
 
     # When the run finishes, a point records it, and then nothing more while it stays still
     for c in claims[2:]:
-        ledger.commit(c, {"content": "y", "usage": {"completion_tokens": 3}}, 3)
+        ledger.call(t.commit(ledger.k, c, {"content": "y", "usage": {"completion_tokens": 3}}, 3))
     wait_for(pass_, 5, "the finishing point")
     for _ in range(3):
         wait_for(lambda: recorder.due(keys.RunKeys("r1").series()), 5, "a step")
@@ -82,7 +86,7 @@ def test_the_server_manager_records_each_state_change_and_restart(rclient: redis
                             ("ready", 1), ("ready", 1)]:  # fmt: skip
         record.state, record.restarts = state, restarts
         sink.publish(record)  # the supervisor publishes at every change and every heartbeat
-    points = [f for _, f in series.read(rclient, keys.server_states("s1"))]
+    points = [f for _, f in read(rclient, keys.server_states("s1"))]
     names = ["starting", "ready", "down", "starting", "ready"]
     assert [history.server_records.STATES[int(p["state"])] for p in points] == names
     assert [p["restarts"] for p in points] == [0, 0, 0, 1, 1]
@@ -97,7 +101,7 @@ def test_a_load_point_holds_what_the_server_reported_and_what_admission_made_of_
     load = Load(running=11, waiting=3, used_tokens=5000, capacity=20000)
     assert history.record_server(writer, rclient, "s1", load, window=14, retractions=2)
     assert not history.record_server(writer, rclient, "s1", load, window=15, retractions=2)  # within a step
-    ((_, point),) = series.read(rclient, keys.server_series("s1"))
+    ((_, point),) = read(rclient, keys.server_series("s1"))
     assert point == {"running": 11, "queued": 3, "kv_used": 5000, "kv_capacity": 20000, "window": 14,
                      "in_flight": 12, "retractions": 2}  # fmt: skip
 

@@ -44,7 +44,8 @@ def runtime(redis_url: str, sim_url: str, **settings: object) -> Runtime:
 
 def enqueue(rclient: redis.Redis, n: int) -> list[JobSpec]:
     jobs = [spec(i) for i in range(n)]
-    Ledger(rclient, RUN).enqueue_batch("P", jobs, 1000)
+    ledger = Ledger(rclient, RUN)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 1000))
     return jobs
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from producer.enqueue import Routing
 from producer.rows import normalize_row
-from tokenmill.jobspec import JobSpec, canonical, canonical_request, content_hash
+from tests.test_ledger import build_spec
+from tokenmill.jobspec import canonical, canonical_request, content_hash
 
 REQUEST = {
     "model": "Qwen/Qwen3-8B",
@@ -105,7 +106,7 @@ def test_a_routed_row_is_the_job_the_plain_builder_makes(data: dict[str, Any]) -
     row = normalize_row("f.jsonl:1", data)
 
     fast = routing.spec(row, "P", "f.jsonl:1")
-    plain = JobSpec.build(
+    plain = build_spec(
         partition="P",
         queue=fast.queue,
         source="f.jsonl:1",

@@ -29,10 +29,10 @@ def ledger(rclient: redis.Redis) -> Ledger:
 def test_cancel_ends_queued_jobs_and_marks_running_ones(ledger: Ledger, rclient: redis.Redis) -> None:
     # Given three queued jobs in P, one of them running and one waiting out a retry backoff
     jobs = [spec(i) for i in range(3)]
-    ledger.enqueue_batch("P", jobs, 100)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
     running = claimed(ledger, jobs[0])
     backoff = claimed(ledger, jobs[1])
-    ledger.release(backoff, JobError("stall", "s"), delay_s=60, burn=True, max_attempts=5)
+    ledger.call(t.release(ledger.k, backoff, JobError("stall", "s"), delay_s=60, burn=True, max_attempts=5))
     assert rclient.zcard(K.delayed()) == 1
 
     # When the run is cancelled without --now
@@ -44,10 +44,13 @@ def test_cancel_ends_queued_jobs_and_marks_running_ones(ledger: Ledger, rclient:
     assert rclient.zcard(K.delayed()) == 0
     assert ledger.job(jobs[0].job_id)["cancel"] == "after"
     # and the running job still commits: running jobs finish
-    assert ledger.commit(running, {"content": "x", "usage": {"completion_tokens": 1}}, 1) == "ok"
+    assert (
+        ledger.call(t.commit(ledger.k, running, {"content": "x", "usage": {"completion_tokens": 1}}, 1))
+        == "ok"
+    )
     assert ledger.counts()["P"]["done"] == 1
     # and a later delivery of a cancelled job does nothing
-    assert ledger.claim(jobs[2].job_id, "w", 30) == "cancelled"
+    assert ledger.call(t.claim(ledger.k, jobs[2].job_id, "w", 30)) == "cancelled"
     assert ledger.counts()["P"] == {"queued": 0, "running": 0, "done": 1, "failed": 0, "cancelled": 2}
 
 
@@ -55,15 +58,23 @@ def test_a_marked_job_released_or_reaped_ends_cancelled_with_its_checkpoint(
     ledger: Ledger, rclient: redis.Redis
 ) -> None:
     a, b = spec(1), spec(2)
-    ledger.enqueue_batch("P", [a, b], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [a, b], 100))
     rclient.delete("short")
     ca = claimed(ledger, a)
     claimed(ledger, b, ttl=0.001)
     cancel_run(rclient, RUN)
 
     # A released job (a retryable error, a shutdown, cancel --now) ends cancelled, not queued
-    out = ledger.release(
-        ca, JobError("stall", "s"), delay_s=0, burn=True, max_attempts=5, checkpoint=Checkpoint("ab", "", 2)
+    out = ledger.call(
+        t.release(
+            ledger.k,
+            ca,
+            JobError("stall", "s"),
+            delay_s=0,
+            burn=True,
+            max_attempts=5,
+            checkpoint=Checkpoint("ab", "", 2),
+        )
     )
     assert out == "cancelled"
     assert ledger.job(a.job_id)["ckpt_content"] == "ab"
@@ -72,7 +83,7 @@ def test_a_marked_job_released_or_reaped_ends_cancelled_with_its_checkpoint(
     wait_for(
         lambda: int(rclient.time()[0]) * 1000 + rclient.time()[1] // 1000 > lease, 5, "b's lease to lapse"
     )
-    assert ledger.claim(b.job_id, "w2", 30) == "cancelled"
+    assert ledger.call(t.claim(ledger.k, b.job_id, "w2", 30)) == "cancelled"
     wait_for(
         lambda: ledger.reap_expired() == [] and ledger.job(b.job_id)["state"] == "cancelled",
         5,
@@ -84,7 +95,7 @@ def test_a_marked_job_released_or_reaped_ends_cancelled_with_its_checkpoint(
 
 def test_cancel_now_is_the_heartbeats_reply(ledger: Ledger, rclient: redis.Redis) -> None:
     job = spec(1)
-    ledger.enqueue_batch("P", [job], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [job], 100))
     beat = t.heartbeat(Beat(claimed(ledger, job), Checkpoint("abc", "", 3), 3), 30)
     assert ledger.call(beat) == ALIVE
     cancel_run(rclient, RUN, now=True)
@@ -96,8 +107,8 @@ def test_cancel_now_is_the_heartbeats_reply(ledger: Ledger, rclient: redis.Redis
 
 
 def test_cancel_of_one_partition_leaves_the_others(ledger: Ledger, rclient: redis.Redis) -> None:
-    ledger.enqueue_batch("P", [spec(1, "P")], 100)
-    ledger.enqueue_batch("Q", [spec(2, "Q")], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [spec(1, "P")], 100))
+    ledger.call(t.enqueue(ledger.k, "Q", [spec(2, "Q")], 100))
     assert cancel_run(rclient, RUN, partition="Q").cancelled == 1
     counts = ledger.counts()
     # every partition carries `cancelled` once anything was cancelled
@@ -106,11 +117,11 @@ def test_cancel_of_one_partition_leaves_the_others(ledger: Ledger, rclient: redi
 
 
 def test_the_feeder_drops_backlogged_ids_of_cancelled_jobs(ledger: Ledger, rclient: redis.Redis) -> None:
-    ledger.enqueue_batch("P", [spec(i) for i in range(5)], 2)  # 2 published, 3 on the backlog
+    ledger.call(t.enqueue(ledger.k, "P", [spec(i) for i in range(5)], 2))  # 2 published, 3 on the backlog
     job = spec(3)
     for chunk in ledger.pick(["P"], ("queued",)):
         ledger.call(t.cancel(ledger.k, [j.job_id for j in chunk], now=False))
-    ledger.enqueue_batch("P", [spec(9)], 2)  # one more queued job, on the backlog too
+    ledger.call(t.enqueue(ledger.k, "P", [spec(9)], 2))  # one more queued job, on the backlog too
     rclient.delete("short")
     assert ledger.feed_backlog("short", 10) == 1
     assert rclient.llen(K.backlog("short")) == 0
@@ -120,15 +131,15 @@ def test_the_feeder_drops_backlogged_ids_of_cancelled_jobs(ledger: Ledger, rclie
 
 def _fail(ledger: Ledger, job, cls: str) -> None:  # type: ignore[no-untyped-def]
     c = claimed(ledger, job)
-    ledger.release(c, JobError("stall", "first"), delay_s=0, burn=True, max_attempts=9)
+    ledger.call(t.release(ledger.k, c, JobError("stall", "first"), delay_s=0, burn=True, max_attempts=9))
     c = claimed(ledger, job)
-    assert ledger.fail(c, JobError(cls, f"{cls} happened")) == "ok"
+    assert ledger.call(t.fail(ledger.k, c, JobError(cls, f"{cls} happened"))) == "ok"
 
 
 def test_retry_by_class_resets_the_budget_and_moves_counts(ledger: Ledger, rclient: redis.Redis) -> None:
     # Given four failed jobs: three context_length, one auth
     jobs = [spec(i) for i in range(4)]
-    ledger.enqueue_batch("P", jobs, 100)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
     for job, cls in zip(jobs, ["context_length"] * 3 + ["auth"], strict=True):
         _fail(ledger, job, cls)
     rclient.delete("short")
@@ -158,16 +169,19 @@ def test_retry_cancelled_brings_them_back_with_their_checkpoints(
     ledger: Ledger, rclient: redis.Redis
 ) -> None:
     job = spec(1)
-    ledger.enqueue_batch("P", [job, spec(2)], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [job, spec(2)], 100))
     c = claimed(ledger, job)
     cancel_run(rclient, RUN, now=True)
-    ledger.release(
-        c,
-        JobError("cancelled", "x"),
-        delay_s=0,
-        burn=False,
-        max_attempts=5,
-        checkpoint=Checkpoint("ab", "", 2),
+    ledger.call(
+        t.release(
+            ledger.k,
+            c,
+            JobError("cancelled", "x"),
+            delay_s=0,
+            burn=False,
+            max_attempts=5,
+            checkpoint=Checkpoint("ab", "", 2),
+        )
     )
     rclient.delete("short")
     assert retry_run(rclient, RUN, 100).total == 0, "retry without --cancelled takes failed jobs only"
@@ -196,14 +210,14 @@ def test_retry_cancelled_brings_them_back_with_their_checkpoints(
     ],
 )
 def test_bad_input_is_an_error_naming_it(ledger: Ledger, rclient: redis.Redis, call, message) -> None:  # type: ignore[no-untyped-def]
-    ledger.enqueue_batch("P", [spec(1)], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [spec(1)], 100))
     with pytest.raises(ConfigError) as err:
         call(rclient)
     assert message in str(err.value)
 
 
 def test_a_known_class_with_no_failed_jobs_retries_nothing(ledger: Ledger, rclient: redis.Redis) -> None:
-    ledger.enqueue_batch("P", [spec(1)], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [spec(1)], 100))
     assert retry_run(rclient, RUN, 10, classes=("stall",)).line() == (
         "run ops: no failed jobs to retry — nothing to do"
     )

@@ -26,7 +26,7 @@ ROOM = Load(running=4, waiting=0, used_tokens=500, capacity=4000)
 
 
 def test_metrics_are_read_at_first_then_every_few_seconds_while_the_pool_has_room() -> None:
-    cadence = MetricsCadence(every_s=2.0, tight_use=0.9)
+    cadence = MetricsCadence()
     assert cadence.cached("u", ROOM, now=10.0) is None  # nothing read yet
     cadence.read("u", ROOM, now=10.0, retractions=3)
     assert cadence.cached("u", ROOM, now=10.5) == 3
@@ -36,7 +36,7 @@ def test_metrics_are_read_at_first_then_every_few_seconds_while_the_pool_has_roo
 
 
 def test_metrics_are_read_at_every_poll_while_a_retraction_may_just_have_happened() -> None:
-    cadence = MetricsCadence(every_s=2.0, tight_use=0.9)
+    cadence = MetricsCadence()
     cadence.read("u", ROOM, now=10.0, retractions=3)
     waiting = ROOM._replace(waiting=1)  # retracted requests wait on the server
     full = ROOM._replace(used_tokens=3600)  # a pool at 90% may overflow before the next figures

@@ -28,6 +28,7 @@ from tests.pipeline import cli, read_export, write_jsonl
 from tests.procs import Proc, start_worker, wait_for, worker_env
 from tests.sglang_client import post_json
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.transitions import Checkpoint, Claim, JobError
 
@@ -307,12 +308,15 @@ def test_a_stop_string_that_straddles_the_checkpoint_ends_the_text_where_it_begi
     data = write_jsonl(tmp_path / "S.jsonl", [{"id": "s", "messages": user, "stop": [stop, "\u2603"]}])
     cli("enqueue", str(data), "--run", "s", "--temperature", "0", "--short-max-tokens", "64", env=env)
     ledger = Ledger(rclient, "s")
-    claim = ledger.claim("S:s", "planter", 30)
+    claim = ledger.call(t.claim(ledger.k, "S:s", "planter", 30))
     assert isinstance(claim, Claim)
     ck = Checkpoint(content=partial, tokens=5, prompt_tokens=9)
-    assert ledger.heartbeat(claim, 30, ck, 5)
+    assert ledger.call(t.heartbeat(t.Beat(claim, ck, 5), 30))
     error = JobError("stall", "planted: the stream was cut here")
-    assert ledger.release(claim, error, delay_s=0, burn=False, max_attempts=5, checkpoint=ck) == "queued"
+    assert (
+        ledger.call(t.release(ledger.k, claim, error, delay_s=0, burn=False, max_attempts=5, checkpoint=ck))
+        == "queued"
+    )
 
     # When a worker continues it
     procs.append(start_worker(tmp_path, "short", env, concurrency=1))

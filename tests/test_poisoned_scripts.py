@@ -13,9 +13,11 @@ import redis
 
 from tests.pipeline import cli, wait_run_finished, write_jsonl
 from tests.procs import Proc, start_sim, start_worker, wait_for, worker_env
+from tests.test_admission import try_admit
+from tests.test_ledger import build_spec
 from tokenmill import keys
-from tokenmill.jobspec import JobSpec
-from tokenmill.ledger import Ledger, register
+from tokenmill import transitions as t
+from tokenmill.ledger import Ledger
 from tokenmill.server_report import Load
 from tokenmill.settings import Settings
 from tokenmill.transitions import Claim, JobError, LengthReport
@@ -66,7 +68,9 @@ def heartbeat(client: redis.Redis, member: str, tokens: object) -> None:
     k = keys.RunKeys("r")
     client.hset(k.job("j"), mapping={"state": "running", "token": "1"})
     keys_ = [k.job("j"), k.leases(), k.throughput(), SLOTS, USED, k.lengths()]
-    register(client, "heartbeat")(keys_, ["j", "1", 30_000, 0, "", "", 0, 0, 0, member, tokens, "r0"])
+    client.register_script(t.script_source("heartbeat"))(
+        keys_, ["j", "1", 30_000, 0, "", "", 0, 0, 0, member, tokens, "r0"]
+    )
 
 
 def test_a_huge_slot_that_expires_instead_of_being_released_leaves_the_server_admitting(
@@ -77,20 +81,20 @@ def test_a_huge_slot_that_expires_instead_of_being_released_leaves_the_server_ad
     # Python's clamp, to show the script alone holds)
     rclient.hset(USED, mapping={"window": 4, "window_ms": now_ms(rclient)})
     dead = adm(rclient, lease_ttl_s=0.3)
-    huge = dead.try_admit("srv", 10_000, HUGE + 50, "short")
+    huge = try_admit(dead, "srv", 10_000, HUGE + 50, "short")
     assert huge is not None
     # and another run's ordinary request in flight beside it
     a = adm(rclient)
-    other = a.try_admit("srv", 10_000, 400, "short")
+    other = try_admit(a, "srv", 10_000, 400, "short")
     assert other is not None
     # When the huge slot's lease expires
     wait_for(lambda: rclient.zscore(SLOTS, huge.member) < now_ms(rclient), 5, "the huge slot's lease expired")
     # Then ordinary requests are admitted after it, again and again (no script errors), and the
     # counts hold exactly what is in flight: nothing drifted below zero
-    assert a.try_admit("srv", 10_000, 300, "short") is not None
+    assert try_admit(a, "srv", 10_000, 300, "short") is not None
     assert in_flight(rclient) == {"total": 700, "short": 700, "n": 2, "n:short": 2, "unpaced": 2, "tail": 0}
     a.release(other)
-    assert a.try_admit("srv", 10_000, 100, "short") is not None
+    assert try_admit(a, "srv", 10_000, 100, "short") is not None
     assert in_flight(rclient) == {"total": 400, "short": 400, "n": 2, "n:short": 2, "unpaced": 2, "tail": 0}
 
 
@@ -108,10 +112,10 @@ def test_garbage_in_a_servers_admission_hash_stops_no_script_and_heals_once_noth
     a = adm(rclient)
     # When the watcher steers the window, and requests are admitted, resized and given back
     assert a.adapt("srv", Load(1, 0, 500, 10_000), 3) >= 2
-    first = a.try_admit("srv", 10_000, 400, "short")
+    first = try_admit(a, "srv", 10_000, 400, "short")
     assert first is not None  # nothing was really in flight: the garbage counts were healed
     heartbeat(rclient, first.member, 600)
-    second = a.try_admit("srv", 10_000, 100, "short")
+    second = try_admit(a, "srv", 10_000, 100, "short")
     a.adapt("srv", Load(2, 0, 700, 10_000), 3)
     # Then every count is an integer holding what is in flight, and stays so as slots go back
     assert set(rclient.zrange(SLOTS, 0, -1)) == {s.member.encode() for s in (first, second) if s}
@@ -122,7 +126,7 @@ def test_garbage_in_a_servers_admission_hash_stops_no_script_and_heals_once_noth
     if second:
         a.release(second)
     assert in_flight(rclient) == {"total": 0, "short": 0, "n": 0, "n:short": 0, "unpaced": 0, "tail": 0}
-    assert a.try_admit("srv", 10_000, 400, "short") is not None
+    assert try_admit(a, "srv", 10_000, 400, "short") is not None
 
 
 @pytest.mark.parametrize("tokens", [str(HUGE), "1.8446744073709552e+19", "-5", "abc", "0.5", "nan", "inf"])
@@ -136,13 +140,13 @@ def test_absurd_figures_passed_to_the_scripts_are_clamped_not_errors(
     args = [req.args[0], tokens, "short", "inf", "nan", "-1", *req.args[6:]]
     # When it is admitted, resized by its heartbeat to another absurd size, the watcher reports
     # absurd figures, and the slot is given back with an absurd output length
-    assert register(rclient, "admit")(list(req.keys), args) == 1
+    assert rclient.register_script(t.script_source("admit"))(list(req.keys), args) == 1
     heartbeat(rclient, req.args[0], tokens)
     a.adapt("srv", Load(math.nan, -3, 1e300, math.inf), 10**400)  # type: ignore[arg-type]
-    assert register(rclient, "unadmit")(list(req.keys), [req.args[0], "1e300"]) == 1
+    assert rclient.register_script(t.script_source("unadmit"))(list(req.keys), [req.args[0], "1e300"]) == 1
     # Then nothing is left counted, and the server admits ordinary requests
     assert in_flight(rclient) == {"total": 0, "short": 0, "n": 0, "n:short": 0, "unpaced": 0, "tail": 0}
-    assert a.try_admit("srv", 10_000, 400, "short") is not None
+    assert try_admit(a, "srv", 10_000, 400, "short") is not None
     assert in_flight(rclient)["total"] == 400
 
 
@@ -155,12 +159,12 @@ def test_garbage_in_a_runs_counts_and_totals_stops_none_of_its_transitions(
     ledger, k = Ledger(rclient, "r"), keys.RunKeys("r")
     request = {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10}
     jobs = [
-        JobSpec.build(
+        build_spec(
             partition="P", queue="short", source=f"f:{i}", request=request, metadata={}, record_id=str(i)
         )
         for i in range(2)
     ]
-    ledger.enqueue_batch("P", jobs, 100)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
     for key, fields in (
         (k.counts(), ("queued|P", "running|P", "done|P", "failed|P")),
         (k.stats(), ("completion_tokens", "prompt_tokens", "truncated")),
@@ -181,16 +185,24 @@ def test_garbage_in_a_runs_counts_and_totals_stops_none_of_its_transitions(
     )
     # When one job is claimed, heartbeats, is released, claimed again and committed, and the
     # other fails
-    c = ledger.claim(jobs[0].job_id, "w", 30)
+    c = ledger.call(t.claim(ledger.k, jobs[0].job_id, "w", 30))
     assert isinstance(c, Claim), c
-    assert ledger.heartbeat(c, 30, new_tokens=3)
-    assert ledger.release(c, JobError("stall", "x"), delay_s=0, burn=True, max_attempts=5) == "queued"
-    c = ledger.claim(jobs[0].job_id, "w", 30)
+    assert ledger.call(t.heartbeat(t.Beat(c, None, 3), 30))
+    assert (
+        ledger.call(t.release(ledger.k, c, JobError("stall", "x"), delay_s=0, burn=True, max_attempts=5))
+        == "queued"
+    )
+    c = ledger.call(t.claim(ledger.k, jobs[0].job_id, "w", 30))
     assert isinstance(c, Claim), c
     lengths = LengthReport(reached=(0,), ended=0, prompt=(5, 7))
-    assert ledger.commit(c, {"content": "ok", "usage": {"completion_tokens": 3}}, 3, lengths) == "ok"
-    other = ledger.claim(jobs[1].job_id, "w", 30)
-    assert isinstance(other, Claim) and ledger.fail(other, JobError("terminal", "bad")) == "ok"
+    assert (
+        ledger.call(t.commit(ledger.k, c, {"content": "ok", "usage": {"completion_tokens": 3}}, 3, lengths))
+        == "ok"
+    )
+    other = ledger.call(t.claim(ledger.k, jobs[1].job_id, "w", 30))
+    assert (
+        isinstance(other, Claim) and ledger.call(t.fail(ledger.k, other, JobError("terminal", "bad"))) == "ok"
+    )
     # Then each ended where it should, and every count it moved is an integer again
     assert [ledger.job(j.job_id)["state"] for j in jobs] == ["done", "failed"]
     moved = [*rclient.hvals(k.counts()), *rclient.hmget(k.stats(), "completion_tokens", "prompt_tokens")]
@@ -204,7 +216,7 @@ def test_a_request_is_sized_within_what_the_scripts_count_whatever_its_max_token
     a = adm(rclient, admission_default_output_tokens=1000)
     messages = [{"role": "user", "content": "hello"}]
     # Given the max_tokens, and values no server takes
-    assert a.estimate("r", {"messages": messages, "max_tokens": HUGE}) == SLOT_MAX
+    assert a.held("r", {"messages": messages, "max_tokens": HUGE}, 0) == SLOT_MAX
     assert output_tokens(float("inf"), 1000) == SLOT_MAX
     for bad in (None, 0, -5, "abc", float("nan"), True, [1]):
         assert output_tokens(bad, 1000) == 1000, bad

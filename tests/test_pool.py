@@ -60,5 +60,5 @@ def test_a_server_found_down_is_not_probed_again_at_once_and_is_ready_once_it_an
 
     # once /health answers 200, the worker sees the server ready again
     health.status = 200
-    assert pool.pick() is not None
+    assert pool.ready_views()
     assert not pool.found_down(url)

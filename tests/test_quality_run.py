@@ -24,6 +24,7 @@ from tests.test_ledger import spec
 from tests.test_sim_quality_faults import KINDS, MAX_TOKENS, fault
 from tests.test_start_finish import SERVER, admission, used
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
 from tokenmill.quality import EMPTY, LENGTH, REPETITION
@@ -38,16 +39,18 @@ K = keys.RunKeys(RUN)
 
 def commit(ledger: Ledger, job_id: str, mask: int, window: int = 4) -> str:
     """Claim ``job_id`` and commit it judged with ``mask``."""
-    c = ledger.claim(job_id, "w", 30)
+    c = ledger.call(t.claim(ledger.k, job_id, "w", 30))
     assert isinstance(c, Claim), c
-    return ledger.commit(
-        c, {"content": "x", "usage": {"completion_tokens": 1}}, 1, judged=Judged(mask, window)
+    return ledger.call(
+        t.commit(
+            ledger.k, c, {"content": "x", "usage": {"completion_tokens": 1}}, 1, judged=Judged(mask, window)
+        )
     )
 
 
 def enqueued(ledger: Ledger, partition: str, n: int) -> list[str]:
     jobs = [spec(i, partition=partition, record_id=str(i)) for i in range(n)]
-    ledger.enqueue_batch(partition, jobs, 1000)
+    ledger.call(t.enqueue(ledger.k, partition, jobs, 1000))
     return [j.job_id for j in jobs]
 
 
@@ -112,8 +115,10 @@ def test_commit_counts_each_flag_and_the_window_keeps_the_latest_masks(rclient: 
     assert m["tokenmill_quality_rate", (RUN, "A", "repetition")] == round(1 / 3, 4)
     assert m["tokenmill_run_paused", (RUN,)] == 0
     # a commit that is not judged (quality off) counts nothing
-    c = ledger.claim(enqueued(ledger, "A", 7)[6], "w", 30)
-    assert isinstance(c, Claim) and ledger.commit(c, {"content": "z", "usage": {}}, 0) == "ok"
+    c = ledger.call(t.claim(ledger.k, enqueued(ledger, "A", 7)[6], "w", 30))
+    assert (
+        isinstance(c, Claim) and ledger.call(t.commit(ledger.k, c, {"content": "z", "usage": {}}, 0)) == "ok"
+    )
     assert hash_of(rclient, K.quality())["A|judged"] == "6" and window(rclient, "A")[0] == 0
 
 
@@ -127,7 +132,7 @@ def test_a_rule_trips_at_its_threshold_after_its_minimum_jobs_on_its_partition_a
     for job_id in b[:3]:
         commit(ledger, job_id, LENGTH)
     assert not rclient.exists(K.paused())
-    b_running = ledger.claim(b[3], "w", 30)
+    b_running = ledger.call(t.claim(ledger.k, b[3], "w", 30))
     assert isinstance(b_running, Claim)
     # A's window slides over L 0 L 0 L: at 0.5, exactly the bound, it does not trip (and the run's
     # rate over both partitions, 5 of 8, does not count)
@@ -141,7 +146,10 @@ def test_a_rule_trips_at_its_threshold_after_its_minimum_jobs_on_its_partition_a
     assert paused["by"] == "rule"
     assert paused["reason"] == "quality rule length_share>0.5@4 tripped on partition A: 0.750 over 4 jobs"
     # and once only: B's trip (its running job's commit) and a person's pause keep the first pause
-    assert ledger.commit(b_running, {"content": "x", "usage": {}}, 0, judged=Judged(LENGTH, 4)) == "ok"
+    assert (
+        ledger.call(t.commit(ledger.k, b_running, {"content": "x", "usage": {}}, 0, judged=Judged(LENGTH, 4)))
+        == "ok"
+    )
     assert hash_of(rclient, K.quality_window_counts())["B|n"] == "4"
     assert pause_run(ledger, "by hand") == (False, paused)
     assert hash_of(rclient, K.paused()) == paused
@@ -171,23 +179,28 @@ def test_a_paused_run_claims_nothing_its_running_jobs_commit_and_resume_rearms_i
     ledger, adm = Ledger(rclient, RUN), admission(rclient)
     store_rules(rclient, RUN, encode_rules(["repetition>0.5@2"]), {})
     ids = enqueued(ledger, "A", 8)
-    running = ledger.claim(ids[0], "w", 30)
+    running = ledger.call(t.claim(ledger.k, ids[0], "w", 30))
     assert isinstance(running, Claim)
     commit(ledger, ids[1], REPETITION)
     commit(ledger, ids[2], REPETITION)
     assert hash_of(rclient, K.paused())["by"] == "rule"
     # When a worker tries to claim a job of the paused run, alone or with admission
-    assert ledger.claim(ids[3], "w", 30) == "paused"
+    assert ledger.call(t.claim(ledger.k, ids[3], "w", 30)) == "paused"
     req = adm.request(SERVER, 1000, 100, "short")
     assert req is not None
-    assert ledger.start(ids[3], "w", 30, req) == "paused"
+    assert ledger.call(t.start(ledger.k, ids[3], "w", 30, req)) == "paused"
     # Then nothing is claimed or admitted: the job stays queued
     assert ledger.job(ids[3])["state"] == "queued" and "attempts" not in ledger.job(ids[3])
     assert ledger.counts()["A"] == {"queued": 5, "running": 1, "done": 2, "failed": 0}
     assert used(rclient).get("n", "0") == "0"
     # a done job still says done, and the job that was running finishes
-    assert ledger.claim(ids[1], "w", 30) == "done"
-    assert ledger.commit(running, {"content": "y", "usage": {}}, 0, judged=Judged(REPETITION, 4)) == "ok"
+    assert ledger.call(t.claim(ledger.k, ids[1], "w", 30)) == "done"
+    assert (
+        ledger.call(
+            t.commit(ledger.k, running, {"content": "y", "usage": {}}, 0, judged=Judged(REPETITION, 4))
+        )
+        == "ok"
+    )
     rclient.hset(K.quality_reference(), mapping={"url": "http://ref", "A|n": 3, "A|sum": 0.9, "A|sumsq": 0.3})
     # When the run is resumed
     summary = resume_run(rclient, RUN, 100)
@@ -199,7 +212,7 @@ def test_a_paused_run_claims_nothing_its_running_jobs_commit_and_resume_rearms_i
     assert hash_of(rclient, K.quality())["A|repetition"] == "3"
     assert hash_of(rclient, K.quality_reference()) == {"url": "http://ref"}  # drift rules count again too
     # and the rule counts from zero: one looping job is not yet @2
-    assert isinstance(ledger.claim(ids[3], "w", 30), Claim)
+    assert isinstance(ledger.call(t.claim(ledger.k, ids[3], "w", 30)), Claim)
     commit(ledger, ids[4], REPETITION)
     assert not rclient.exists(K.paused())
     commit(ledger, ids[5], REPETITION)

@@ -247,7 +247,11 @@ def test_the_default_deadline_is_redis_pys_and_connections_keep_alive(redis_url:
             await r.call("PING")
             assert r._conn is not None and r._conn.transport is not None
             sock = r._conn.transport.get_extra_info("socket")
-            return r.timeout_s, r.connect_timeout_s, sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+            return (
+                r.at.socket_timeout_s,
+                r.at.connect_timeout_s,
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            )
         finally:
             r.close()
 

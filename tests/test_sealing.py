@@ -26,6 +26,7 @@ from tests import sealing
 from tests.finishing import all_job_ids, finish_jobs
 from tests.pipeline import cli, write_jsonl
 from tokenmill import keys
+from tokenmill import transitions as t
 from tokenmill.errors import ExportError
 from tokenmill.ledger import Ledger
 from tokenmill.transitions import Claim
@@ -228,8 +229,8 @@ def test_a_sealed_job_stays_deduplicated_and_a_late_message_for_it_is_a_no_op(
     assert res.returncode == 1 and f"sealed shard {shard}" in res.stderr, res.stderr
     # and a late delivery of a sealed job claims nothing
     ledger = Ledger(rclient, "r")
-    assert ledger.claim("P:q3", "late-worker", 30) == "done"
-    assert ledger.peek("P:q3") is None
+    assert ledger.call(t.claim(ledger.k, "P:q3", "late-worker", 30)) == "done"
+    assert ledger.call(t.peek(ledger.k, "P:q3")) is None
     assert sealing.job_states(rclient, "r") == {"sealed": 20}
 
 
@@ -330,7 +331,8 @@ def test_delete_refuses_while_a_worker_holds_a_job_unless_forced_and_results_rem
     job_id = next(
         j for j in all_job_ids(rclient, "r") if rclient.hget(keys.RunKeys("r").job(j), "state") == b"queued"
     )
-    assert isinstance(Ledger(rclient, "r").claim(job_id, "busy-worker", 60), Claim)
+    busy = Ledger(rclient, "r")
+    assert isinstance(busy.call(t.claim(busy.k, job_id, "busy-worker", 60)), Claim)
 
     # When it is deleted without --force, it is refused, naming what holds it
     res = cli("delete", "--run", "r", env=env, check=False)

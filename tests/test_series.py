@@ -10,8 +10,13 @@ import redis
 
 from tests.procs import wait_for
 from tokenmill.errors import ConfigError
-from tokenmill.series import SeriesWriter, columns, downsample, encode, read
+from tokenmill.series import Point, SeriesWriter, columns, downsample, encode, parse_entry
 from tokenmill.settings import Settings
+
+
+def read(client: redis.Redis, key: str) -> list[Point]:
+    """Every point of the series ``key``."""
+    return [parse_entry(entry) for entry in client.xrange(key)]
 
 
 def test_a_series_gets_one_point_a_step_whichever_writer_asks(rclient: redis.Redis) -> None:

@@ -130,7 +130,7 @@ def test_workers_paused_unseen_are_resumed_on_their_own_queues_from_their_regist
 
     # When a pause asks which workers consume and none answers in time (a worker that just
     # started: seen in compose, where no worker consumed again after the server came up)
-    monkeypatch.setattr(consumers, "_active_consumers", lambda control, timeout_s: {})
+    monkeypatch.setattr(consumers, "_active_consumers", lambda control: {})
     pause_consumers(rclient, control, "no server is ready: starting")
     _wait_consuming(control, short, long, ([], []), "both workers to stop consuming")
     resume_consumers(rclient, control)

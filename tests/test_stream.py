@@ -68,7 +68,7 @@ FINISH = b'data: {"model":"tm","choices":[{"delta":{},"finish_reason":"length"}]
 
 def test_a_server_that_is_not_listening_is_a_connection_error_naming_it() -> None:
     async def go() -> None:
-        client = StreamClient.of(f"http://127.0.0.1:{closed_port()}", "k", 5.0)
+        client = StreamClient(f"http://127.0.0.1:{closed_port()}", "k", 5.0)
         try:
             await stream_chat(client, REQUEST, {}, Progress())
         finally:
@@ -94,7 +94,7 @@ def test_the_request_carries_the_key_and_endpoint_and_a_chunk_split_anywhere_is_
 
     async def go() -> Progress:
         server, url = await serve(handler)
-        client = StreamClient.of(url, "secret-key", 5.0)
+        client = StreamClient(url, "secret-key", 5.0)
         try:
             return await stream_chat(client, REQUEST, {"rid": "r/j/1"}, Progress())
         finally:
@@ -125,7 +125,7 @@ def test_connections_are_kept_alive_and_one_the_server_closed_while_idle_is_repl
 
     async def go() -> list[int]:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             tokens = []
             for _ in range(5):
@@ -157,7 +157,7 @@ def test_connections_idle_past_idle_s_are_closed_by_the_client_and_the_next_stre
 
     async def go() -> tuple[int, int, int]:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         client.http.idle_s = 0.3
         loop = asyncio.get_running_loop()
         try:
@@ -194,7 +194,7 @@ def test_a_reused_connection_closed_before_answering_is_retried_once_on_a_new_on
 
     async def go() -> list[int]:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             return [(await stream_chat(client, REQUEST, {}, Progress())).tokens for _ in range(2)]
         finally:
@@ -214,7 +214,7 @@ def test_a_server_that_closes_mid_stream_is_a_retryable_connection_error() -> No
 
     async def go() -> None:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             await stream_chat(client, REQUEST, {}, Progress())
         finally:
@@ -242,7 +242,7 @@ def test_an_error_status_keeps_the_servers_message_and_an_invalid_answer_names_i
 
     async def go() -> list[errors.GenerationError]:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         out = []
         try:
             for _ in range(2):
@@ -276,7 +276,7 @@ def test_a_connect_that_hangs_times_out_after_connect_timeout_s() -> None:
             fillers.append(s)
 
         async def go() -> None:
-            client = StreamClient.of(f"http://127.0.0.1:{port}", None, 0.3)
+            client = StreamClient(f"http://127.0.0.1:{port}", None, 0.3)
             try:
                 await stream_chat(client, REQUEST, {}, Progress())
             finally:
@@ -298,7 +298,7 @@ def test_a_request_no_answer_comes_back_for_fails_after_answer_timeout_s() -> No
 
     async def go() -> float:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0, answer_timeout_s=0.5)
+        client = StreamClient(url, None, 5.0, answer_timeout_s=0.5)
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:  # (waited for 10 s at most: an upper bound of a few times 0.5 s a loaded machine misses)
@@ -332,7 +332,7 @@ def test_an_https_server_is_streamed_over_tls_verified_against_ssl_cert_file(
     async def go(verify_with: Path) -> Progress:
         monkeypatch.setenv("SSL_CERT_FILE", str(verify_with))
         server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_ctx)
-        client = StreamClient.of(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}", None, 5.0)
+        client = StreamClient(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}", None, 5.0)
         try:
             return await stream_chat(client, REQUEST, {}, Progress())
         finally:
@@ -358,7 +358,7 @@ def test_streams_go_through_http_proxy_and_no_proxy_bypasses_it(monkeypatch: pyt
 
     async def go() -> str:
         server, url = await serve(handler)
-        client = StreamClient.of(url, "k", 5.0)
+        client = StreamClient(url, "k", 5.0)
         try:
             return "".join((await stream_chat(client, REQUEST, {}, Progress())).content)
         finally:
@@ -394,7 +394,7 @@ def test_an_https_stream_is_tunnelled_through_https_proxy_and_still_verified(
     async def go() -> tuple[str, int]:
         server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_ctx)
         port = server.sockets[0].getsockname()[1]
-        client = StreamClient.of(f"https://127.0.0.1:{port}", None, 5.0)
+        client = StreamClient(f"https://127.0.0.1:{port}", None, 5.0)
         try:
             return "".join((await stream_chat(client, REQUEST, {}, Progress())).content), port
         finally:
@@ -452,7 +452,7 @@ def test_redirects_are_followed_as_the_openai_client_follows_them() -> None:
             writer.close()
 
         server, url = await serve(handler)
-        client = StreamClient.of(url, "secret-key", 5.0)
+        client = StreamClient(url, "secret-key", 5.0)
         try:
             texts = ["".join((await stream_chat(client, REQUEST, {"rid": "r/j/1"}, Progress())).content)]
             return texts, seen
@@ -487,7 +487,7 @@ def _stream_from(handler: Handler) -> Progress:
 
     async def go() -> Progress:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             return await stream_chat(client, REQUEST, {}, Progress())
         finally:
@@ -529,7 +529,7 @@ def test_an_answer_sent_whole_that_the_server_aborted_is_a_retryable_stream_erro
 
     async def go() -> Progress:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             return await whole_chat(client, {**REQUEST, "logprobs": True}, {}, Progress())
         finally:
@@ -577,7 +577,7 @@ def test_a_reused_connection_closed_mid_answer_is_not_sent_again_and_the_error_s
 
     async def go() -> tuple[int, BaseException]:
         server, url = await serve(handler)
-        client = StreamClient.of(url, None, 5.0)
+        client = StreamClient(url, None, 5.0)
         try:
             first = (await stream_chat(client, REQUEST, {}, Progress())).tokens
             second = await asyncio.gather(

@@ -8,6 +8,7 @@ import redis
 
 from tests.procs import wait_for
 from tests.test_ledger import spec
+from tokenmill import transitions as t
 from tokenmill.ledger import Ledger
 from tokenmill.settings import Settings
 from tokenmill.transitions import Claim
@@ -18,10 +19,10 @@ def test_queued_jobs_that_lost_their_messages_are_republished(rclient: redis.Red
     # Given a run whose broker list was lost (a Redis crash, a flushed queue)
     ledger = Ledger(rclient, "r1")
     jobs = [spec(i) for i in range(5)]
-    ledger.enqueue_batch("P", jobs, 100)
-    done = ledger.claim(jobs[0].job_id, "w", 30)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
+    done = ledger.call(t.claim(ledger.k, jobs[0].job_id, "w", 30))
     assert isinstance(done, Claim)
-    ledger.commit(done, {"content": "x"}, 0)
+    ledger.call(t.commit(ledger.k, done, {"content": "x"}, 0))
     rclient.delete("short")
     settings = Settings.load(env={})
     rec = Reconciler()
@@ -38,7 +39,7 @@ def test_queued_jobs_that_lost_their_messages_are_republished(rclient: redis.Red
 
 def test_nothing_is_republished_while_messages_are_in_the_broker(rclient: redis.Redis) -> None:
     ledger = Ledger(rclient, "r1")
-    ledger.enqueue_batch("P", [spec(i) for i in range(3)], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [spec(i) for i in range(3)], 100))
     settings = Settings.load(env={})
     rec = Reconciler()
     for _ in range(3):
@@ -48,7 +49,7 @@ def test_nothing_is_republished_while_messages_are_in_the_broker(rclient: redis.
 
 def test_the_feeder_keeps_the_broker_bounded(rclient: redis.Redis) -> None:
     ledger = Ledger(rclient, "r1")
-    ledger.enqueue_batch("P", [spec(i) for i in range(10)], 4)
+    ledger.call(t.enqueue(ledger.k, "P", [spec(i) for i in range(10)], 4))
     assert rclient.llen("short") == 4
     settings = Settings.load(env={}, max_queued=4)
     for _ in range(3):
@@ -65,9 +66,9 @@ def test_a_worker_killed_in_its_pass_holds_up_reaping_no_longer_than_a_lease(rcl
     assert dead.lock.acquire(blocking=False)
     ledger = Ledger(rclient, "r1")
     job = spec(1)
-    ledger.enqueue_batch("P", [job], 100)
+    ledger.call(t.enqueue(ledger.k, "P", [job], 100))
     rclient.delete("short")
-    assert isinstance(ledger.claim(job.job_id, "w", settings.lease_ttl_s), Claim)
+    assert isinstance(ledger.call(t.claim(ledger.k, job.job_id, "w", settings.lease_ttl_s)), Claim)
     started = time.monotonic()
 
     # When another worker's pump runs

@@ -51,7 +51,7 @@ def ledger(rclient: redis.Redis) -> Ledger:
 
 def _claims(ledger: Ledger, n: int) -> list[Claim]:
     jobs = [spec(i) for i in range(n)]
-    ledger.enqueue_batch("P", jobs, 100)
+    ledger.call(t.enqueue(ledger.k, "P", jobs, 100))
     return [claimed(ledger, j) for j in jobs]
 
 

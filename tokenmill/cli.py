@@ -13,52 +13,42 @@ import click
 from tokenmill.errors import TokenmillError
 from tokenmill.lazy_group import LazyGroup
 
-# command name -> "module:attribute" of a click command or group
-COMMANDS: dict[str, str] = {
-    "enqueue": "producer.cli:enqueue",
-    "status": "producer.cli:status",
-    "export": "producer.cli:export",
-    "resume": "producer.cli:resume",
-    "pause": "producer.cli:pause",
-    "runs": "producer.ops_cli:runs",
-    "retry": "producer.ops_cli:retry",
-    "cancel": "producer.ops_cli:cancel",
-    "seal": "producer.results_cli:seal",
-    "repair": "producer.results_cli:repair",
-    "delete": "producer.results_cli:delete",
-    "worker": "workers.cli:worker",
-    "server": "server_mgr.cli:server",
-    "flower": "producer.flower:flower",
-    "dashboard": "producer.dashboard.cli:dashboard",
-    "api": "producer.api.cli:api",
-    "metrics": "producer.metrics:metrics",
-    "demo": "tokenmill.demo:demo",
-}
-
-HELP: dict[str, str] = {
-    "enqueue": "Enqueue dataset files into a run.",
-    "status": "Show a run's progress.",
-    "export": "Write a run's completions as JSONL, one file per partition.",
-    "resume": "Lift a run's pause and republish every job of it that is not done.",
-    "pause": "Pause a run: nothing more is claimed, running jobs finish.",
-    "runs": "List every run in this Redis, newest first.",
-    "retry": "Send a run's failed (or cancelled) jobs back to the queue.",
-    "cancel": "Cancel a run's queued jobs (and with --now its running ones).",
-    "seal": "Move done results out of Redis into Parquet shards of the result store.",
-    "repair": "Put the jobs of lost or corrupt shards back to queued.",
-    "delete": "Delete a run's keys (and, with --results, its shards).",
-    "worker": "Run a Celery worker on the short or long queue.",
-    "server": "Launch, supervise and inspect SGLang (or sim) servers.",
-    "flower": "Start Flower on the tokenmill app.",
-    "dashboard": "Serve a run's live page: progress, throughput, servers, failures, outputs.",
-    "api": "Serve OpenAI's Batch API (/v1/files, /v1/batches, /v1/models) over tokenmill.",
-    "metrics": "Serve Prometheus metrics for runs and servers.",
-    "demo": "Run the whole pipeline on this machine with the sim engine.",
+# command name -> ("module:attribute" of a click command or group, its summary in --help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "enqueue": ("producer.cli:enqueue", "Enqueue dataset files into a run."),
+    "status": ("producer.cli:status", "Show a run's progress."),
+    "export": ("producer.cli:export", "Write a run's completions as JSONL, one file per partition."),
+    "resume": ("producer.cli:resume", "Lift a run's pause and republish every job of it that is not done."),
+    "pause": ("producer.cli:pause", "Pause a run: nothing more is claimed, running jobs finish."),
+    "runs": ("producer.ops_cli:runs", "List every run in this Redis, newest first."),
+    "retry": ("producer.ops_cli:retry", "Send a run's failed (or cancelled) jobs back to the queue."),
+    "cancel": ("producer.ops_cli:cancel", "Cancel a run's queued jobs (and with --now its running ones)."),
+    "seal": (
+        "producer.results_cli:seal",
+        "Move done results out of Redis into Parquet shards of the result store.",
+    ),
+    "repair": ("producer.results_cli:repair", "Put the jobs of lost or corrupt shards back to queued."),
+    "delete": ("producer.results_cli:delete", "Delete a run's keys (and, with --results, its shards)."),
+    "worker": ("workers.cli:worker", "Run a Celery worker on the short or long queue."),
+    "server": ("server_mgr.cli:server", "Launch, supervise and inspect SGLang (or sim) servers."),
+    "flower": ("producer.flower:flower", "Start Flower on the tokenmill app."),
+    "dashboard": (
+        "producer.dashboard.cli:dashboard",
+        "Serve a run's live page: progress, throughput, servers, failures, outputs.",
+    ),
+    "api": (
+        "producer.api.cli:api",
+        "Serve OpenAI's Batch API (/v1/files, /v1/batches, /v1/models) over tokenmill.",
+    ),
+    "metrics": ("producer.metrics:metrics", "Serve Prometheus metrics for runs and servers."),
+    "demo": ("tokenmill.demo:demo", "Run the whole pipeline on this machine with the sim engine."),
 }
 
 
 @click.group(
-    cls=LazyGroup, lazy=COMMANDS, summaries=HELP, context_settings={"help_option_names": ["-h", "--help"]}
+    cls=LazyGroup,
+    lazy=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 @click.version_option(package_name="tokenmill")
 def cli() -> None:

@@ -36,6 +36,7 @@ from tokenmill.replies import text
 AUTH_ENVVAR = "TOKENMILL_DASHBOARD_BASIC_AUTH"  # producer.dashboard.cli's (not imported: a component)
 
 RUN = "demo"
+READY_S = 60  # for the sim and the dashboard to answer
 
 
 class Stack(contextlib.ExitStack):
@@ -59,15 +60,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _wait_http(
-    url: str,
-    proc: subprocess.Popen[bytes],
-    timeout_s: float,
-    log: Path,
-    what: str,
-    ok: tuple[int, ...] = (200,),
+    url: str, proc: subprocess.Popen[bytes], log: Path, what: str, ok: tuple[int, ...] = (200,)
 ) -> None:
     """Wait until ``url`` answers one of ``ok`` (a page behind basic auth answers 401)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise click.ClickException(f"{what} exited early; see {log}")
@@ -81,11 +77,21 @@ def _wait_http(
         except OSError:
             pass
         time.sleep(0.1)
-    raise click.ClickException(f"{what} was not ready within {timeout_s}s; see {log}")
+    raise click.ClickException(f"{what} was not ready within {READY_S}s; see {log}")
 
 
 def _tm(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokenmill.cli", *args]
+
+
+def _cli(env: dict[str, str], command: str, *args: str) -> str:
+    """Run a tokenmill command to its end: what it printed, or a ClickException with its stderr."""
+    done = subprocess.run(
+        _tm(command, *args), env={**os.environ, **env}, capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise click.ClickException(f"{command} failed: {done.stderr.strip()}")
+    return done.stdout.strip()
 
 
 @click.command()
@@ -132,7 +138,7 @@ def demo(out_dir: str, keep: bool, hold: bool) -> None:
             sim_log,
             {},
         )
-        _wait_http(f"{sim_url}/health", sim, 60, sim_log, "the sim")
+        _wait_http(f"{sim_url}/health", sim, sim_log, "the sim")
         console.print(f"[bold]sim[/]     {sim_url} (SGLang-compatible, reasoning on; log {sim_log})")
         env = {"TOKENMILL_REDIS_URL": rds.url, "TOKENMILL_SERVER_URL": sim_url}
         # a history point a second (the default is one in ten): the demo lasts a minute or so
@@ -150,40 +156,13 @@ def demo(out_dir: str, keep: bool, hold: bool) -> None:
         stack.spawn(_tm("seal"), work / "sealer.log", seal_env)
         console.print(f"[bold]sealer[/]  done results → Parquet shards in {results}")
         files = [str(data.joinpath(f"{p}.jsonl")) for p in ("B1", "B2")]
-        enq = subprocess.run(
-            _tm(
-                "enqueue",
-                *files,
-                "--run",
-                RUN,
-                "--short-max-tokens",
-                "256",
-                "--long-max-tokens",
-                "512",
-                "--long-prompt-tokens",
-                "18",
-            ),
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if enq.returncode:
-            raise click.ClickException(f"enqueue failed: {enq.stderr.strip()}")
-        console.print(f"[bold]enqueue[/] {enq.stdout.strip()}")
+        lengths = ("--short-max-tokens", "256", "--long-max-tokens", "512", "--long-prompt-tokens", "18")
+        console.print(f"[bold]enqueue[/] {_cli(env, 'enqueue', *files, '--run', RUN, *lengths)}")
         client = rds.client()
         _watch(console, client, timeout_s=600)
         _wait_sealed(console, client, timeout_s=60)
-        exp = subprocess.run(
-            _tm("export", "--run", RUN, "--out", str(out), "--include-truncated"),
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if exp.returncode:
-            raise click.ClickException(f"export failed: {exp.stderr.strip()}")
-        console.print(f"[bold]export[/]  {exp.stdout.strip()}")
+        exported = _cli(env, "export", "--run", RUN, "--out", str(out), "--include-truncated")
+        console.print(f"[bold]export[/]  {exported}")
         console.print(
             f"\nDone. Completions are in [bold]{out}[/] (one JSON object per line, one file per partition)."
         )
@@ -204,7 +183,7 @@ def _dashboard(console: Console, stack: Stack, work: Path, env: dict[str, str]) 
     log = work / "dashboard.log"
     proc = stack.spawn(_tm("dashboard", "--port", str(port)), log, env)
     url = f"http://127.0.0.1:{port}/?run={RUN}"
-    _wait_http(url, proc, 60, log, "the dashboard", ok=(200, 401))
+    _wait_http(url, proc, log, "the dashboard", ok=(200, 401))
     auth = " (basic auth: TOKENMILL_DASHBOARD_BASIC_AUTH)" if os.environ.get(AUTH_ENVVAR) else ""
     console.print(f"[bold]dashboard[/] {url}{auth} (live while the demo runs)")
 

@@ -102,11 +102,7 @@ class RunBusyError(TokenmillError):
     """A run cannot be deleted while workers still hold its jobs."""
 
 
-class LedgerError(TokenmillError):
-    """A ledger transition was refused."""
-
-
-class StaleClaimError(LedgerError):
+class StaleClaimError(TokenmillError):
     """The fencing token no longer matches: another worker owns the job now."""
 
 

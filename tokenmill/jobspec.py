@@ -117,32 +117,6 @@ class JobSpec:
     metadata_json: bytes
     sample: int | None = None  # k of ``enqueue --samples N``
 
-    @classmethod
-    def build(
-        cls,
-        *,
-        partition: str,
-        queue: str,
-        source: str,
-        request: dict[str, Any],
-        metadata: dict[str, Any],
-        record_id: str | None,
-    ) -> JobSpec:
-        request_json = canonical(request)
-        digest = content_hash(request_json)
-        return cls(
-            job_id=job_id_for(partition, record_id, digest),
-            partition=partition,
-            queue=queue,
-            source=source,
-            digest=digest,
-            request=request,
-            metadata=metadata,
-            record_id=record_id,
-            request_json=request_json,
-            metadata_json=orjson.dumps(metadata),
-        )
-
     def to_json(self) -> bytes:
         """What the ledger stores under the job's ``spec`` field (the request is dumped once)."""
         record_id = b"null" if self.record_id is None else orjson.dumps(self.record_id)

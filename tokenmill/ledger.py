@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import redis
 
@@ -17,7 +17,6 @@ from tokenmill import keys
 from tokenmill import transitions as t
 from tokenmill.bulk import EnqueueStream
 from tokenmill.counts import run_counts
-from tokenmill.jobspec import JobSpec
 from tokenmill.messages import task_message
 from tokenmill.redis_conn import CommandStream
 from tokenmill.replies import text
@@ -27,18 +26,13 @@ R = TypeVar("R")
 BATCH = 500  # jobs per cancel or retry call: each call blocks Redis for about a millisecond
 
 
-def register(client: redis.Redis, name: str) -> Any:
-    """The named Lua script of ``tokenmill/lua/`` registered on ``client``."""
-    return client.register_script(t.script_source(name))
-
-
 class Executor:
     """Runs :mod:`tokenmill.transitions`' calls on a synchronous Redis client (the sealer and the
     time series use it as it is; :class:`Ledger` adds one run's reads)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
-        self._scripts = {n: register(client, n) for n in t.SCRIPT_NAMES}
+        self._scripts = {n: client.register_script(t.script_source(n)) for n in t.SCRIPT_NAMES}
 
     def call(self, call: t.Call[R]) -> R:
         """Run one of :mod:`tokenmill.transitions`' calls; its reply, decoded."""
@@ -58,12 +52,6 @@ class Ledger(Executor):
 
     # -- producer side ----------------------------------------------------------------------
 
-    def enqueue_batch(self, partition: str, jobs: Sequence[JobSpec], max_depth: int) -> list[str]:
-        """Create-if-absent and publish ``jobs`` (all of ``partition``); one outcome per job."""
-        with self.enqueue_stream() as stream:
-            stream.send(partition, jobs, max_depth)
-            return stream.read()[1]
-
     @contextmanager
     def enqueue_stream(self) -> Iterator[EnqueueStream]:
         """An :class:`~tokenmill.bulk.EnqueueStream` on a connection of its own for a bulk
@@ -77,54 +65,6 @@ class Ledger(Executor):
             yield EnqueueStream(self.r, conn, script, self.k)
         finally:
             conn.close()
-
-    # -- worker side (tests, tools; the worker runs these on its loop) ------------------------
-
-    def claim(self, job_id: str, worker: str, lease_ttl_s: float) -> t.Claim | str:
-        return self.call(t.claim(self.k, job_id, worker, lease_ttl_s))
-
-    def start(
-        self,
-        job_id: str,
-        worker: str,
-        lease_ttl_s: float,
-        admit: t.AdmitRequest,
-        spec: dict[str, Any] | None = None,
-    ) -> t.Claim | t.Full | str:
-        return self.call(t.start(self.k, job_id, worker, lease_ttl_s, admit, spec))
-
-    def heartbeat(
-        self, claim: t.Claim, lease_ttl_s: float, checkpoint: t.Checkpoint | None = None, new_tokens: int = 0
-    ) -> bool:
-        """Renew the lease (and checkpoint); False when the claim is stale."""
-        return bool(self.call(t.heartbeat(t.Beat(claim, checkpoint, new_tokens), lease_ttl_s)))
-
-    def commit(
-        self,
-        claim: t.Claim,
-        result: dict[str, Any],
-        new_tokens: int,
-        lengths: t.LengthReport | None = None,
-        release_slot: bool = False,
-        judged: t.Judged | None = None,
-    ) -> str:
-        return self.call(t.commit(self.k, claim, result, new_tokens, lengths, release_slot, judged))
-
-    def fail(self, claim: t.Claim, error: t.JobError) -> str:
-        return self.call(t.fail(self.k, claim, error))
-
-    def release(
-        self, claim: t.Claim, error: t.JobError, *, delay_s: float, burn: bool, max_attempts: int,
-        checkpoint: t.Checkpoint | None = None,
-    ) -> str:  # fmt: skip
-        return self.call(t.release(self.k, claim, error, delay_s=delay_s, burn=burn,
-                                   max_attempts=max_attempts, checkpoint=checkpoint))  # fmt: skip
-
-    def peek(self, job_id: str) -> t.Peek | None:
-        return self.call(t.peek(self.k, job_id))
-
-    def hold_waiting(self, job_id: str, lease_ttl_s: float, hold: bool = True) -> None:
-        self.call(t.wait(self.k, job_id, lease_ttl_s, hold))
 
     # -- the upkeep (reaper, delayed retries, backlog feeder) ---------------------------------
 

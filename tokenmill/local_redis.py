@@ -39,19 +39,17 @@ def free_port() -> int:
 class LocalRedis:
     """Start, stop and wait for a private redis-server in ``workdir``."""
 
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.port = port or free_port()
-        self.password = password
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def argv(self) -> list[str]:
-        args = [
+        return [
             redis_binary(),
             "--port",
             str(self.port),
@@ -72,7 +70,6 @@ class LocalRedis:
             "--hash-max-ziplist-value",
             "8192",
         ]
-        return args + (["--requirepass", self.password] if self.password else [])
 
     def start(self, timeout_s: float = 20.0) -> LocalRedis:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -109,8 +106,3 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-
-    def kill(self, sig: int = 9) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(10)

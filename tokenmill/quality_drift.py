@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys
 from tokenmill.errors import ConfigError
+from tokenmill.replies import text as text  # re-exported: workers/reference.py decodes with it
 from tokenmill.url_secrets import redact_url
 
 if TYPE_CHECKING:
@@ -93,10 +94,6 @@ class Drift:
         return Z95 * math.sqrt(var / self.n)
 
 
-def text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def decode(raw: dict[Any, Any]) -> dict[str, str]:
     return {text(k): text(v) for k, v in raw.items()}
 
@@ -111,10 +108,6 @@ def per_partition(raw: dict[str, str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def drift_of(fields: dict[str, str]) -> Drift:
-    return Drift(int(fields.get(N) or 0), float(fields.get(SUM) or 0), float(fields.get(SUMSQ) or 0))
-
-
 def drift_view(client: ReadClient, run: str) -> dict[str, dict[str, Any]]:
     """Per partition with a sampled job: ``{"drift", "ci95", "n", "sampled", "skipped",
     "reference", "error"}`` (``drift``/``ci95`` None until scored; ``error``: the reference's
@@ -125,7 +118,7 @@ def drift_view(client: ReadClient, run: str) -> dict[str, dict[str, Any]]:
         return {}
     out: dict[str, dict[str, Any]] = {}
     for partition, f in sorted(per_partition(raw).items()):
-        d = drift_of(f)
+        d = Drift(int(f.get(N) or 0), float(f.get(SUM) or 0), float(f.get(SUMSQ) or 0))
         out[partition] = {
             "drift": None if d.mean is None else round(d.mean, 4),
             "ci95": None if d.ci95 is None else round(d.ci95, 4),

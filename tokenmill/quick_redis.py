@@ -55,9 +55,6 @@ class _Reads:
     def _run(self, convert: Convert, *args: Any) -> Any:
         raise NotImplementedError
 
-    def execute_command(self, *args: Any) -> Any:
-        return self._run(None, *args)
-
     def get(self, key: str) -> Any:
         return self._run(None, "GET", key)
 
@@ -85,9 +82,6 @@ class _Reads:
     def llen(self, key: str) -> Any:
         return self._run(None, "LLEN", key)
 
-    def lrange(self, key: str, start: int, end: int) -> Any:
-        return self._run(None, "LRANGE", key, start, end)
-
     def time(self) -> Any:
         return self._run(_time, "TIME")
 
@@ -104,18 +98,12 @@ def _time(reply: list[bytes]) -> tuple[int, int]:
 class QuickRedis(_Reads):
     """One connection to the Redis at ``url``, opened at the first command."""
 
-    def __init__(
-        self,
-        url: str,
-        address: str | tuple[str, int],
-        at: redis_url.Endpoint,
-        hello: list[tuple[Any, ...]],
-    ) -> None:
+    def __init__(self, url: str, at: redis_url.Endpoint, name: str | None = None) -> None:
         self.url = url
-        self._address = address
+        self._address = at.path or (at.host, at.port)
         self._at = at  # deadlines from the URL, else redis-py's (5 s)
         self._tls = at.tls_context()
-        self._hello = hello  # AUTH, SELECT, CLIENT SETNAME: sent first on every connection
+        self._hello = at.hello(name)  # AUTH, SELECT, CLIENT SETNAME: sent first on every connection
         self._sock: socket.socket | None = None
         self._reader = hiredis.Reader()
 
@@ -124,15 +112,7 @@ class QuickRedis(_Reads):
         """The client for ``url``; None for a Sentinel URL (redis-py's client finds the primary)."""
         if redis_url.is_sentinel(url):
             return None
-        at = redis_url.endpoint(url)
-        hello: list[tuple[Any, ...]] = []
-        if at.password is not None:
-            hello.append(("AUTH", at.username, at.password) if at.username else ("AUTH", at.password))
-        if at.db:
-            hello.append(("SELECT", at.db))
-        if name or at.client_name:
-            hello.append(("CLIENT", "SETNAME", name or at.client_name))
-        return cls(url, at.path or (at.host, at.port), at, hello)
+        return cls(url, redis_url.endpoint(url), name)
 
     def ping(self) -> bool:
         reply: bytes = self._run(None, "PING")

@@ -152,25 +152,10 @@ class LoopRedis:
         # loaded on every new connection (a restarted Redis has none), so that the commands in
         # flight when the first one runs do not each find it missing
         self.scripts = tuple(scripts)
-        self.sentinel: redis_url.SentinelURL | None = None
-        if redis_url.is_sentinel(url):
-            self.sentinel = s = redis_url.parse_sentinel(url)
-            at = redis_url.Endpoint(
-                db=s.db,
-                username=s.username,
-                password=s.password,
-                socket_timeout_s=s.socket_timeout_s,
-                connect_timeout_s=s.connect_timeout_s,
-            )
-        else:
-            at = redis_url.endpoint(url)  # a ConfigError naming an option this client cannot honour
-        self._path, self._host, self._port, self._db = at.path, at.host, at.port, at.db
-        self._user, self._password = at.username, at.password
-        self.timeout_s = at.socket_timeout_s
-        self.connect_timeout_s = at.connect_timeout_s
-        self.keepalive = at.keepalive
-        self.health_check_s = at.health_check_s
-        self._ssl = at.tls_context()
+        self.sentinel = redis_url.parse_sentinel(url) if redis_url.is_sentinel(url) else None
+        # (redis_url.endpoint: a ConfigError naming an option this client cannot honour)
+        self.at = self.sentinel.primary if self.sentinel else redis_url.endpoint(url)
+        self._ssl = self.at.tls_context()
         self._conn: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
         self.connections = 0  # opened so far (tests)
@@ -178,7 +163,7 @@ class LoopRedis:
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (bytes, ints, lists of them)."""
         conn = self._conn
-        if conn is None or conn.lost or (self.health_check_s and not conn.waiting and self._stale(conn)):
+        if conn is None or conn.lost or (self.at.health_check_s and not conn.waiting and self._stale(conn)):
             conn = await self._connect()
         return await conn.send(hiredis.pack_command(args))
 
@@ -193,7 +178,7 @@ class LoopRedis:
     def _stale(self, conn: _Protocol) -> bool:
         """redis-py's health check: a connection idle past ``health_check_interval`` is replaced
         (a PING would cost the same round trip, and the deadline covers a dead one anyway)."""
-        if asyncio.get_running_loop().time() - conn.last_io <= self.health_check_s:
+        if asyncio.get_running_loop().time() - conn.last_io <= self.at.health_check_s:
             return False
         if conn.transport is not None:
             conn.transport.close()
@@ -216,18 +201,18 @@ class LoopRedis:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        host, port = await self._primary() if self.sentinel else (self._host, self._port)
-        where = self._path or f"{host}:{port}"
-        factory = lambda: _Protocol(self.timeout_s)  # noqa: E731
+        host, port = await self._primary() if self.sentinel else (self.at.host, self.at.port)
+        where = self.at.path or f"{host}:{port}"
+        factory = lambda: _Protocol(self.at.socket_timeout_s)  # noqa: E731
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                if self._path:
-                    _, conn = await loop.create_unix_connection(factory, self._path)
+            async with asyncio.timeout(self.at.connect_timeout_s):
+                if self.at.path:
+                    _, conn = await loop.create_unix_connection(factory, self.at.path)
                 else:
                     _, conn = await loop.create_connection(factory, host, port, ssl=self._ssl)
         except (OSError, TimeoutError) as exc:
             raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc or 'timed out'}") from exc
-        if self.keepalive and not self._path:
+        if self.at.keepalive and not self.at.path:
             _keepalive(conn.transport)
         try:
             await self._hello(conn)
@@ -240,22 +225,15 @@ class LoopRedis:
         return conn
 
     async def _hello(self, conn: _Protocol) -> None:
-        # the type: ignore[arg-type]s: hiredis's stub types pack_command's argument as a 1-tuple
-        # (Tuple[str | int | ...]); it packs a command of any length
-        hello = []
-        if self._password is not None:
-            auth = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
-            hello.append(conn.send(hiredis.pack_command(auth)))  # type: ignore[arg-type]
+        commands = self.at.hello(self.name)
+        role_at = len(commands)
         if self.sentinel:  # a demoted primary the sentinels still named: not written to
-            hello.append(conn.send(hiredis.pack_command(("ROLE",))))
-        if self._db:
-            hello.append(conn.send(hiredis.pack_command(("SELECT", self._db))))  # type: ignore[arg-type]
-        if self.name:
-            hello.append(conn.send(hiredis.pack_command(("CLIENT", "SETNAME", self.name))))  # type: ignore[arg-type]
-        hello += [conn.send(hiredis.pack_command(("SCRIPT", "LOAD", sc.source))) for sc in self.scripts]  # type: ignore[arg-type]
+            commands.append(("ROLE",))
+        commands += [("SCRIPT", "LOAD", sc.source) for sc in self.scripts]
+        hello = [conn.send(hiredis.pack_command(c)) for c in commands]
         replies = [await reply for reply in hello]
         if self.sentinel:
-            role = replies[1 if self._password is not None else 0]
+            role = replies[role_at]
             if not role or role[0] != b"master":
                 raise redis.ConnectionError(
                     f"the Redis the sentinels named as {self.sentinel.master_name!r} is not a master "
@@ -270,11 +248,12 @@ class LoopRedis:
         errors = []
         for host, port in s.hosts:
             try:
-                async with asyncio.timeout(s.connect_timeout_s + s.socket_timeout_s):
+                async with asyncio.timeout(self.at.connect_timeout_s + (self.at.socket_timeout_s or 0)):
                     _, conn = await loop.create_connection(lambda: _Protocol(None), host, port)
                     try:
                         got = await conn.send(
-                            # hiredis's stub: a 1-tuple argument (see _hello)
+                            # hiredis's stub types the argument as a 1-tuple (Tuple[str | int | ...]);
+                            # it packs a command of any length
                             hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))  # type: ignore[arg-type]
                         )
                     finally:

@@ -42,30 +42,22 @@ def connect(
     kw["retry"] = Retry(BACKOFF, retries)
     if redis_url.is_sentinel(url):
         s = redis_url.parse_sentinel(url)
-        sentinel = redis.sentinel.Sentinel(list(s.hosts), **_sentinel_kw(s))
-        client: redis.Redis = sentinel.master_for(s.master_name, **_master_kw(s), **kw)
+        at = s.primary
+        timeouts: dict[str, Any] = {
+            "socket_timeout": at.socket_timeout_s,
+            "socket_connect_timeout": at.connect_timeout_s,
+        }
+        # the sentinels themselves are asked without a password, as kombu asks them
+        sentinel = redis.sentinel.Sentinel(list(s.hosts), **timeouts, sentinel_kwargs=timeouts)
+        login: dict[str, Any] = {"db": at.db, "username": at.username, "password": at.password}
+        client: redis.Redis = sentinel.master_for(
+            s.master_name, **login, **timeouts, socket_keepalive=True, **kw
+        )
     else:  # redis-py 8's defaults, given for older ones (whose socket_timeout waited forever)
         client = redis.Redis.from_url(url, **DEADLINES, **kw)
     if check:
         ping(client, url)
     return client
-
-
-def _sentinel_kw(s: redis_url.SentinelURL) -> dict[str, Any]:
-    """How the sentinels themselves are asked (no password, as kombu asks them)."""
-    timeouts = {"socket_timeout": s.socket_timeout_s, "socket_connect_timeout": s.connect_timeout_s}
-    return {**timeouts, "sentinel_kwargs": timeouts}
-
-
-def _master_kw(s: redis_url.SentinelURL) -> dict[str, Any]:
-    return {
-        "db": s.db,
-        "username": s.username,
-        "password": s.password,
-        "socket_timeout": s.socket_timeout_s,
-        "socket_connect_timeout": s.connect_timeout_s,
-        "socket_keepalive": True,
-    }
 
 
 def check_credentials(settings: Settings) -> None:
@@ -142,14 +134,12 @@ def memory_warnings(client: redis.Redis) -> list[str]:
     return []
 
 
-def warn_durability(client: redis.Redis, echo: object = None) -> list[str]:
-    """Log (and optionally print) the durability and memory warnings; returns them."""
-    found = durability_warnings(client) + memory_warnings(client)
-    for w in found:
+def warn_durability(client: redis.Redis, echo: object = None) -> None:
+    """Log (and optionally print) the durability and memory warnings."""
+    for w in durability_warnings(client) + memory_warnings(client):
         log.warning("WARNING: %s", w)
         if callable(echo):
             echo(f"WARNING: {w}")
-    return found
 
 
 class CommandStream:

@@ -36,28 +36,19 @@ MOOT = ("max_connections", "retry_on_timeout", "retry_on_error", "socket_read_si
 _FALSE = ("0", "F", "FALSE", "N", "NO")  # redis-py's to_bool
 _CERT_REQS = ("none", "optional", "required")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "cluster", "redis-cluster")
-# the options a Sentinel URL may carry, besides master_name (each client honours them)
-SENTINEL_OPTIONS = {"socket_timeout": float, "socket_connect_timeout": float}
+# the options a Sentinel URL may carry, besides master_name (each client honours them), and the
+# field of the primary's Endpoint each sets
+SENTINEL_OPTIONS = {"socket_timeout": "socket_timeout_s", "socket_connect_timeout": "connect_timeout_s"}
 
 
 @dataclass(frozen=True, slots=True)
 class SentinelURL:
-    """A parsed ``sentinel://`` URL: where the sentinels are and what to ask them for."""
+    """A parsed ``sentinel://`` URL: where the sentinels are, what to ask them for, and how to
+    reach the primary they name (``primary``: its database, login and deadlines)."""
 
     hosts: tuple[tuple[str, int], ...]
     master_name: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def socket_timeout_s(self) -> float:
-        return float(self.options.get("socket_timeout", 5.0))
-
-    @property
-    def connect_timeout_s(self) -> float:
-        return float(self.options.get("socket_connect_timeout", 5.0))
+    primary: Endpoint
 
 
 def is_sentinel(url: str) -> bool:
@@ -119,6 +110,18 @@ class Endpoint:
         if self.tls.get("ssl_certfile"):
             ctx.load_cert_chain(self.tls["ssl_certfile"], self.tls.get("ssl_keyfile"))
         return ctx
+
+    def hello(self, name: str | None = None) -> list[tuple[Any, ...]]:
+        """What a new connection sends first, as redis-py does: AUTH, SELECT, CLIENT SETNAME
+        (``name``, else the URL's ``client_name``)."""
+        hello: list[tuple[Any, ...]] = []
+        if self.password is not None:
+            hello.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+        if self.db:
+            hello.append(("SELECT", self.db))
+        if name or self.client_name:
+            hello.append(("CLIENT", "SETNAME", name or self.client_name))
+        return hello
 
 
 def endpoint(url: str, what: str = "TOKENMILL_REDIS_URL") -> Endpoint:
@@ -190,7 +193,7 @@ def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:
                 master_name = values[-1]
             elif name in SENTINEL_OPTIONS:
                 try:
-                    options[name] = SENTINEL_OPTIONS[name](values[-1])
+                    options[SENTINEL_OPTIONS[name]] = float(values[-1])
                 except ValueError:
                     raise ConfigError(f"{what}: {name}={values[-1]!r} is not a number") from None
             else:
@@ -198,7 +201,8 @@ def parse_sentinel(url: str, what: str = "TOKENMILL_REDIS_URL") -> SentinelURL:
                 raise ConfigError(f"{what}: the option {name!r} is not supported in a Sentinel URL ({known})")
     if not master_name:
         raise ConfigError(f"{what}: a Sentinel URL needs ?master_name=NAME (the primary's name in Sentinel)")
-    return SentinelURL(tuple(hosts), master_name, db, username, password, options)
+    primary = Endpoint(db=db, username=username, password=password, **options)
+    return SentinelURL(tuple(hosts), master_name, primary)
 
 
 def broker_url(url: str) -> str:
@@ -230,4 +234,4 @@ def broker_transport_options(url: str) -> dict[str, Any]:
     if not is_sentinel(url):
         return {}
     s = parse_sentinel(url)
-    return {"master_name": s.master_name, "sentinel_kwargs": {"socket_timeout": s.socket_timeout_s}}
+    return {"master_name": s.master_name, "sentinel_kwargs": {"socket_timeout": s.primary.socket_timeout_s}}

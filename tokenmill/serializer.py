@@ -20,10 +20,6 @@ def dumps(obj: Any) -> str:
     return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def loads(data: str | bytes) -> Any:
-    return orjson.loads(data)
-
-
 def register_orjson() -> None:
     """Idempotent: (re)register the orjson codec with kombu."""
-    register(NAME, dumps, loads, content_type=CONTENT_TYPE, content_encoding="utf-8")
+    register(NAME, dumps, orjson.loads, content_type=CONTENT_TYPE, content_encoding="utf-8")

@@ -72,16 +72,6 @@ class SeriesWriter:
         return added
 
 
-def read(
-    client: redis.Redis, key: str, since_ms: int | None = None, until_ms: int | None = None
-) -> list[Point]:
-    """The points of ``key`` after ``since_ms`` (exclusive) up to ``until_ms`` (inclusive)."""
-    start = after(since_ms) if since_ms is not None else "-"
-    end = str(until_ms) if until_ms is not None else "+"
-    # redis-py types XRANGE's reply as possibly None; Redis answers an empty list
-    return [parse_entry(entry) for entry in client.xrange(key, start, end) or ()]
-
-
 def after(ms: int) -> str:
     """The XRANGE start of the points written after millisecond ``ms``: its first entry of the
     next millisecond. (``(ms`` would exclude only the entry ``ms-0``: the others written in the

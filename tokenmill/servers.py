@@ -91,14 +91,10 @@ def _mapping(values: dict[str, Any]) -> dict[FieldT, EncodableT]:
 def publish(redis_client: redis.Redis, record: ServerRecord) -> None:
     """Write the whole record (one HSET) and register its name (SADD), in one pipeline."""
     values = {name: getattr(record, name) for name in _RECORD_FIELDS}
-    values["live"] = record.live
-    pipe = redis_client.pipeline(transaction=True)
-    pipe.hset(keys.server(record.name), mapping=_mapping(values))
-    pipe.sadd(keys.servers(), record.name)
-    pipe.execute()
+    update(redis_client, record.name, **values, live=record.live)
 
 
-def update(redis_client: redis.Redis, name: str, **values: Any) -> None:
+def update(redis_client: redis.Redis, name: str, /, **values: Any) -> None:
     """Set some fields of a server's record; ``updated_at`` is refreshed unless given.
 
     ``live=`` merges figures into the ``live.*`` fields. Fields that are not part of
@@ -135,11 +131,6 @@ def record_event(redis_client: redis.Redis, name: str, kind: str, message: str, 
     pipe.lpush(keys.server_events(name), orjson.dumps(event))
     pipe.ltrim(keys.server_events(name), 0, EVENTS_KEPT - 1)
     pipe.execute()
-
-
-def load_events(redis_client: redis.Redis, name: str, limit: int = EVENTS_KEPT) -> list[dict[str, Any]]:
-    """The server's recorded events, newest first."""
-    return [orjson.loads(e) for e in redis_client.lrange(keys.server_events(name), 0, limit - 1)]
 
 
 def _number(value: str, kind: type[int] | type[float]) -> int | float | None:

@@ -192,9 +192,6 @@ class Settings:
         settings.validate()
         return settings
 
-    def replace(self, **changes: Any) -> Settings:
-        return dataclasses.replace(self, **changes)
-
     def validate(self) -> None:
         redis_url.check(self.redis_url, f"TOKENMILL_REDIS_URL {redact_url(self.redis_url)!r}")
         for url in self.server_urls:
@@ -206,23 +203,19 @@ class Settings:
         for name in (*positive, "quality_reference_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.admission_queue_share <= 1:
-            raise ConfigError(f"admission_queue_share must be in (0, 1], got {self.admission_queue_share}")
         if not 0 <= self.quality_sample <= 1 or self.quality_sample_min < 0:
             raise ConfigError(
                 f"quality_sample must be in [0, 1] and quality_sample_min not negative, got "
                 f"{self.quality_sample} and {self.quality_sample_min}"
             )
-        if self.quality_window_jobs < 1:
-            raise ConfigError(f"quality_window_jobs must be at least 1, got {self.quality_window_jobs}")
-        if self.seal_batch_jobs < 1:
-            raise ConfigError(f"seal_batch_jobs must be at least 1, got {self.seal_batch_jobs}")
+        for name in ("quality_window_jobs", "seal_batch_jobs", "admission_pace_group"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("seal_after_s", "seal_check_s", "server_affinity_wait_s", "server_prefill_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        if not 0 < self.admission_fraction <= 1:
-            raise ConfigError(f"admission_fraction must be in (0, 1], got {self.admission_fraction}")
-        for name in ("admission_usage_ceiling", "admission_backoff", "admission_reserve"):
+        fractions = ("admission_queue_share", "admission_fraction", "admission_usage_ceiling")
+        for name in (*fractions, "admission_backoff", "admission_reserve"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.series_step_s <= 0 or self.series_keep_s < self.series_step_s:
@@ -235,8 +228,6 @@ class Settings:
             raise ConfigError(f"TOKENMILL_EVENT_LOOP={self.event_loop!r} must be one of {choices}")
         if self.admission_poll_s <= 0 or self.admission_queue_target < 1:
             raise ConfigError("admission_poll_s must be positive and admission_queue_target at least 1")
-        if self.admission_pace_group < 1:
-            raise ConfigError(f"admission_pace_group must be at least 1, got {self.admission_pace_group}")
         for name in (f.name for f in fields(self) if f.name.startswith("input_max_")):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be at least 1, got {getattr(self, name)}")

@@ -52,15 +52,11 @@ def _quality_tables() -> str:
     return f"local QUALITY_FLAGS = {{{', '.join(map(repr, SIGNALS))}}}\nlocal QUALITY_RATES = {{{rates}}}\n"
 
 
-def _compose(name: str) -> str:
-    parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
-    return _read("prelude") + _quality_tables() + "".join(parts) + _read(name)
-
-
 @cache
 def script_source(name: str) -> str:
     """The Lua source of the named script of ``tokenmill/lua/``."""
-    return _compose(name)
+    parts = [f"local function {p}(KEYS, ARGV)\n{_read(p)}\nend\n" for p in COMPOSED.get(name, ())]
+    return _read("prelude") + _quality_tables() + "".join(parts) + _read(name)
 
 
 class JobField:
@@ -149,10 +145,6 @@ class AdmitRequest(NamedTuple):
     keys: tuple[str, str]  # the server's slots zset and used hash
     args: list[Any]  # admit.lua's ARGV; the first is the slot's member id
 
-    def slot_ref(self) -> tuple[str, str, str]:
-        """(slots key, used key, member): what a claim carries to renew and release the slot."""
-        return self.keys[0], self.keys[1], str(self.args[0])
-
 
 @dataclass(frozen=True, slots=True)
 class Full:
@@ -214,10 +206,6 @@ class Beat(NamedTuple):
     slot: SlotUpdate | None = None
 
 
-def _ignore(reply: Any) -> None:
-    return None
-
-
 # -- the producer's ----------------------------------------------------------------------------
 
 
@@ -272,7 +260,7 @@ def _histogram(reply: Any) -> dict[int, int]:
 
 def wait(k: keys.RunKeys, job_id: str, lease_ttl_s: float, hold: bool = True) -> Call[None]:
     """``wait.lua``: take or renew (or, not ``hold``, drop) a delivered job's waiting lease."""
-    return Call("wait", [k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)], _ignore)
+    return Call("wait", [k.waiting()], [job_id, 1 if hold else 0, int(lease_ttl_s * 1000)], lambda _: None)
 
 
 def claim(k: keys.RunKeys, job_id: str, worker: str, lease_ttl_s: float) -> Call[Claim | str]:
@@ -328,7 +316,7 @@ def started(
         return Full(int(res[1]) / 1000)
     got = claimed(run, job_id, res, spec)
     if isinstance(got, Claim):
-        got.slot = admit.slot_ref()
+        got.slot = (admit.keys[0], admit.keys[1], str(admit.args[0]))
     return got
 
 
@@ -469,16 +457,9 @@ def release(
 # -- admission's (workers/admission/limiter.py builds the ARGV) -------------------------------
 
 
-def admit(req: AdmitRequest) -> Call[int]:
-    """``admit.lua``: 1 admitted, 0 no room, -ms paced (the next start is due in that many ms)."""
-    return Call("admit", list(req.keys), req.args, int)
-
-
-def unadmit(server: str, member: str, generated: int | None = None) -> Call[int]:
-    """``unadmit.lua``: give a slot back (``generated``: the tokens its request made, when
-    known); 1 when it was held."""
-    args: list[Any] = [member] if generated is None else [member, generated]
-    return Call("unadmit", [keys.admission(server), keys.admission_used(server)], args, int)
+def unadmit(server: str, member: str) -> Call[int]:
+    """``unadmit.lua``: give a slot back; 1 when it was held."""
+    return Call("unadmit", [keys.admission(server), keys.admission_used(server)], [member], int)
 
 
 class WindowState(NamedTuple):

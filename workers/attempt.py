@@ -108,7 +108,7 @@ def uncounted(base: Checkpoint) -> str | None:
 
 
 async def attempt_job(
-    rt: Runtime, claim: Claim, url: str, slot: Slot, on_first: Callable[[], None] | None = None
+    rt: Runtime, claim: Claim, url: str, slot: Slot, on_first: Callable[[], None]
 ) -> Attempted:
     """Stream a claimed job on the worker's loop; an error is returned in the result, for the
     task's thread to settle (it may have to wait for Redis). ``on_first`` is called at the
@@ -142,15 +142,6 @@ async def attempt_job(
     except (errors.GenerationError, errors.StaleClaimError) as exc:
         done.error = exc
     return done
-
-
-def committed(rt: Runtime, done: Attempted, commit: Commit, verdict: str) -> str:
-    """After ``commit`` of ``done``: wake this process's admission line, say what happened."""
-    if commit.release:
-        rt.admission.released()
-    if verdict != "ok":
-        log.warning("commit of %s/%s: %s", done.claim.run, done.claim.job_id, verdict)
-    return "done" if verdict == "ok" else verdict
 
 
 # Fields of the stored request that the attempt sets itself rather than copying.

@@ -50,9 +50,9 @@ def run(coro: Coroutine[Any, Any, T], kind: str = EVENT_LOOPS[0]) -> T:
 class LoopThread:
     """An event loop of ``kind`` running forever on a daemon thread."""
 
-    def __init__(self, kind: str = EVENT_LOOPS[0], name: str = "tokenmill-loop") -> None:
+    def __init__(self, kind: str = EVENT_LOOPS[0]) -> None:
         self.loop = new_loop(kind)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tokenmill-loop", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -61,10 +61,6 @@ class LoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result from the calling thread."""
-        return self.submit(coro).result()
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

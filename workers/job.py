@@ -99,43 +99,32 @@ def _settle(
     s, k = rt.settings, keys.RunKeys(claim.run)
     err = t.JobError(exc.error_class, exc.message)
     if isinstance(exc, errors.AuthError):
-        _auth_broken(rt, exc)
+        if rt.auth_error is None:
+            rt.auth_error = exc.message
+            log.error(
+                "the server refused the API key (%s): this worker stops claiming jobs. "
+                "Set TOKENMILL_API_KEY to the server's --api-key and restart the worker.",
+                exc.message,
+            )
     elif isinstance(exc, errors.TerminalError):
         log.warning("job %s/%s failed: %s: %s", claim.run, claim.job_id, err.error_class, err.message)
         return t.fail(k, claim, err)
-    if isinstance(exc, errors.AuthError | errors.ShutdownError | errors.JobCancelledError):
-        return t.release(
-            k, claim, err, delay_s=0, burn=False, max_attempts=s.max_attempts, checkpoint=checkpoint
+    delay_s, burn = 0.0, False
+    if not isinstance(exc, errors.AuthError | errors.ShutdownError | errors.JobCancelledError):
+        down = rt.pool.is_down(url)
+        delay = backoff_s(s.retry_backoff_s, s.retry_backoff_max_s, claim.retries)
+        log.warning(
+            "job %s/%s: %s (%s); %s",
+            claim.run,
+            claim.job_id,
+            err.error_class,
+            err.message,
+            "server down: released without burning a retry" if down else f"retry in {delay:.1f}s",
         )
-    down = rt.pool.is_down(url)
-    delay = backoff_s(s.retry_backoff_s, s.retry_backoff_max_s, claim.retries)
-    log.warning(
-        "job %s/%s: %s (%s); %s",
-        claim.run,
-        claim.job_id,
-        err.error_class,
-        err.message,
-        "server down: released without burning a retry" if down else f"retry in {delay:.1f}s",
-    )
+        delay_s, burn = s.server_wait_s if down else delay, not down
     return t.release(
-        k,
-        claim,
-        err,
-        delay_s=s.server_wait_s if down else delay,
-        burn=not down,
-        max_attempts=s.max_attempts,
-        checkpoint=checkpoint,
+        k, claim, err, delay_s=delay_s, burn=burn, max_attempts=s.max_attempts, checkpoint=checkpoint
     )
-
-
-def _auth_broken(rt: Runtime, exc: errors.AuthError) -> None:
-    if rt.auth_error is None:
-        rt.auth_error = exc.message
-        log.error(
-            "the server refused the API key (%s): this worker stops claiming jobs. "
-            "Set TOKENMILL_API_KEY to the server's --api-key and restart the worker.",
-            exc.message,
-        )
 
 
 def backoff_s(base: float, cap: float, retries: int) -> float:

@@ -32,7 +32,7 @@ from tokenmill.transitions import Claim, Full, Peek
 from tokenmill.url_secrets import redact_url
 from workers.admission import affinity
 from workers.admission.limiter import Slot
-from workers.attempt import Attempted, attempt_job, committed
+from workers.attempt import Attempted, attempt_job
 from workers.pool import ServerView
 
 if TYPE_CHECKING:
@@ -78,9 +78,13 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
         return done
     commit = done.commit(rt.settings, await _length_bounds(rt, k) if rt.settings.quality_signals else None)
     verdict = await ride_out(lambda: led.call(t.commit(k, done.claim, *commit)), rt.abort_streams)
-    if verdict == "ok":
-        await rt.reference.after_commit(led, done, commit)  # a dict lookup without a reference
-    return committed(rt, done, commit, verdict)
+    if commit.release:
+        rt.admission.wake()  # the commit (finish.lua) gave the slot back: let this process's line ask
+    if verdict != "ok":
+        log.warning("commit of %s/%s: %s", run, job_id, verdict)
+        return verdict
+    await rt.reference.after_commit(led, done, commit)  # a dict lookup without a reference
+    return "done"
 
 
 async def _length_bounds(rt: Runtime, k: keys.RunKeys) -> LengthBounds | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.error
 from typing import NamedTuple
 
 import redis
@@ -57,19 +56,18 @@ class MetricsCadence:
     SGLang retracts requests when its KV pool cannot hold the next decode step: the pool is full
     then, and the retracted requests wait in its queue after. So a retraction may have happened
     since the last figures only if these or the last showed requests waiting or KV use at
-    ``tight_use`` of the pool or more; otherwise the count read within ``every_s`` stands."""
+    :data:`TIGHT_USE` of the pool or more; otherwise the count read within :data:`METRICS_EVERY_S` stands."""
 
-    def __init__(self, every_s: float = METRICS_EVERY_S, tight_use: float = TIGHT_USE) -> None:
-        self.every_s, self.tight_use = every_s, tight_use
+    def __init__(self) -> None:
         self._last: dict[str, _Read] = {}
 
     def tight(self, load: Load) -> bool:
-        return load.waiting > 0 or (load.capacity > 0 and load.used_tokens >= self.tight_use * load.capacity)
+        return load.waiting > 0 or (load.capacity > 0 and load.used_tokens >= TIGHT_USE * load.capacity)
 
     def cached(self, url: str, load: Load, now: float) -> int | None:
         """The retractions last read from ``url``, if these figures need no fresh read; else None."""
         last = self._last.get(url)
-        if last is None or last.tight or self.tight(load) or now - last.at >= self.every_s:
+        if last is None or last.tight or self.tight(load) or now - last.at >= METRICS_EVERY_S:
             return None
         return last.retractions
 
@@ -83,7 +81,6 @@ class LoadWatch(threading.Thread):
     def __init__(self, rt: Runtime) -> None:
         super().__init__(name="tokenmill-loadwatch", daemon=True)
         self.rt = rt
-        self.me = rt.worker_id
         self._no_metrics: dict[str, float] = {}  # url -> when /metrics was found missing
         self._failing: set[str] = set()
         self.cadence = MetricsCadence()
@@ -104,11 +101,11 @@ class LoadWatch(threading.Thread):
         """Take or keep this server's watch lease (three polls long)."""
         key = keys.admission_watch(server)
         ttl_ms = int(self.rt.settings.admission_poll_s * 3000)
-        r = self.rt.redis
-        if r.set(key, self.me, nx=True, px=ttl_ms):
+        r, me = self.rt.redis, self.rt.worker_id
+        if r.set(key, me, nx=True, px=ttl_ms):
             return True
         holder = r.get(key)
-        if holder is not None and text(holder) == self.me:
+        if holder is not None and text(holder) == me:
             r.pexpire(key, ttl_ms)
             return True
         return False
@@ -144,7 +141,7 @@ class LoadWatch(threading.Thread):
             return cached
         try:
             figures = server_report.metrics(url, timeout, self.rt.settings.api_key)
-        except (urllib.error.HTTPError, OSError, ValueError):
+        except (OSError, ValueError):  # (an HTTPError is an OSError)
             self._no_metrics[url] = now
             return None
         self._no_metrics.pop(url, None)

@@ -102,10 +102,9 @@ class LostStreams(Generic[T]):
     Called at each watch tick, on the loop; the reads (of the server and of Redis) run on
     threads."""
 
-    def __init__(self, api_key: str | None, client: redis.Redis | None, quiet_s: float = QUIET_S) -> None:
+    def __init__(self, api_key: str | None, client: redis.Redis | None) -> None:
         self.api_key = api_key
         self.redis = client
-        self.quiet_s = quiet_s
         self.readings: dict[str, list[Reading]] = {}
         self.shared: dict[str, float] = {}  # server -> since when another process found it idle
         self._reading: set[str] = set()
@@ -116,16 +115,16 @@ class LostStreams(Generic[T]):
         for server in set(self.readings) - set(streams):
             del self.readings[server]
         for server, heard in streams.items():
-            if not any(now - h.heard_at >= self.quiet_s for h in heard):
+            if not any(now - h.heard_at >= QUIET_S for h in heard):
                 self.readings.pop(server, None)
                 continue
             readings = self.readings.setdefault(server, [])
-            while len(readings) > 1 and readings[1].at <= now - self.quiet_s:
+            while len(readings) > 1 and readings[1].at <= now - QUIET_S:
                 del readings[0]  # the one at or before the span's start is the oldest needed
             shared = self.shared.pop(server, None)
             idle_at = None if shared is None else shared - (time.time() - now) - SKEW_S
-            out += lost(readings, heard, now, self.quiet_s, idle_at)
-            since = idle_since(readings, now, self.quiet_s)
+            out += lost(readings, heard, now, QUIET_S, idle_at)
+            since = idle_since(readings, now, QUIET_S)
             if since is not None and self.redis is not None:
                 wall_ms = int((since + time.time() - now) * 1000)
                 asyncio.get_running_loop().run_in_executor(None, self._tell, server, wall_ms)

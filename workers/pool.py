@@ -34,7 +34,6 @@ CAPACITY_TIMEOUT_S = 10.0
 class ServerView:
     url: str
     name: str
-    ready: bool
     capacity: int | None = None
     managed: bool = False
 
@@ -49,7 +48,6 @@ class ServerPool:
         self._suspect: dict[str, float] = {}  # url -> when it was last found unhealthy
         self._records: dict[str, server_records.ServerRecord] = {}
         self._records_at = 0.0
-        self._rr = 0
         self._capacities: dict[str, tuple[float, int | None]] = {}
 
     def _load_records(self) -> dict[str, server_records.ServerRecord]:
@@ -63,32 +61,17 @@ class ServerPool:
             self._records_at = now
         return self._records
 
-    def views(self) -> list[ServerView]:
-        return self._views(self._load_records(), fetch=True)
-
-    def _views(self, records: dict[str, server_records.ServerRecord], fetch: bool) -> list[ServerView]:
+    def _ready(self, records: dict[str, server_records.ServerRecord], fetch: bool) -> list[ServerView]:
+        """The ready servers; with ``fetch``, an unmanaged server's capacity is read when due."""
         out = []
         for url in self.settings.server_urls:
             rec = records.get(url)
             if rec is not None:
-                out.append(
-                    ServerView(
-                        url,
-                        rec.name,
-                        rec.state == server_records.READY,
-                        rec.max_total_num_tokens,
-                        managed=True,
-                    )
-                )
-            else:
-                ready = url not in self._suspect
-                if not ready:
-                    cap = None
-                elif fetch:
-                    cap = self._capacity(url)
-                else:
-                    cap = self._capacities.get(url, (0.0, None))[1]
-                out.append(ServerView(url, server_records.name_of(url), ready, cap))
+                if rec.state == server_records.READY:
+                    out.append(ServerView(url, rec.name, rec.max_total_num_tokens, managed=True))
+            elif url not in self._suspect:
+                cap = self._capacity(url) if fetch else self._capacities.get(url, (0.0, None))[1]
+                out.append(ServerView(url, server_records.name_of(url), cap))
         return out
 
     def _capacity(self, url: str) -> int | None:
@@ -127,46 +110,15 @@ class ServerPool:
             if url not in self._records and url not in self._suspect
         ):
             return None
-        return [v for v in self._views(self._records, fetch=False) if v.ready]
+        return self._ready(self._records, fetch=False)
 
     def ready_views(self) -> list[ServerView]:
         """Every ready server (probing suspects when none is)."""
-        ready = [v for v in self.views() if v.ready]
+        ready = self._ready(self._load_records(), fetch=True)
         if not ready:
             self._probe_suspects()
-            ready = [v for v in self.views() if v.ready]
+            ready = self._ready(self._load_records(), fetch=True)
         return ready
-
-    def pick(self) -> ServerView | None:
-        """A ready server (round robin among the ready ones), or None."""
-        ready = [v for v in self.views() if v.ready]
-        if not ready:
-            self._probe_suspects()
-            ready = [v for v in self.views() if v.ready]
-            if not ready:
-                return None
-        with self._lock:
-            self._rr += 1
-            return ready[self._rr % len(ready)]
-
-    def wait_ready(self, stopping: threading.Event, timeout_s: float | None = None) -> ServerView | None:
-        """Block until a server is ready (or ``stopping`` is set / the timeout passes)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        said = False
-        while not stopping.is_set():
-            view = self.pick()
-            if view is not None:
-                if said:
-                    log.warning("server %s is ready again; resuming", view.name)
-                return view
-            if not said:
-                shown = ", ".join(map(redact_url, self.settings.server_urls))
-                log.warning("no server is ready (%s); waiting", shown)
-                said = True
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            stopping.wait(self.settings.server_wait_s)
-        return None
 
     def is_down(self, url: str) -> bool:
         """After a failed request: is the server down (rather than the request at fault)?
@@ -210,5 +162,5 @@ def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, s
     except urllib.error.HTTPError as exc:
         hint = " (is this an SGLang server? it has no /health)" if exc.code == 404 else ""
         return False, f"answered {exc.code}{hint}"
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except OSError as exc:  # (a URLError, a TimeoutError)
         return False, f"failed: {getattr(exc, 'reason', exc)}"

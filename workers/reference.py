@@ -50,7 +50,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -76,21 +75,6 @@ PERIOD_S = 0.5  # how often an idle scorer looks for work
 BACKOFF_S = 10.0  # before a run whose reference failed is tried again
 TODO_CAP = 10_000  # sampled entries kept waiting a run (the newest)
 LOCK_SLACK_S = 30.0  # a run's scoring lock outlives the scoring's deadline by this
-
-
-@dataclass(frozen=True, slots=True)
-class Scored:
-    """One job's figures: the reference's mean per-token logprob of its own output and of the
-    produced one, and how many tokens each had."""
-
-    own: float
-    produced: float
-    own_tokens: int
-    produced_tokens: int
-
-    @property
-    def difference(self) -> float:
-        return self.own - self.produced
 
 
 def mean_logprob(answer: dict[str, Any], expected: list[int]) -> float:
@@ -142,9 +126,10 @@ class ReferenceServer:
         answers = self.post("/generate", body)
         return [mean_logprob(a, ids) for a, ids in zip(answers, outputs, strict=True)]
 
-    def score(self, request: dict[str, Any], produced: dict[str, Any], think_end_tag: str) -> Scored | None:
-        """Score a job's ``produced`` output (its result) for its ``request``; None when either
-        output has no tokens to score."""
+    def score(self, request: dict[str, Any], produced: dict[str, Any], think_end_tag: str) -> float | None:
+        """Score a job's ``produced`` output (its result) for its ``request``: the reference's mean
+        per-token logprob of its own output less that of the produced one; None when either output
+        has no tokens to score."""
         body = {k: v for k, v in request.items() if k not in PER_TOKEN}
         body.update(stream=False, return_token_ids=True)
         choice = self.post("/v1/chat/completions", body)["choices"][0]
@@ -157,7 +142,7 @@ class ReferenceServer:
         if not prompt or not all(outputs):
             return None
         theirs, own = self.teacher_force(prompt, outputs)
-        return Scored(own, theirs, len(outputs[1]), len(outputs[0]))
+        return own - theirs
 
 
 def entry(done: Attempted, commit: Commit, model: str) -> bytes:
@@ -200,8 +185,8 @@ class Scorer(threading.Thread):
 
     async def after_commit(self, led: AsyncLedger, done: Attempted, commit: Commit) -> None:
         run = done.claim.run
+        k = keys.RunKeys(run)
         if run not in self.references:  # a run begun since the last refresh: read once
-            k = keys.RunKeys(run)
             with contextlib.suppress(redis.RedisError):
                 self.references[run] = await led.call(
                     t.Call("", [], ["HGETALL", k.quality_reference()], _reference)
@@ -209,11 +194,10 @@ class Scorer(threading.Thread):
         ref = self.references.get(run)
         if ref is None:
             return
-        at = (done.claim.run, done.claim.partition)
+        at = (run, done.claim.partition)
         drawn = random.random() < ref.sample
         if not drawn and self.sampled.get(at, 0) >= ref.minimum:
             return
-        k = keys.RunKeys(done.claim.run)
         call = t.reference_sample(
             k,
             qd.field(at[1], qd.SAMPLED),
@@ -295,7 +279,7 @@ class Scorer(threading.Thread):
         finally:
             lock.release()
 
-    def record(self, k: keys.RunKeys, partition: str, raw: str, scored: Scored | None) -> None:
+    def record(self, k: keys.RunKeys, partition: str, raw: str, scored: float | None) -> None:
         """Take the entry off the to-do list, add its figures, judge the run's ``drift`` rules."""
         pipe = self.r.pipeline(transaction=True)
         pipe.lrem(k.reference_todo(), -1, raw)
@@ -305,10 +289,9 @@ class Scorer(threading.Thread):
             pipe.hincrby(q, qd.field(partition, qd.SKIPPED), 1)
             pipe.execute()
             return
-        d = scored.difference
         pipe.hincrby(q, qd.field(partition, qd.N), 1)
-        pipe.hincrbyfloat(q, qd.field(partition, qd.SUM), d)
-        pipe.hincrbyfloat(q, qd.field(partition, qd.SUMSQ), d * d)
+        pipe.hincrbyfloat(q, qd.field(partition, qd.SUM), scored)
+        pipe.hincrbyfloat(q, qd.field(partition, qd.SUMSQ), scored * scored)
         pipe.hgetall(k.quality_rules())
         *_, n, total, squares, rules = pipe.execute()
         self.judge(k, partition, qd.Drift(int(n), float(total), float(squares)), qd.decode(rules))

@@ -60,7 +60,6 @@ class Runtime:
         )
         for url in settings.server_urls:  # built now, not on the loop under the first job
             self.client(url)
-        self.inflight = 0
         self.reference = Scorer(self.redis, settings)  # started with the upkeep (workers/task.py)
 
     def ledger(self, run: str) -> Ledger:
@@ -76,7 +75,7 @@ class Runtime:
             client = self._clients.get(url)
             if client is None:
                 s = self.settings
-                client = self._clients[url] = StreamClient.of(
+                client = self._clients[url] = StreamClient(
                     url, s.api_key, s.connect_timeout_s, answer_timeout_s=s.stall_timeout_s
                 )
         return client

@@ -64,14 +64,11 @@ class Progress:
 class StreamClient:
     """One server's chat completions endpoint for the stream path: its URL, the request's
     headers (built once) and the connections its streams are read on. Built once per server per
-    process."""
+    process. ``url`` is the server's root, as in ``TOKENMILL_SERVER_URL``; a request no answer
+    (headers) comes back for in ``answer_timeout_s`` fails."""
 
     def __init__(
-        self,
-        url: str,
-        api_key: str | None,
-        connect_timeout_s: float = 10.0,
-        answer_timeout_s: float | None = None,
+        self, url: str, api_key: str | None, connect_timeout_s: float, answer_timeout_s: float | None = None
     ) -> None:
         self.server = url.rstrip("/")  # its root, as the pool names it
         # without any user:password@: that logs in by basic auth when there is no key
@@ -84,14 +81,6 @@ class StreamClient:
             "Accept-Encoding": "identity",
             "Content-Type": "application/json",
         }
-
-    @classmethod
-    def of(
-        cls, url: str, api_key: str | None, connect_timeout_s: float, answer_timeout_s: float | None = None
-    ) -> StreamClient:
-        """The client for the server at ``url`` (its root, as in ``TOKENMILL_SERVER_URL``); a
-        request no answer (headers) comes back for in ``answer_timeout_s`` fails."""
-        return cls(url, api_key, connect_timeout_s, answer_timeout_s)
 
     async def close(self) -> None:
         await self.http.close()
@@ -198,9 +187,7 @@ class _Lines:
 def handler_for(request: dict[str, Any], progress: Progress) -> LineHandler:
     """The plain per-line path, or the full one for a request that asks for tool calls,
     log-probabilities or token ids, or whose continuation guards its stop strings."""
-    if progress.guard is not None or request.get("tools") or request.get("logprobs"):
-        return _on_line_full
-    if request.get(SGLEXT_OUTPUT_IDS):
+    if progress.guard is not None or any(request.get(k) for k in ("tools", "logprobs", SGLEXT_OUTPUT_IDS)):
         return _on_line_full
     return _on_line
 

@@ -92,9 +92,8 @@ def _on_shutting_down(**_: Any) -> None:
     timer = threading.Timer(grace, rt.abort_streams.set)
     timer.daemon = True
     timer.start()
-    deadline = threading.Timer(
-        grace + ABANDON_AFTER_S + STOP_SLACK_S, _stop_now, (grace + ABANDON_AFTER_S + STOP_SLACK_S,)
-    )
+    last_s = grace + ABANDON_AFTER_S + STOP_SLACK_S
+    deadline = threading.Timer(last_s, _stop_now, (last_s,))
     deadline.daemon = True
     deadline.start()
     if "upkeep" in _upkeep:

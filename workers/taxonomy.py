@@ -7,7 +7,6 @@ mid-stream error chunks, aborted or unfinished streams.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
@@ -66,22 +65,12 @@ def from_error_chunk(payload: dict[str, Any]) -> errors.GenerationError:
 
 
 def from_exception(exc: BaseException) -> errors.GenerationError:
-    """Classify a client-side exception raised while requesting or streaming."""
-    if isinstance(exc, errors.GenerationError):
-        return exc
-    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
-        return _timed_out(exc)
+    """Classify a client-side exception raised while requesting or streaming (not a GenerationError)."""
+    if isinstance(exc, TimeoutError):  # (asyncio's since Python 3.11)
+        return errors.RequestTimeoutError(f"request timed out: {exc}")
     if isinstance(exc, OSError):  # refused, reset, closed mid-answer, unresolvable, TLS
-        return _unreachable(exc)
+        return errors.ServerConnectionError(f"connection to the server failed: {exc}")
     return errors.StreamError(f"{type(exc).__name__}: {exc}")
-
-
-def _timed_out(exc: BaseException) -> errors.GenerationError:
-    return errors.RequestTimeoutError(f"request timed out: {exc}")
-
-
-def _unreachable(cause: BaseException) -> errors.GenerationError:
-    return errors.ServerConnectionError(f"connection to the server failed: {cause}")
 
 
 def _message(body: Any) -> str:

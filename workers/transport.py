@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -34,24 +34,21 @@ BodySink = Callable[[bytes], None]
 
 @dataclass(slots=True)
 class Response:
-    """A finished exchange: the status and headers, and the body unless a sink took it."""
+    """A finished exchange: the status, and the body unless a sink took it."""
 
     status: int = 0
-    headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
 
 
 class HttpClient:
     """Kept-alive connections to the servers, shared by a process's streams (on its loop)."""
 
-    def __init__(
-        self, connect_timeout_s: float, answer_timeout_s: float | None = None, idle_s: float = IDLE_S
-    ) -> None:
+    def __init__(self, connect_timeout_s: float, answer_timeout_s: float | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         # a server sends a stream's headers at once (SGLang, as uvicorn, before the first token):
         # a request that none come back for in this long went to a host that vanished
         self.answer_timeout_s = answer_timeout_s
-        self.idle_s = idle_s
+        self.idle_s = IDLE_S  # (tests shorten it)
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
@@ -99,13 +96,13 @@ class HttpClient:
         async with resp:
             try:
                 if not 200 <= resp.status < 300:
-                    return Response(resp.status, list(resp.headers.items()), await resp.read())
+                    return Response(resp.status, await resp.read())
                 async for chunk in resp.content.iter_any():
                     sink(chunk)
             except aiohttp.ClientError as exc:
                 exc.tokenmill_answered = True  # type: ignore[attr-defined]  # not sent again
                 raise
-            return Response(resp.status, list(resp.headers.items()))
+            return Response(resp.status)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -61,10 +61,7 @@ class Reconciler:
 
 
 def upkeep_once(
-    client: redis.Redis,
-    settings: Settings,
-    reconciler: Reconciler | None = None,
-    recorder: SeriesWriter | None = None,
+    client: redis.Redis, settings: Settings, reconciler: Reconciler, recorder: SeriesWriter | None = None
 ) -> dict[str, int]:
     """One pass over every run with unfinished jobs; returns what it did. With ``recorder``,
     each run's history gets its point when one is due (:mod:`tokenmill.history`)."""
@@ -80,14 +77,12 @@ def upkeep_once(
         if client.exists(ledger.k.paused()):
             # a paused run's jobs stay where they are: nothing is published for them (a
             # reaped or abandoned job's message is acked by the worker it reaches)
-            if reconciler is not None:
-                reconciler.suspects.pop(run, None)
+            reconciler.suspects.pop(run, None)
         else:
             did["promoted"] += ledger.promote_due()
             for queue in keys.QUEUES:
                 did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
-            if reconciler is not None:
-                did["republished"] += reconciler.pass_(client, ledger)
+            did["republished"] += reconciler.pass_(client, ledger)
         if recorder is not None:
             did["recorded"] += _record(recorder, client, run)
     return did

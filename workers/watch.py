@@ -212,7 +212,7 @@ class Watch:
 
 
 def _deadline_problem(
-    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event, down: bool = False
+    s: Settings, p: Progress, now: float, started: float, stopping: threading.Event, down: bool
 ) -> errors.GenerationError | None:
     """Why the stream is to be cut now, if it is. ``down``: its server failed its health check
     (its host vanished with the connection left open, or it wedged); a request that received

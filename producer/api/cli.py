@@ -11,26 +11,17 @@ from __future__ import annotations
 import click
 
 from producer import web_access
-from tokenmill.errors import ConfigError
 from tokenmill.url_secrets import redact_url
 
 DEFAULT_PORT = 8090
 
 
 @click.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True)
-@click.option(
-    "--address",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to bind; anything beyond loopback requires TOKENMILL_API_KEYS.",
-)
+@web_access.bind_options(DEFAULT_PORT, "TOKENMILL_API_KEYS")
 @click.option("--redis-url", envvar="TOKENMILL_REDIS_URL", default=None, help="Redis URL (the ledger).")
 def api(port: int, address: str, redis_url: str | None) -> None:
     """Serve OpenAI's Batch API (files, batches, models): a batch is a tokenmill run."""
     import logging
-
-    from aiohttp import web
 
     from producer.api.files import Files
     from producer.api.server import HOSTS_SETTING, make_app
@@ -46,18 +37,10 @@ def api(port: int, address: str, redis_url: str | None) -> None:
     client = redis_conn.connect(settings, name="tokenmill-api")
     redis_conn.warn_durability(client, echo=lambda m: click.echo(m, err=True))
     store = ResultStore(settings.results_location)
-    shown = f"[{address}]" if ":" in address else address
     auth = f"{len(keys_)} bearer keys" if keys_ else "no key: loopback only"
-    click.echo(
-        f"tokenmill api on http://{shown}:{port}/v1 ({auth}; redis {redact_url(settings.redis_url)}; "
-        f"files in {store.shown})",
-        err=True,
-    )
+    about = f"{auth}; redis {redact_url(settings.redis_url)}; files in {store.shown}"
     app = make_app(client, settings, Files(client, store), keys_, hosts)
     try:
-        web.run_app(app, host=address, port=port, print=None, access_log=None)
-    except OSError as exc:
-        why = exc.strerror or exc
-        raise ConfigError(f"--port {port}: cannot listen on {address}:{port} ({why})") from None
+        web_access.serve(app, address, port, "api", "/v1", about)
     finally:
         client.close()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
-from typing import IO, Any, cast
+from collections.abc import Callable, Generator
+from typing import Any, cast
 
 import orjson
 import redis
@@ -61,12 +60,6 @@ class Files:
 
     def path(self, file_id: str) -> str:
         return self.store.path("_api", "files", f"{file_id}.jsonl")
-
-    @contextmanager
-    def writing(self, file_id: str) -> Iterator[IO[bytes]]:
-        """The file's bytes, written whole or not at all."""
-        with self.store.writer(self.path(file_id)) as fh:
-            yield fh
 
     def record(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
         """Record a file whose bytes are stored; returns its object. Recording it again (a

@@ -119,9 +119,6 @@ class Lifecycle:
 
     # -- validating -------------------------------------------------------------------------
 
-    def _routing(self) -> Routing:
-        return Routing(model=self.settings.model, limits=for_servers(self.r, self.settings))
-
     def _records(self, file_id: str) -> Iterator[Record]:
         with self.files.store.reader(self.files.path(file_id)) as fh:
             yield from jsonl_records(file_id, fh)
@@ -131,7 +128,7 @@ class Lifecycle:
         try:
             if self.files.find(file_id) is None:
                 raise InputError(file_id, "the input file was deleted")
-            routing = self._routing()
+            routing = Routing(model=self.settings.model, limits=for_servers(self.r, self.settings))
             with SpecSpool() as spool, collector_paused():
                 errors = check_lines(self._records(file_id), routing, spool)
                 if not errors:
@@ -161,7 +158,8 @@ class Lifecycle:
         reader = open_shards(ledger, run_store(ledger), [PARTITION])[PARTITION]
         out_id, err_id = derived_id(batch_id, "output"), derived_id(batch_id, "error")
         sizes = {out_id: 0, err_id: 0}
-        with self.files.writing(out_id) as out, self.files.writing(err_id) as err:
+        store, path = self.files.store, self.files.path
+        with store.writer(path(out_id)) as out, store.writer(path(err_id)) as err:
             for line, ok in batch_lines(ledger, reader, RowCounts(), EXPIRED if end == "expired" else None):
                 (out if ok else err).write(line + b"\n")
                 sizes[out_id if ok else err_id] += len(line) + 1
@@ -214,9 +212,7 @@ def derived_id(batch_id: str, kind: str) -> str:
     return "file-" + hashlib.blake2b(f"{batch_id}/{kind}".encode(), digest_size=12).hexdigest()
 
 
-def check_lines(
-    records: Iterator[Record], routing: Routing, spool: SpecSpool | None = None
-) -> list[dict[str, Any]]:
+def check_lines(records: Iterator[Record], routing: Routing, spool: SpecSpool) -> list[dict[str, Any]]:
     """Every bad line of a Batch input file, as OpenAI's ``errors.data`` entries (the first
     :data:`MAX_ERRORS`, then one counting the rest); ``[]`` when every line is good. Until a bad
     line is found, each line's job goes into ``spool``."""
@@ -227,7 +223,7 @@ def check_lines(
         lines += 1
         checked = line_problem(rec, routing, seen)
         if isinstance(checked, JobSpec):
-            if spool is not None and not bad:
+            if not bad:
                 spool.add(checked)
             continue
         bad += 1

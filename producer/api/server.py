@@ -11,7 +11,7 @@ chunk at a time. Redis, the store and the servers are reached in threads (blocki
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,7 +27,7 @@ from producer.api.errors import ApiError, bad
 from producer.api.files import Files
 from producer.api.lifecycle import Lifecycle
 from producer.dashboard.server import SECURITY_HEADERS
-from producer.web_access import host_allowed
+from producer.web_access import authorized, host_allowed
 from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill.api")
@@ -57,23 +57,13 @@ def make_app(
     return app
 
 
-def bearer_ok(header: str | None, keys_: list[str]) -> bool:
-    """Whether ``Authorization`` carries one of ``keys_`` as a bearer token (every key compared,
-    in constant time); with no keys configured, every request does."""
-    if not keys_:
-        return True
-    scheme, _, token = (header or "").partition(" ")
-    given = token.strip().encode()
-    return scheme.lower() == "bearer" and sum(hmac.compare_digest(given, k.encode()) for k in keys_) > 0
-
-
 def _guard(keys_: list[str], hosts: frozenset[str]) -> Any:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         host = request.headers.get("Host")
         if not host_allowed(host, hosts):
             raise ApiError(421, f"Host {host!r} is not a name this API answers to; add it to {HOSTS_SETTING}")
-        if not bearer_ok(request.headers.get("Authorization"), keys_):
+        if not authorized(request.headers.get("Authorization"), keys_, "bearer"):
             why = "Incorrect API key provided (Authorization: Bearer <key>, one of TOKENMILL_API_KEYS)"
             raise ApiError(401, why, None, "invalid_api_key")
         return await handler(request)
@@ -161,7 +151,7 @@ class _Api:
         """The part's bytes into the store, a chunk at a time; (file id, size)."""
         file_id = files_mod.new_id()
         size = 0
-        with self.files.writing(file_id) as fh:
+        with self.files.store.writer(self.files.path(file_id)) as fh:
             while chunk := await part.read_chunk(files_mod.CHUNK):
                 size += len(chunk)
                 if size > limit:
@@ -292,10 +282,8 @@ class _Api:
                         running[batch_id] = asyncio.create_task(self._step(batch_id))
             except redis.RedisError as exc:
                 log.warning("api: cannot list active batches: %s", exc)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.kick.wait(), self.settings.api_poll_s)
-            except TimeoutError:
-                pass
             self.kick.clear()
 
     async def _step(self, batch_id: str) -> None:

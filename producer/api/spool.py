@@ -12,7 +12,6 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from itertools import islice
-from typing import IO
 
 import orjson
 
@@ -39,13 +38,10 @@ class SpecSpool:
     def batches(self) -> Iterator[list[JobSpec]]:
         """Every spec added, in order, a batch at a time."""
         self.fh.seek(0)
-        while batch := [_spec(*lines) for lines in islice(_triples(self.fh), BATCH)]:
+        lines = iter(self.fh)
+        triples = zip(lines, lines, lines, strict=False)
+        while batch := [_spec(*three) for three in islice(triples, BATCH)]:
             yield batch
-
-
-def _triples(fh: IO[bytes]) -> Iterator[tuple[bytes, bytes, bytes]]:
-    lines = iter(fh)
-    return zip(lines, lines, lines, strict=False)
 
 
 def _spec(who: bytes, request_json: bytes, metadata_json: bytes) -> JobSpec:

@@ -135,7 +135,7 @@ class _Api:
         partition = request.query.get("partition") or None
         job = request.query.get("job") or None
         if job is not None and partition is None:
-            raise _bad(400, "job needs its partition (api/samples?run=NAME&partition=P&job=ID)")
+            raise _bad("job needs its partition (api/samples?run=NAME&partition=P&job=ID)")
         return await _answer(lambda: self.client.samples(run, n, partition=partition, job_id=job))
 
     async def flagged(self, request: web.Request) -> web.StreamResponse:
@@ -146,7 +146,7 @@ class _Api:
 def _run(request: web.Request) -> str:
     run = request.query.get("run", "")
     if not run:
-        raise _bad(400, "the run parameter is required (api/status?run=NAME)")
+        raise _bad("the run parameter is required (api/status?run=NAME)")
     return run
 
 
@@ -157,15 +157,14 @@ def _int(request: web.Request, name: str, default: int | None, low: int, high: i
     try:
         value = int(raw)
     except ValueError:
-        raise _bad(400, f"{name}={raw!r} is not an integer") from None
+        raise _bad(f"{name}={raw!r} is not an integer") from None
     if value < low or (high is not None and value > high):
-        raise _bad(400, f"{name}={value} is out of range ({low}..{high if high is not None else ''})")
+        raise _bad(f"{name}={value} is out of range ({low}..{high if high is not None else ''})")
     return value
 
 
-def _bad(status: int, message: str) -> web.HTTPException:
-    kind = web.HTTPBadRequest if status == 400 else web.HTTPNotFound
-    return kind(text=orjson.dumps({"error": message}).decode(), content_type="application/json")
+def _bad(message: str) -> web.HTTPException:
+    return web.HTTPBadRequest(text=orjson.dumps({"error": message}).decode(), content_type="application/json")
 
 
 async def _answer(read: Callable[[], Any]) -> web.Response:

@@ -48,8 +48,7 @@
 --       are 0, so drift heals when the server drains.
 -- Returns 1 admitted, 0 no room, -ms paced: no group opens for that many ms (at least 1).
 local MAX_LEASE_MS = 86400000  -- a day: a slot's lease further ahead is garbage, not a lease
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now_ms + MAX_LEASE_MS), '+inf')) do
   expired[#expired + 1] = m

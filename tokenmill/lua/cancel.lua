@@ -10,8 +10,7 @@
 -- KEYS: 1 counts, 2 delayed, 3 stats, 4.. one job key per job.
 -- ARGV: 1 mode (now | after), 2.. the job ids, in KEYS order.
 -- Returns {queued jobs cancelled, running jobs marked}.
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local mode = ARGV[1]
 local cancelled, marked = 0, 0
 for i = 4, #KEYS do

@@ -10,8 +10,7 @@
 -- Returns {'ok', token, attempts, spec, ckpt_content, ckpt_reasoning, ckpt_tokens, partition,
 --          queue, retries, ckpt_prompt} or {reason}: missing | done | failed | cancelled | busy
 --          (a sealed job is done), or {'paused', the pause's reason}.
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
 local state, lease, partition = f[1], num(f[2], 0), f[3]
 if not state then return {'missing'} end

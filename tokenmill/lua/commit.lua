@@ -30,8 +30,7 @@
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'partition', 'seq')
 if f[1] == 'done' or f[1] == 'sealed' then return 'done' end
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 'stale' end
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[3], 'done_ms', now_ms,
   'truncated', ARGV[8])
 redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'ckpt_prompt', 'lease',
@@ -110,5 +109,5 @@ if lengths then
   for i = 17, #ARGV - 1, 2 do bump(lengths, ARGV[i], ARGV[i + 1], 0) end
 end
 local n = int(ARGV[7], 0, 0)
-if n > 0 then bump(KEYS[5], t[1], n, 0) end
+if n > 0 then bump(KEYS[5], floor(now_ms / 1000), n, 0) end
 return 'ok'

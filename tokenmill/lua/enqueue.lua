@@ -61,8 +61,7 @@ if #ids > 0 then
   redis.call('SADD', KEYS[1], run)
   redis.call('SADD', KEYS[2], partition)
   bump(KEYS[3], 'queued|' .. partition, #ids, 0)
-  local t = redis.call('TIME')
-  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now_ms = clock_ms()
   redis.call('HSETNX', KEYS[9], 'first_enqueue_ms', now_ms)
   redis.call('HSET', KEYS[9], 'last_activity_ms', now_ms)
 end

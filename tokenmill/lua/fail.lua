@@ -16,6 +16,5 @@ bump(KEYS[2], 'running|' .. f[3], -1, 0)
 bump(KEYS[2], 'failed|' .. f[3], 1, 0)
 bump(KEYS[4], ARGV[3], 1, 0)
 redis.call('HSET', KEYS[5], ARGV[3], ARGV[4])
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[6], 'last_activity_ms', t[1] * 1000 + math.floor(t[2] / 1000))
+redis.call('HSET', KEYS[6], 'last_activity_ms', clock_ms())
 return 'ok'

@@ -1,6 +1,6 @@
 -- finish: commit and give the admission slot back in one round trip.
--- Composed by tokenmill/ledger.py: the bodies of commit.lua and unadmit.lua are prepended as the
--- local functions commit(KEYS, ARGV) and unadmit(KEYS, ARGV).
+-- Composed by tokenmill/transitions.py: the bodies of commit.lua and unadmit.lua are prepended as
+-- the local functions commit(KEYS, ARGV) and unadmit(KEYS, ARGV).
 -- Pre:  as commit.lua.
 -- Post: commit.lua's post; and whatever the commit's verdict, the slot is released (unadmit.lua).
 -- KEYS: commit.lua's (8 or 9), then 2 admission slots, 1 admission used (the last two).

@@ -15,8 +15,7 @@
 -- checkpoint are still written), or 0 when the claim is stale.
 local f = redis.call('HMGET', KEYS[1], 'state', 'token', 'cancel')
 if f[1] ~= 'running' or f[2] ~= ARGV[2] then return 0 end
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local expiry = now_ms + int(ARGV[3], 0, 0)
 redis.call('HSET', KEYS[1], 'lease', expiry)
 redis.call('ZADD', KEYS[2], expiry, ARGV[1])
@@ -40,6 +39,6 @@ if ARGV[4] == '1' then
     'ckpt_tokens', ARGV[7], 'ckpt_prompt', ARGV[9])
 end
 local n = int(ARGV[8], 0, 0)
-if n > 0 then bump(KEYS[3], t[1], n, 0) end
+if n > 0 then bump(KEYS[3], floor(now_ms / 1000), n, 0) end
 if f[3] == 'now' then return 2 end
 return 1

@@ -6,6 +6,5 @@
 -- KEYS: 1 the run's paused hash.  ARGV: 1 reason, 2 by (rule | person).
 -- Returns 1 when the run was paused now, 0 when it already was.
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'at_ms', t[1] * 1000 + floor(t[2] / 1000), 'by', ARGV[2])
+redis.call('HSET', KEYS[1], 'reason', ARGV[1], 'at_ms', clock_ms(), 'by', ARGV[2])
 return 1

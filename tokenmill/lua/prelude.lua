@@ -1,4 +1,4 @@
--- prelude: prepended to every script by tokenmill/ledger.py (not a transition of its own).
+-- prelude: prepended to every script by tokenmill/transitions.py (not a transition of its own).
 -- What a script reads (ARGV, and values stored in Redis, which anything may have written) is
 -- clamped before it is used, so that no value makes a script error half-way through its
 -- writes. A Lua number is a double: Redis refuses one past 2^53 or with a fraction (sent as
@@ -36,6 +36,11 @@ local function bump(key, field, delta, lo)
   v = int(v, 0, lo)
   redis.call('HSET', key, field, v)
   return v
+end
+-- Redis's clock, in ms
+local function clock_ms()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + floor(t[2] / 1000)
 end
 -- `bump` of several fields of one hash: `moves` is {field, delta, field, delta, ...}
 local function bumps(key, lo, moves)

@@ -4,8 +4,7 @@
 --       message is on the broker list.
 -- KEYS: 1 job, 2 delayed, 3 broker.  ARGV: 1 job id, 2 message.
 -- Returns 1 when published, else 0.
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local due = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not due or num(due, 0) > now_ms then return 0 end
 redis.call('ZREM', KEYS[2], ARGV[1])

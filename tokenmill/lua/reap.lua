@@ -7,8 +7,7 @@
 --       A job that is no longer running just leaves the leases set; a renewed lease is kept.
 -- KEYS: 1 job, 2 counts, 3 leases, 4 broker.  ARGV: 1 job id, 2 message.
 -- Returns 1 when the job was requeued, 2 when it ended cancelled, else 0.
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
 if f[1] ~= 'running' then
   redis.call('ZREM', KEYS[3], ARGV[1])

@@ -22,8 +22,7 @@ if ARGV[9] == '1' then
     'ckpt_tokens', ARGV[12], 'ckpt_prompt', ARGV[13])
 end
 bump(KEYS[2], 'running|' .. p, -1, 0)
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 redis.call('HSET', KEYS[8], 'last_activity_ms', now_ms)
 if f[4] then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'cancelled_ms', now_ms, 'last_error_class',

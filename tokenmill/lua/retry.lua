@@ -59,7 +59,6 @@ for queue, pending in pairs(messages) do
   if #parked[queue] > 0 then redis.call('RPUSH', backlog[queue], unpack(parked[queue])) end
 end
 if moved > 0 then
-  local t = redis.call('TIME')
-  redis.call('HSET', KEYS[4], 'last_activity_ms', t[1] * 1000 + math.floor(t[2] / 1000))
+  redis.call('HSET', KEYS[4], 'last_activity_ms', clock_ms())
 end
 return out

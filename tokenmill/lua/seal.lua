@@ -24,9 +24,8 @@ for i = 5, #KEYS do
 end
 if n > 0 then bump(KEYS[4], ARGV[2], n, 0) end
 if ARGV[3] == '1' then
-  local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'state', 'sealed', 'rows', ARGV[4], 'bytes', ARGV[5],
-    'sealed_ms', t[1] * 1000 + math.floor(t[2] / 1000))
+    'sealed_ms', clock_ms())
   redis.call('HDEL', KEYS[1], 'jobs')
   redis.call('SREM', KEYS[2], ARGV[1])
   redis.call('SADD', KEYS[3], ARGV[1])

@@ -20,8 +20,7 @@ if kept[1] then
   if kept[1] == 'pending' and kept[2] then return {'ok', kept[2]} end
   return {'wait'}
 end
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local store = redis.call('GET', KEYS[5])
 if store and store ~= ARGV[6] then return {'store', store} end
 local n = redis.call('ZCARD', KEYS[1])

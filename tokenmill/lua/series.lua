@@ -10,8 +10,7 @@
 -- ARGV: 1 the least gap between points (ms; 0: none), 2 how long points are kept (ms),
 --       3 skip a point equal to the last (0|1), 4 the index member (or ''), 5... field, value.
 -- Returns 1 when the point was added, 0 when it was skipped.
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local now = clock_ms()
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
 if last then
   local last_ms = tonumber(string.match(last[1], '^(%d+)'))

@@ -1,6 +1,6 @@
 -- start: admission and claim in one round trip (the worker's usual way to begin a job).
--- Composed by tokenmill/ledger.py: the bodies of admit.lua and claim.lua are prepended as the
--- local functions admit(KEYS, ARGV) and claim(KEYS, ARGV), so their rules are the same code.
+-- Composed by tokenmill/transitions.py: the bodies of admit.lua and claim.lua are prepended as
+-- the local functions admit(KEYS, ARGV) and claim(KEYS, ARGV), so their rules are the same code.
 -- Pre:  nothing.
 -- Post: when the job can be claimed (claim.lua's precondition) and the server has room
 --       (admit.lua's rules), both happen: the slot is held, the job is claimed (claim.lua's
@@ -13,8 +13,7 @@
 --       is added its eleventh: the run's jobs still queued (this one included), from the counts.
 -- Returns claim.lua's reply, or {'full', ms} when the server has no room (ms > 0: paced, no
 -- start is due for that many ms; 0: room comes when a slot is freed).
-local t = redis.call('TIME')
-local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local now_ms = clock_ms()
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'cancel')
 local state, lease = f[1], num(f[2], 0)
 -- claim.lua's refusals, checked before anything is admitted

@@ -28,8 +28,7 @@ end
 if held[5] then
   -- how long the request held its slot: the mean lifetime and its mean deviation pace starts
   -- (admit.lua)
-  local t = redis.call('TIME')
-  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now_ms = clock_ms()
   moving(now_ms - num(held[5], now_ms, 0, now_ms), 'life_ms', 'life_dev', held[6], held[7])
   -- how many tokens it generated: outputs of one length are what pacing is for (their lifetimes
   -- also agree, but a lifetime also moves with how full the server's batches are and how long a

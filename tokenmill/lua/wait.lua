@@ -5,9 +5,8 @@
 --       call); with 0 it is gone from it. The pump republishes jobs whose waiting lease expired
 --       (their worker died) and that are still queued.
 -- KEYS: 1 waiting zset.  ARGV: 1 job id, 2 hold (0|1), 3 ttl ms.
-local t = redis.call('TIME')
 if ARGV[2] == '1' then
-  redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000) + int(ARGV[3], 0, 0), ARGV[1])
+  redis.call('ZADD', KEYS[1], clock_ms() + int(ARGV[3], 0, 0), ARGV[1])
 else
   redis.call('ZREM', KEYS[1], ARGV[1])
 end

@@ -111,14 +111,11 @@ def prefix(request: Mapping[str, Any], long_system: bool = True) -> Prefix:
     return Prefix(h.digest(), estimate_prompt_tokens(messages[:end]))
 
 
-def weight(key: bytes, server: str) -> int:
-    """``server``'s rendezvous weight for ``key`` (stable across processes and hosts)."""
-    return int.from_bytes(hashlib.blake2b(key + server.encode(), digest_size=8).digest(), "big")
-
-
 def ranked(key: bytes, servers: Sequence[str]) -> list[int]:
-    """Indices of ``servers`` by rendezvous weight for ``key``, the preferred server first."""
-    weights = [weight(key, s) for s in servers]
+    """Indices of ``servers`` by rendezvous weight for ``key``, the preferred server first; a
+    server's weight is a hash of the key and its name (stable across processes and hosts),
+    compared as bytes (as big-endian integers)."""
+    weights = [hashlib.blake2b(key + s.encode(), digest_size=8).digest() for s in servers]
     return sorted(range(len(servers)), key=lambda i: weights[i], reverse=True)
 
 

@@ -67,14 +67,6 @@ class Slot:
     tokens: int
     shared: int = 0  # tokens of its prompt taken as cached on the server (its prefix's home)
 
-    @property
-    def key(self) -> str:
-        return keys.admission(self.server)
-
-    def ref(self) -> tuple[str, str, str]:
-        """(slots key, used key, member): what a claim carries to renew and resize the slot."""
-        return keys.admission(self.server), keys.admission_used(self.server), self.member
-
 
 class LengthTracker:
     """One attempt's reports: its hold, the length bins it reached since the last report, and at
@@ -161,10 +153,6 @@ class Admission:
     def budget(self, capacity: int | None) -> int | None:
         return None if not capacity or not self.s.admission else int(capacity * self.s.admission_fraction)
 
-    def estimate(self, run: str, request: dict[str, Any]) -> int:
-        """Tokens a request that has not started is projected to hold at its peak."""
-        return self.held(run, request, 0)
-
     def held(self, run: str, request: dict[str, Any], generated: int) -> int:
         """What a request that has generated ``generated`` tokens is projected to hold at most."""
         return self.held_on(self.survival(run), request, generated)
@@ -203,12 +191,9 @@ class Admission:
             0 if shared else estimate_prompt_tokens(request["messages"]),
         )
 
-    def load(self, server: str) -> int:
-        """Tokens currently admitted on ``server``."""
-        return held_count(self.r.hget(keys.admission_used(server), LOAD_FIELD))
-
     async def loads(self, client: LoopRedis, servers: Sequence[str]) -> list[int]:
-        """:meth:`load` of each of ``servers``, on the loop's client (one pipelined round trip)."""
+        """Tokens currently admitted on each of ``servers``, on the loop's client (one pipelined
+        round trip)."""
         used = [client.call("HGET", keys.admission_used(server), LOAD_FIELD) for server in servers]
         return [held_count(x) for x in await asyncio.gather(*used)]
 
@@ -216,15 +201,6 @@ class Admission:
         """How full a server is for admission: the tokens admitted on it over its budget (0 when
         it has none); jobs go to the least full server first."""
         return load / (self.budget(capacity) or float("inf"))
-
-    def try_admit(self, server: str, capacity: int | None, tokens: int, queue: str) -> Slot | None:
-        """A slot on ``server``, or None when its window (or, without a fresh window, its token
-        budget), or the queue's share of it, has no room."""
-        req = self.request(server, capacity, tokens, queue)
-        if req is None:
-            return Slot(server, uuid.uuid4().hex, 0)  # no known capacity and no closed loop: not limited
-        admitted = self.ledger.call(t.admit(req))  # 1; 0 no room; < 0 paced
-        return Slot(server, str(req.args[0]), tokens) if admitted == 1 else None
 
     def request(self, server: str, capacity: int | None, tokens: int, queue: str) -> AdmitRequest | None:
         """What ``admit.lua`` (alone, or inside ``start.lua`` with the claim) needs for a slot of
@@ -237,7 +213,6 @@ class Admission:
         if budget is None:
             budget = 10**15  # unknown capacity: only a fresh window limits
         other = "long" if queue == "short" else "short"
-        fresh_ms = int(s.admission_poll_s * WINDOW_FRESH_POLLS * 1000) if s.admission_closed_loop else 0
         return AdmitRequest(
             (keys.admission(server), keys.admission_used(server)),
             [
@@ -249,8 +224,8 @@ class Admission:
                 int(s.lease_ttl_s * 1000),
                 other,
                 s.admission_queue_share,
-                fresh_ms,
-                s.admission_pace_group if s.admission_pacing else 0,
+                self.knobs.fresh_ms if s.admission_closed_loop else 0,
+                self.knobs.group,
             ],
         )
 
@@ -258,12 +233,12 @@ class Admission:
         """Steer ``server``'s window by what it reports now (:func:`policy.steer`); the new window.
         One watcher at a time reads a server; the rule writes only fields of its own."""
         state = self.ledger.call(t.window_state(server, policy.FIELDS))
-        report = policy.Report(*load, -1 if retractions is None else retractions)
-        decided = policy.steer(report, self.knobs, state.stored, state.slots, state.now_ms)
+        seen = -1 if retractions is None else retractions
+        decided = policy.steer(load, seen, self.knobs, state.stored, state.slots, state.now_ms)
         self.ledger.call(t.set_window(server, decided.fields))
         if self.s.admission_trace:
             with open(self.s.admission_trace, "ab") as trace:
-                trace.write(policy.trace_line(report, self.knobs, state, decided))
+                trace.write(policy.trace_line(load, seen, self.knobs, state, decided))
         self.wake()  # a wider window: let the head of this process's line ask now
         return decided.window
 
@@ -271,10 +246,6 @@ class Admission:
         if slot.tokens:
             self.ledger.call(t.unadmit(slot.server, slot.member))
             self.wake()
-
-    def released(self) -> None:
-        """A slot was given back by another script (``finish.lua``): let this process's line ask."""
-        self.wake()
 
     def wake(self) -> None:
         """Let the head of this process's line ask for room now (from any thread)."""

@@ -56,6 +56,7 @@ from typing import Any
 
 import orjson
 
+from tokenmill.server_report import Load
 from tokenmill.transitions import WindowState
 
 INT_MAX = 2**53 - 1  # prelude.lua's: the largest integer a double holds exactly
@@ -91,17 +92,6 @@ class Knobs:
 
 
 @dataclass(frozen=True, slots=True)
-class Report:
-    """What the server reports now (``retractions`` -1: it does not say)."""
-
-    running: float
-    waiting: float
-    used: float
-    capacity: float
-    retractions: float
-
-
-@dataclass(frozen=True, slots=True)
 class Steer:
     """The new window and the fields of the used hash to set."""
 
@@ -126,14 +116,20 @@ def whole(v: Any, default: float, lo: float = -INT_MAX, hi: float = INT_MAX) -> 
 
 
 def steer(
-    report: Report, k: Knobs, stored: Mapping[str, Any], slots: Sequence[tuple[Any, Any]], now_ms: int
+    load: Load,
+    retractions: float,
+    k: Knobs,
+    stored: Mapping[str, Any],
+    slots: Sequence[tuple[Any, Any]],
+    now_ms: int,
 ) -> Steer:
-    """The window by these figures (see the module's docstring); ``stored`` is the used hash's
-    :data:`FIELDS`, ``slots`` each slot's (start ms, projected peak)."""
+    """The window by these figures (see the module's docstring): what the server reports now
+    (``retractions`` -1: it does not say); ``stored`` is the used hash's :data:`FIELDS`,
+    ``slots`` each slot's (start ms, projected peak)."""
     f = dict(stored)
-    running, waiting = num(report.running, 0, 0), num(report.waiting, 0, 0)
-    used, capacity = num(report.used, 0, 0), num(report.capacity, 0, 0)
-    retractions = num(report.retractions, -1, -1)
+    running, waiting = num(load.running, 0, 0), num(load.waiting, 0, 0)
+    used, capacity = num(load.used_tokens, 0, 0), num(load.capacity, 0, 0)
+    retractions = num(retractions, -1, -1)
     seen_by = {"srv_running": running, "srv_waiting": waiting, "srv_used": used, "srv_cap": capacity}
     seen_by["srv_retractions"] = retractions
     smallest = whole(k.smallest, 1, 1)
@@ -304,16 +300,17 @@ def young_fit(
     return max(0.0, (used - held_at_peak) / young_share) if young_share > 0 else -1
 
 
-def trace_line(report: Report, k: Knobs, state: WindowState, decided: Steer) -> bytes:
+def trace_line(load: Load, retractions: float, k: Knobs, state: WindowState, decided: Steer) -> bytes:
     """One decision as a JSON line (``admission_trace``): what :func:`replay` takes."""
     stored = {n: None if v is None else v.decode() for n, v in state.stored.items()}
     slots = [[at.decode(), tokens.decode()] for at, tokens in state.slots]
-    seen: dict[str, Any] = {"report": dataclasses.astuple(report), "knobs": dataclasses.asdict(k)}
+    seen: dict[str, Any] = {"report": [*load, retractions], "knobs": dataclasses.asdict(k)}
     seen |= {"stored": stored, "slots": slots, "now_ms": state.now_ms}
     return orjson.dumps({**seen, "window": decided.window, "fields": decided.fields}) + b"\n"
 
 
 def replay(line: Mapping[str, Any]) -> Steer:
     """:func:`steer` on what a trace line says it saw."""
+    *load, retractions = line["report"]
     slots = [tuple(s) for s in line["slots"]]
-    return steer(Report(*line["report"]), Knobs(**line["knobs"]), line["stored"], slots, line["now_ms"])
+    return steer(Load(*load), retractions, Knobs(**line["knobs"]), line["stored"], slots, line["now_ms"])
