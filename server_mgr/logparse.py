@@ -51,8 +51,8 @@ def parse_batch_line(line: str) -> tuple[str, dict[str, float]] | None:
         if pair:
             # a known name's published one, else a slug of it
             name = pair["name"].strip()
-            slug = re.sub(r"[^a-z0-9]+", "_", name.lower().replace("(token/s)", "")).strip("_")
-            figures[FIELD_NAMES.get(name, slug)] = _number(pair["value"])
+            name = FIELD_NAMES.get(name) or re.sub(r"[^a-z0-9]+", "_", name.lower().replace("(token/s)", ""))
+            figures[name.strip("_")] = _number(pair["value"])
     return match[1].lower(), figures
 
 
