@@ -117,14 +117,15 @@ class Client:
 
         ``quality_stop`` are the run's stop rules (``enqueue --quality-stop``, e.g.
         ``["repetition>0.05@200"]``; none: the ``quality_stop`` setting's), checked before
-        anything is enqueued: a tripped rule pauses the run (:meth:`resume` lifts it).
+        anything is enqueued: a tripped rule pauses the run (:meth:`resume` lifts it). The run is
+        judged against the ``quality_reference_url`` setting's server, if any, as ``enqueue`` does.
         """
         from producer.enqueue import Enqueuer, Routing
         from producer.limits import check_max_tokens, for_servers
         from producer.options import run_options
         from producer.pause import encode_rules, store_rules
         from producer.sources import sources
-        from tokenmill import redis_conn
+        from tokenmill import quality_drift, redis_conn
         from tokenmill.ledger import Ledger
 
         keys.check_run(run)
@@ -144,6 +145,7 @@ class Client:
             )
         redis_conn.warn_durability(self._redis)
         store_rules(self._redis, run, rules, default_rules)
+        quality_drift.store(self._redis, run, quality_drift.chosen(self._settings, None, None))
         routing = Routing(
             model=model or self._settings.model,
             short_max_tokens=short_max_tokens,

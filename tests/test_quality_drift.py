@@ -55,6 +55,19 @@ def test_a_reference_is_an_http_url_and_a_sample_a_fraction() -> None:
         qd.chosen(settings, "http://ref", 1.5)
 
 
+def test_the_python_apis_enqueue_stores_the_settings_reference_as_the_cli_does(redis_url: str) -> None:
+    # Given a client whose settings name a reference (TOKENMILL_QUALITY_REFERENCE_URL)
+    from tokenmill import Client
+
+    ref = "http://127.0.0.1:9"
+    with Client(redis_url=redis_url, quality_reference_url=ref + "/", quality_sample=0.25) as client:
+        # When it enqueues a run
+        client.enqueue([{"prompt": "hi"}], run="api-ref")
+        # Then the run is judged against that reference, as `tokenmill enqueue` would judge it
+        raw = qd.decode(redis.Redis.from_url(redis_url).hgetall(keys.RunKeys("api-ref").quality_reference()))
+        assert qd.Reference.of(raw) == qd.Reference(ref, 0.25, Settings.load({}).quality_sample_min)
+
+
 def test_the_score_of_an_output_is_read_from_sglangs_input_token_logprobs() -> None:
     answer = {"meta_info": {"input_token_logprobs": [[None, 7, None], [-1.0, 5, None], [-2.0, 6, None]]}}
     assert mean_logprob(answer, [5, 6]) == -1.5
