@@ -35,11 +35,7 @@ _config_option = click.option(
 _redis_option = click.option("--redis-url", default=None, help="Redis URL [env TOKENMILL_REDIS_URL].")
 
 
-@click.group(
-    cls=LazyGroup,
-    lazy=LAZY,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+@click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"]})
 def server() -> None:
     """Launch, supervise and inspect SGLang (or sim) servers."""
 

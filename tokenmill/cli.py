@@ -45,11 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-@click.group(
-    cls=LazyGroup,
-    lazy=COMMANDS,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tokenmill")
 def cli() -> None:
     """tokenmill: datasets of prompts in, datasets of completions out, exactly once."""
