@@ -24,6 +24,8 @@ from tokenmill.ledger import Ledger
 from tokenmill.ledger_async import AsyncLedger
 from tokenmill.lengths import parse_counts
 from tokenmill.settings import Settings
+from workers.admission.limiter import Slot
+from workers.attempt import attempt_job
 from workers.job import run_job
 from workers.runtime import Runtime
 
@@ -59,7 +61,7 @@ def first_in_line(rt: Runtime, go_on: threading.Event) -> Future[None]:
                 await asyncio.sleep(0.01)
 
     ahead = rt.loop.submit(stay())
-    wait_for(lambda: len(rt.admission.line) == 1, 5, "the first job in line")
+    wait_for(lambda: len(rt.admission.line._turns) == 1, 5, "the first job in line")
     return ahead
 
 
@@ -106,7 +108,7 @@ def test_a_job_behind_others_in_the_loops_line_waits_its_turn_holding_a_waiting_
             thread.start()
             # Then the job stands behind it, holding a waiting lease, until it has gone
             wait_for(lambda: rclient.zscore(waiting, job.job_id) is not None, 10, "a waiting lease")
-            assert not outcome and len(rt.admission.line) == 2
+            assert not outcome and len(rt.admission.line._turns) == 2
             go_on.set()
             ahead.result(10)
             thread.join(30)
@@ -130,7 +132,7 @@ def test_a_job_waiting_for_admission_when_the_worker_stops_is_given_back_unclaim
         ahead = first_in_line(rt, go_on)
         thread = threading.Thread(target=lambda: outcome.append(run_job(rt, RUN, job.job_id)))
         thread.start()
-        wait_for(lambda: len(rt.admission.line) == 2, 10, "the job in line")
+        wait_for(lambda: len(rt.admission.line._turns) == 2, 10, "the job in line")
         rt.stopping.set()  # as the worker's shutdown hook does
         thread.join(10)
         go_on.set()
@@ -259,3 +261,28 @@ def test_a_paced_head_asks_again_when_the_next_start_is_due_not_at_its_poll(
         rt.loop.stop()
         proc.stop()
     assert outcomes == ["done"] * 4
+
+
+def test_a_refused_continuation_that_starts_over_still_reports_its_first_token(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis
+) -> None:
+    """Affinity learns that a job's prefix is cached on its server from the stream's first chunk;
+    a job whose checkpoint the server refuses to continue starts over, and that stream's first
+    chunk is the one to report."""
+    proc, url = start_sim(tmp_path, "--sim-refuse-continuations")
+    rt = runtime(redis_url, url)
+    firsts: list[str] = []
+    try:
+        (job,) = enqueue(rclient, 1)
+        ledger = Ledger(rclient, RUN)
+        claim = ledger.call(t.claim(ledger.k, job.job_id, "tester", 60))
+        assert isinstance(claim, t.Claim)
+        claim.checkpoint = t.Checkpoint(content="Once upon", tokens=2, prompt_tokens=5)
+        attempt = attempt_job(rt, claim, url, Slot(url, "m", 0), on_first=lambda: firsts.append("first"))
+        done = rt.loop.submit(attempt).result(30)
+    finally:
+        rt.loop.stop()
+        proc.stop()
+
+    assert done.error is None and not done.state.base, done.error  # it started over, and ended
+    assert firsts == ["first"]

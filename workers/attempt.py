@@ -137,7 +137,7 @@ async def attempt_job(
                 raise
             # The server refused to continue the partial: start over, and record that it did.
             log.warning("job %s: continuation refused (%s); starting over", claim.job_id, exc.message)
-            state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(), 0
+            state.base, state.progress, state.reported_tokens = Checkpoint(), Progress(on_first=on_first), 0
             done.outcome = await run_attempt(client, claim, s, rt.watch, state)
     except (errors.GenerationError, errors.StaleClaimError) as exc:
         done.error = exc
