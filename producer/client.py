@@ -1,15 +1,5 @@
 """The Python API, ``tokenmill.Client``: the producer's commands as methods, over the code the
-CLI runs.
-
-``enqueue`` feeds :class:`~producer.enqueue.Enqueuer` (as ``tokenmill enqueue``) from the sources
-of :mod:`producer.sources`; ``status`` is :func:`~producer.status.run_status` (``status --json``);
-``wait`` polls it (:mod:`producer.waiting`); ``results`` streams the rows
-:func:`~producer.export.export_run` writes, from Redis and the sealed shards (``export``);
-``to_dataset`` and ``to_pandas`` collect them (:mod:`producer.dataframes`); ``runs``, ``retry`` and
-``cancel`` are :func:`~producer.runs.list_runs`, :func:`~producer.retry.retry_run` and
-:func:`~producer.cancel.cancel_run`; ``pause`` and ``resume`` :func:`~producer.pause.pause_run` and
-:func:`~producer.resume.resume_run`. Errors are tokenmill's (:mod:`tokenmill.errors`), with the
-CLI's messages.
+CLI runs. Errors are tokenmill's (:mod:`tokenmill.errors`), with the CLI's messages.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ when a worker takes them (their job no longer exists).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 import redis
 
@@ -60,13 +61,8 @@ def delete_run(
     summary = DeleteSummary(store=store.shown if store else None)
     if results and store is not None:
         summary.files = store.delete_run(run)
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{k.prefix}:*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            summary.keys += int(client.unlink(*batch))
-            batch = []
-    if batch:
+    found = client.scan_iter(match=f"{k.prefix}:*", count=1000)
+    while batch := list(islice(found, 1000)):
         summary.keys += int(client.unlink(*batch))
     client.srem(keys.runs(), run)
     return summary

@@ -23,7 +23,6 @@ import orjson
 from producer import export_batch
 from producer.export_parquet import ParquetRows
 from producer.export_rows import (
-    EndedBuilder,
     RowCounts,
     ShardReader,
     check_shards,
@@ -150,21 +149,18 @@ def batch_lines(
     With ``cancelled`` (a code and a message), a cancelled job's error is that, not
     ``batch_cancelled``."""
     run = ledger.run
-    for job_id, _, row, ended in partition_rows(ledger, reader, counts, export_row, _ended(run, cancelled)):
-        if ended:
-            yield row, False
-        else:
-            yield orjson.dumps(export_batch.done_line(run, job_id, orjson.loads(row))), True
 
-
-def _ended(run: str, cancelled: tuple[str, str] | None) -> EndedBuilder:
-    def ended(job_id: str, spec: dict[str, Any], error_class: str, message: str) -> dict[str, Any]:
+    def ended_line(job_id: str, spec: dict[str, Any], error_class: str, message: str) -> dict[str, Any]:
         if error_class == "cancelled" and cancelled is not None:
             error_class, message = cancelled
         row = {"id": row_id(job_id, spec), "sample": spec.get("sample")}
         return export_batch.failed_line(run, job_id, export_batch.custom_id(row), error_class, message)
 
-    return ended
+    for job_id, _, row, ended in partition_rows(ledger, reader, counts, export_row, ended_line):
+        if ended:
+            yield row, False
+        else:
+            yield orjson.dumps(export_batch.done_line(run, job_id, orjson.loads(row))), True
 
 
 @contextmanager

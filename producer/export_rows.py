@@ -153,7 +153,6 @@ def sealed_by_shard(ledger: Ledger, partition: str) -> dict[str, list[str]]:
 
 
 def jobs_of_shard(ledger: Ledger, partition: str, shard_id: str) -> list[str]:
-    """The jobs the ledger says ``shard_id`` seals."""
     return sealed_by_shard(ledger, partition).get(shard_id, [])
 
 
@@ -245,8 +244,8 @@ def _sealed_row(
 def check_store_reachable(store: ResultStore | None, run: str) -> None:
     """Refuse (before anything reads or requeues) when the run's folder is not in ``store`` at
     all: a store not mounted, or moved, looks like every shard lost."""
-    if store is not None and not store.exists(store.run_dir(run)):
-        where = store.describe(store.run_dir(run))
+    if store is not None and not store.exists(store.path(run)):
+        where = store.describe(store.path(run))
         raise ResultStoreError(
             f"run {run}: its shards were sealed into {store.shown}, but {where} does not exist here; "
             "mount or reach the store at that path, or pass --results-url where the shards are now"

@@ -53,6 +53,7 @@ ADMISSION_FIELDS = {
     "admitted": ("tokenmill_admission_admitted", "Requests admitted on the server.", True),
     "refused": ("tokenmill_admission_refused", "Admission attempts refused for lack of room.", True),
 }
+ADMISSION_READ = [*ADMISSION_FIELDS, *keys.QUEUES, *(f"cap:{q}" for q in keys.QUEUES)]  # of the used hash
 
 
 def _num(value: Any) -> float | None:
@@ -70,16 +71,14 @@ class LedgerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("tokenmill_redis_up", "Whether this scrape could read Redis.")
+        families: list[Metric] | None = None
         try:
             families = [*self._runs(), *self._queues(), *self._servers()]
         except redis.RedisError as exc:
             log.warning("scrape failed: cannot read Redis: %s", exc)
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
+        up.add_metric([], 0 if families is None else 1)
         yield up
-        yield from families
+        yield from families or ()
 
     # -- runs -------------------------------------------------------------------------------
 
@@ -108,8 +107,7 @@ class LedgerCollector(Collector):
             ever = Counter({text(c): int(n) for c, n in failed_now.items()})
             ever.update({text(c): int(n) for c, n in retried.items()})
             counts = Ledger(self.r, run).counts()
-            families.add(run, counts, run_stats, ever, n_delayed, backlogs)
-            families.add_quality(run, quality_view(self.r, run, counts))
+            families.add(run, counts, run_stats, ever, n_delayed, backlogs, quality_view(self.r, run, counts))
         return families.all()
 
     def _queues(self) -> list[Metric]:
@@ -135,15 +133,12 @@ class LedgerCollector(Collector):
         """The server records, and each one's admission: slots (zset cardinality) and the
         used-tokens hash; fields are absent until admission runs."""
         records = server_records.load_all(self.r)
-        admission = _AdmissionFamilies()
         pipe = self.r.pipeline(transaction=False)
         for rec in records:
             pipe.zcard(keys.admission(rec.name))
-            pipe.hmget(keys.admission_used(rec.name), _AdmissionFamilies.FIELDS)
+            pipe.hmget(keys.admission_used(rec.name), ADMISSION_READ)
         replies = pipe.execute()
-        for i, rec in enumerate(records):
-            admission.add(rec.name, replies[2 * i], replies[2 * i + 1])
-        return [*_server_families(records), *admission.all()]
+        return [*_server_families(records), *_admission_families(records, replies)]
 
 
 class _RunFamilies:
@@ -194,8 +189,10 @@ class _RunFamilies:
         failures: dict[Any, Any],
         delayed: int,
         backlogs: list[int],
+        view: QualityView,
     ) -> None:
-        """Add one run's figures (``stats`` and ``failures`` as read from their hashes)."""
+        """Add one run's figures (``stats`` and ``failures`` as read from their hashes), and its
+        quality: counts since it began, window rates, and its pause."""
         for partition, by_state in sorted(counts.items()):
             for state, n in by_state.items():
                 self.jobs.add_metric([run, partition, state], n)
@@ -207,13 +204,10 @@ class _RunFamilies:
         self.delayed.add_metric([run], delayed)
         for queue, n in zip(keys.QUEUES, backlogs, strict=True):
             self.backlog.add_metric([run, queue], n)
-
-    def add_quality(self, run: str, view: QualityView) -> None:
-        """Add one run's quality: counts since it began, window rates, and its pause."""
-        for partition, counts in sorted(view.counts.items()):
-            self.judged.add_metric([run, partition], counts.get(JUDGED, 0))
+        for partition, judged in sorted(view.counts.items()):
+            self.judged.add_metric([run, partition], judged.get(JUDGED, 0))
             for flag in SIGNALS:
-                self.flagged.add_metric([run, partition, flag], counts.get(flag, 0))
+                self.flagged.add_metric([run, partition, flag], judged.get(flag, 0))
         for partition, doc in sorted(view.partitions.items()):
             for name in (*RATE_NAMES, DRIFT):
                 if doc.get(name) is not None:
@@ -227,45 +221,38 @@ class _RunFamilies:
         return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog, *quality]
 
 
-class _AdmissionFamilies:
-    """The admission metric families of one scrape."""
-
-    FIELDS = [*ADMISSION_FIELDS, *keys.QUEUES, *(f"cap:{q}" for q in keys.QUEUES)]
-
-    def __init__(self) -> None:
-        self.slots = GaugeMetricFamily(
-            "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
-        )
-        self.fields = {
-            f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
-            for f, (name, doc, counter) in ADMISSION_FIELDS.items()
-        }
-        self.by_queue = GaugeMetricFamily(
-            "tokenmill_admission_queue_tokens",
-            "Tokens held by admission slots, by queue.",
-            labels=["server", "queue"],
-        )
-        self.caps = GaugeMetricFamily(
-            "tokenmill_admission_queue_cap_tokens",
-            "The most tokens one queue may hold on the server.",
-            labels=["server", "queue"],
-        )
-
-    def add(self, server: str, slots: int, used: list[Any]) -> None:
-        """Add one server's slot count and its used-hash values (in :attr:`FIELDS` order)."""
-        self.slots.add_metric([server], slots)
-        values = {f: _num(v) for f, v in zip(self.FIELDS, used, strict=True)}
-        for field, family in self.fields.items():
+def _admission_families(records: list[server_records.ServerRecord], replies: list[Any]) -> list[Metric]:
+    """Each server's admission from ``replies``: its slot count, then its used-hash values (in
+    :data:`ADMISSION_READ` order)."""
+    slots = GaugeMetricFamily(
+        "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
+    )
+    fields = {
+        f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
+        for f, (name, doc, counter) in ADMISSION_FIELDS.items()
+    }
+    by_queue = GaugeMetricFamily(
+        "tokenmill_admission_queue_tokens",
+        "Tokens held by admission slots, by queue.",
+        labels=["server", "queue"],
+    )
+    caps = GaugeMetricFamily(
+        "tokenmill_admission_queue_cap_tokens",
+        "The most tokens one queue may hold on the server.",
+        labels=["server", "queue"],
+    )
+    for i, rec in enumerate(records):
+        slots.add_metric([rec.name], replies[2 * i])
+        values = {f: _num(v) for f, v in zip(ADMISSION_READ, replies[2 * i + 1], strict=True)}
+        for field, family in fields.items():
             if (v := values[field]) is not None:
-                family.add_metric([server], v)
+                family.add_metric([rec.name], v)
         for queue in keys.QUEUES:
             if (v := values[queue]) is not None:
-                self.by_queue.add_metric([server, queue], v)
+                by_queue.add_metric([rec.name, queue], v)
             if (v := values[f"cap:{queue}"]) is not None:
-                self.caps.add_metric([server, queue], v)
-
-    def all(self) -> list[Metric]:
-        return [self.slots, *self.fields.values(), self.by_queue, self.caps]
+                caps.add_metric([rec.name, queue], v)
+    return [slots, *fields.values(), by_queue, caps]
 
 
 def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]:

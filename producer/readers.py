@@ -70,7 +70,8 @@ def iter_records(path: str | Path) -> Iterator[Record]:
         return _iter_arrow_rows(name, _hf_data_files(p))
     suffix = _suffix(p)
     if suffix in GZIP_SUFFIXES:
-        _check_gzip(p)
+        if _check_readable(p) != _GZIP_MAGIC:
+            raise InputError(name, "not a gzip file (the name ends in .gz)")
         return _iter_jsonl(p, gzipped=True)
     if suffix in JSONL_SUFFIXES:
         _check_readable(p)
@@ -123,11 +124,6 @@ def _check_readable(p: Path) -> bytes:
             return f.read(2)
     except OSError as exc:
         raise InputError(str(p), f"cannot read: {exc.strerror or exc}") from None
-
-
-def _check_gzip(p: Path) -> None:
-    if _check_readable(p) != _GZIP_MAGIC:
-        raise InputError(str(p), "not a gzip file (the name ends in .gz)")
 
 
 def _iter_jsonl(p: Path, *, gzipped: bool) -> Iterator[Record]:

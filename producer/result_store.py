@@ -65,9 +65,6 @@ class ResultStore:
         """A path under the store's root (``tokenmill api`` keeps its files under ``_api``)."""
         return os.path.join(self.root, *parts) if self.local else "/".join((self.root, *parts))
 
-    def run_dir(self, run: str) -> str:
-        return self.path(run)
-
     def shard_path(self, run: str, partition: str, shard_id: str) -> str:
         return self.path(run, partition, f"{shard_id}.parquet")
 
@@ -199,7 +196,7 @@ class ResultStore:
 
     def delete_run(self, run: str) -> int:
         """Remove every file of ``run``; returns how many there were."""
-        folder = self.run_dir(run)
+        folder = self.path(run)
         try:
             if not self.fs.exists(folder):
                 return 0

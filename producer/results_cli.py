@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from typing import TYPE_CHECKING
 
 import click
@@ -129,10 +130,8 @@ def _pass(lock: Lock, token: str, sealer: Sealer, runs: list[str] | None, force:
     try:
         report = sealer.seal_runs(runs, force)
     finally:
-        try:
+        with suppress(LockError):  # it expired meanwhile: another sealer may hold it now
             lock.release()
-        except LockError:  # it expired meanwhile: another sealer may hold it now
-            pass
     if report.shards or report.recovered or once:
         click.echo(
             f"sealed {report.jobs} result(s) into {report.shards} shard(s), {report.bytes:,} bytes"
@@ -143,10 +142,8 @@ def _pass(lock: Lock, token: str, sealer: Sealer, runs: list[str] | None, force:
 
 
 def _extend(lock: Lock) -> None:
-    try:
+    with suppress(LockError):  # lost it: the protocol is safe beside another sealer, carry on
         lock.reacquire()
-    except LockError:  # lost it: the protocol is safe beside another sealer, carry on
-        pass
 
 
 @click.command()

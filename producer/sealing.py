@@ -240,22 +240,18 @@ class Sealer:
 
     def _mark(
         self, run: str, partition: str, shard_id: str, ids: Sequence[str], rows: int, nbytes: int
-    ) -> int:
+    ) -> None:
         """Step 3: ``seal.lua`` over ``ids`` in chunks, the last one finishing the manifest."""
         k = keys.RunKeys(run)
         step = self.mark_chunk
         chunks = [ids[i : i + step] for i in range(0, len(ids), step)] or [[]]
-        sealed = 0
         for n, chunk in enumerate(chunks):
             last = n == len(chunks) - 1
-            got = self.ledger.call(t.seal(k, partition, shard_id, chunk, last, rows, nbytes))
-            if got < 0:
+            if self.ledger.call(t.seal(k, partition, shard_id, chunk, last, rows, nbytes)) < 0:
                 log.warning("run %s: shard %s is no longer being sealed; stopped", run, shard_id)
-                return sealed
-            sealed += got
+                return
             if not last:
                 self.fault("half_marked")
-        return sealed
 
     def _mark_from_file(self, run: str, partition: str, shard_id: str, ids: Sequence[str]) -> tuple[int, int]:
         """Step 3 for a manifest whose marking began: the file is the only copy now, so only the

@@ -49,7 +49,10 @@ def sources(rows: Any, partition: str | None) -> Iterator[Source]:
         yield Source(partition or DEFAULT_PARTITION, _dataset_records(rows))
         return
     if isinstance(rows, Mapping) or not isinstance(rows, Iterable) or isinstance(rows, bytes):
-        raise InputError("rows", f"expected dicts, a DataFrame, a Dataset or file paths, got {_kind(rows)}")
+        got = (
+            "a single dict (pass a list of them)" if isinstance(rows, Mapping) else f"a {type(rows).__name__}"
+        )
+        raise InputError("rows", f"expected dicts, a DataFrame, a Dataset or file paths, got {got}")
     if isinstance(rows, list | tuple) and rows and all(isinstance(p, str | os.PathLike) for p in rows):
         for path in rows:
             yield Source(partition or dataset_stem(path), _lazy_file(Path(path)))
@@ -60,12 +63,6 @@ def sources(rows: Any, partition: str | None) -> Iterator[Source]:
 def _is(obj: Any, package: str, name: str) -> bool:
     """Whether ``obj``'s type (or a base) is ``package``'s ``name`` (no import of the package)."""
     return any(c.__name__ == name and c.__module__.split(".")[0] == package for c in type(obj).__mro__)
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return "a single dict (pass a list of them)"
-    return f"a {type(value).__name__}"
 
 
 def _lazy_file(path: Path) -> Iterator[Record]:

@@ -24,12 +24,13 @@ from tokenmill.url_secrets import redact_url
 
 LAZY = {"sim": ("server_mgr.sim.cli:sim", "Run the SGLang-compatible simulator (no GPU).")}
 STALE_AFTER_S = 30.0
+_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 COLUMNS = "NAME,ENGINE,STATE,URL,PID,RESTARTS,KV TOKENS,CONTEXT,RUNNING,QUEUED,USAGE,LAST ERROR".split(",")
 
 _config_option = click.option(
     "--config",
     "config_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_FILE,
     help="TOML file with one or more [[server]] tables.",
 )
 _redis_option = click.option("--redis-url", default=None, help="Redis URL [env TOKENMILL_REDIS_URL].")
@@ -110,7 +111,7 @@ def stop(
 
     Leaves a stop request in Redis that each server's supervisor obeys, then waits for `down`.
     """
-    from server_mgr.stopping import stop_servers
+    from server_mgr.reporting import stop_servers
     from tokenmill import redis_conn
 
     configs = load_config(config_path) if config_path else []
@@ -122,9 +123,8 @@ def stop(
         raise click.UsageError("give --config, --name or --all")
     if timeout_s is None:
         timeout_s = max([c.drain_grace_s + c.stop_grace_s for c in configs] or [600.0]) + 60
-    ok = stop_servers(
-        client, list(dict.fromkeys(wanted)), drain=not now, timeout_s=None if no_wait else timeout_s
-    )
+    timeout_s = None if no_wait else timeout_s
+    ok = stop_servers(client, list(dict.fromkeys(wanted)), not now, timeout_s, STALE_AFTER_S)
     sys.exit(0 if ok else 1)
 
 
@@ -138,24 +138,11 @@ def command(config_path: Path | None, show_secrets: bool) -> None:
 
 
 @server.command("check-quality")
-@click.option(
-    "--reference",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Config of the reference server (launched, then stopped).",
-)
-@click.option(
-    "--candidate",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Config of the candidate server (launched, then stopped).",
-)
+@click.option("--reference", type=_FILE, help="Config of the reference server (launched, then stopped).")
+@click.option("--candidate", type=_FILE, help="Config of the candidate server (launched, then stopped).")
 @click.option("--reference-url", help="A running reference server instead of --reference.")
 @click.option("--candidate-url", help="A running candidate server instead of --candidate.")
-@click.option(
-    "--prompts",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
-    help="JSONL with 'prompt' or 'messages' per line.",
-)
+@click.option("--prompts", type=_FILE, required=True, help="JSONL with 'prompt' or 'messages' per line.")
 @click.option(
     "--threshold",
     type=click.FloatRange(0, 1),
@@ -289,9 +276,9 @@ def _print_quality(result: Any, sides: list[Any]) -> None:
     click.echo(f"prompts: {n} (greedy: temperature 0, fixed seed)")
     click.echo(f"exact match:             {n - result.diverged}/{n} ({result.exact_match_rate:.1%})")
     click.echo(f"mean shared prefix:      {result.mean_prefix_fraction:.3f}")
-    if result.median_divergence is not None:
+    if result.median_first_divergence_words is not None:
         click.echo(
-            f"median first divergence: word {result.median_divergence:g} "
+            f"median first divergence: word {result.median_first_divergence_words:g} "
             f"(over the {result.diverged} outputs that differ)"
         )
     verdict = "PASS" if result.passed else "FAIL"

@@ -25,14 +25,8 @@ _SECRET_ENV_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.I
 
 # SGLang flags the sim engine does not model; they are left out of a sim's command.
 SIM_UNSUPPORTED = frozenset(
-    {
-        "--dp-size",
-        "--kv-cache-dtype",
-        "--enable-hierarchical-cache",
-        "--hicache-size",
-        "--cuda-graph-backend-decode",
-        "--cuda-graph-backend-prefill",
-    }
+    "--dp-size --kv-cache-dtype --enable-hierarchical-cache --hicache-size "
+    "--cuda-graph-backend-decode --cuda-graph-backend-prefill".split()
 )
 
 

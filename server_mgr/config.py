@@ -107,7 +107,6 @@ class ServerConfig:
 
     @property
     def probe_url(self) -> str:
-        """The base URL the manager probes."""
         return f"http://{_bracket(self.probe_host)}:{self.port}"
 
     @property
@@ -257,7 +256,13 @@ def _validate(c: ServerConfig, table: dict[str, Any], where: str) -> None:
     for key, ok, problem in _rules(c):
         if not ok:
             raise _bad(where, key, f"{problem}, got {getattr(c, key, None)!r}")
-    _validate_kv_cache(c, where)
+    if c.kv_cache_dtype not in sglang_flags.LOSSLESS_KV_CACHE_DTYPES and not c.allow_lossy_kv_cache:
+        raise LossyKvCacheError(
+            f"{where}: key 'kv_cache_dtype': {c.kv_cache_dtype!r} quantizes the KV cache, which "
+            "measurably degrades output quality (greedy outputs diverge from the bf16 reference); "
+            "refused unless allow_lossy_kv_cache = true. Measure it first with "
+            "`tokenmill server check-quality`"
+        )
     _validate_fraction(c, where)
     flags_problem = sglang_flags.extra_args_problem(c.extra_args)
     if flags_problem:
@@ -316,24 +321,12 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
         ("health_interval_s", c.health_interval_s > 0, "must be positive"),
         ("health_timeout_s", c.health_timeout_s > 0, "must be positive"),
         ("health_failures", c.health_failures >= 1, "must be at least 1"),
-    ]
-
-
-def _validate_kv_cache(c: ServerConfig, where: str) -> None:
-    if c.kv_cache_dtype not in sglang_flags.KV_CACHE_DTYPES:
-        raise _bad(
-            where,
+        (
             "kv_cache_dtype",
-            f"must be one of {', '.join(sglang_flags.KV_CACHE_DTYPES)} "
-            f"(sglang 0.5.23's choices), got {c.kv_cache_dtype!r}",
-        )
-    if sglang_flags.is_lossy_kv_cache(c.kv_cache_dtype) and not c.allow_lossy_kv_cache:
-        raise LossyKvCacheError(
-            f"{where}: key 'kv_cache_dtype': {c.kv_cache_dtype!r} quantizes the KV cache, which "
-            "measurably degrades output quality (greedy outputs diverge from the bf16 reference); "
-            "refused unless allow_lossy_kv_cache = true. Measure it first with "
-            "`tokenmill server check-quality`"
-        )
+            c.kv_cache_dtype in sglang_flags.KV_CACHE_DTYPES,
+            f"must be one of {', '.join(sglang_flags.KV_CACHE_DTYPES)} (sglang 0.5.23's choices)",
+        ),
+    ]
 
 
 def _validate_fraction(c: ServerConfig, where: str) -> None:

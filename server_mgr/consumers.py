@@ -112,22 +112,19 @@ class ConsumerGate:
 
         with self._lock:
             try:
-                self._sync()
+                records = servers.load_all(self.client)
+                ready = [r for r in records if r.state == servers.READY and r.is_fresh(self.stale_after_s)]
+                paused = paused_reason(self.client)
+                if ready:
+                    if paused is not None:
+                        resume_consumers(self.client, self.control)
+                    return
+                due = time.monotonic() - self._last_pause >= self.rebroadcast_s
+                if paused is None or due:
+                    pause_consumers(self.client, self.control, _reason(records))
+                    self._last_pause = time.monotonic()
             except (redis.RedisError, OSError) as exc:
                 log.warning("cannot pause/resume consumers: %s", exc)
-
-    def _sync(self) -> None:
-        records = servers.load_all(self.client)
-        ready = [r for r in records if r.state == servers.READY and r.is_fresh(self.stale_after_s)]
-        paused = paused_reason(self.client)
-        if ready:
-            if paused is not None:
-                resume_consumers(self.client, self.control)
-            return
-        due = time.monotonic() - self._last_pause >= self.rebroadcast_s
-        if paused is None or due:
-            pause_consumers(self.client, self.control, _reason(records))
-            self._last_pause = time.monotonic()
 
 
 def _reason(records: list[servers.ServerRecord]) -> str:

@@ -72,9 +72,7 @@ def launch_fraction(log_text: str) -> float | None:
 
 
 def _number(text: str) -> float:
-    if text in ("True", "False"):
-        return 1.0 if text == "True" else 0.0
-    return float(text)
+    return float(text == "True") if text in ("True", "False") else float(text)
 
 
 @dataclass(slots=True)
@@ -88,7 +86,6 @@ class LiveFigures:
     last_batch_at: float = 0.0  # time.monotonic() of the last batch line (0: none yet)
 
     def feed(self, line: str) -> None:
-        """Take one log line into account."""
         batch = parse_batch_line(line)
         if batch:
             kind, figures = batch
@@ -120,12 +117,11 @@ class LiveFigures:
 
 
 class LogTail:
-    """Reads the lines appended to a file since a given offset, a chunk at a time."""
+    """Reads the lines appended to a file since a given offset, 1 MiB at a time."""
 
-    def __init__(self, path: Path, offset: int = 0, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, path: Path, offset: int = 0) -> None:
         self.path = path
         self.offset = offset
-        self.chunk_bytes = chunk_bytes
         self._partial = b""
 
     def read_lines(self) -> list[str]:
@@ -133,7 +129,7 @@ class LogTail:
         try:
             with self.path.open("rb") as fh:
                 fh.seek(self.offset)
-                data = fh.read(self.chunk_bytes)
+                data = fh.read(1 << 20)
         except FileNotFoundError:
             return []
         self.offset += len(data)

@@ -51,10 +51,8 @@ class Engine:
 
     def remember_members(self) -> None:
         """Record every process of the group and tree now (checked again after a stop)."""
-        for pid in {self.pid, *group_members(self.pgid), *descendants(self.pid)}:
-            stat = _read_stat(pid)
-            if stat is not None:
-                self.seen.setdefault(pid, stat.start)
+        for pid, start in _members(self.pid).items():
+            self.seen.setdefault(pid, start)
 
 
 def launch(argv: list[str], env: Mapping[str, str], log_path: Path, banner: str) -> Engine:
@@ -121,12 +119,6 @@ def ensure_gone(pgid: int, seen: Mapping[int, int], timeout_s: float = 15.0) -> 
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
-    if not PROC.is_dir():  # pragma: no cover - non-Linux fallback
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
     return [pid for pid, st in _proc_table().items() if st.pgrp == pgid and st.state != "Z"]
 
 
@@ -147,17 +139,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
     stat = _read_stat(pid)
-    if stat is not None:
-        return stat.state != "Z"
-    if PROC.is_dir():
-        return False
-    try:  # pragma: no cover - non-Linux fallback
-        os.kill(pid, 0)
-    except ProcessLookupError:  # pragma: no cover
-        return False
-    return True  # pragma: no cover
+    return stat is not None and stat.state != "Z"
 
 
 def gpu_holders(pids: Iterable[int], run: Callable[..., str] | None = None) -> list[int]:
@@ -175,7 +158,6 @@ def gpu_holders(pids: Iterable[int], run: Callable[..., str] | None = None) -> l
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether something accepts connections on ``host:port``."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
@@ -197,11 +179,7 @@ def is_stale_server(pid: int, port: int) -> bool:
 
 def stop_orphan(pid: int, grace_s: float) -> list[str]:
     """Stop a server left by an earlier manager (not our child): SIGTERM, grace, SIGKILL group."""
-    seen = {
-        p: st.start
-        for p in {pid, *group_members(pid), *descendants(pid)}
-        if (st := _read_stat(p)) is not None
-    }
+    seen = _members(pid)
     _signal_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while is_alive(pid) and time.monotonic() < deadline:
@@ -217,13 +195,13 @@ def _nvidia_smi(*args: str) -> str:
 
 
 def _proc_table() -> dict[int, _Stat]:
-    table: dict[int, _Stat] = {}
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            stat = _read_stat(int(entry.name))
-            if stat is not None:
-                table[int(entry.name)] = stat
-    return table
+    stats = {int(entry.name): _read_stat(int(entry.name)) for entry in PROC.iterdir() if entry.name.isdigit()}
+    return {pid: stat for pid, stat in stats.items() if stat is not None}
+
+
+def _members(pid: int) -> dict[int, int]:
+    """pid -> start time of ``pid``, of its process group (it leads one) and of its descendants."""
+    return {p: st.start for p in {pid, *group_members(pid), *descendants(pid)} if (st := _read_stat(p))}
 
 
 class _Stat(NamedTuple):

@@ -17,7 +17,7 @@ import statistics
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class Comparison:
     prompts: int
     exact_match_rate: float
     mean_prefix_fraction: float
-    median_divergence: float | None
+    median_first_divergence_words: float | None
     diverged: int
     threshold: float
 
@@ -61,15 +61,7 @@ class Comparison:
         return self.mean_prefix_fraction >= self.threshold
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "prompts": self.prompts,
-            "exact_match_rate": self.exact_match_rate,
-            "mean_prefix_fraction": self.mean_prefix_fraction,
-            "median_first_divergence_words": self.median_divergence,
-            "diverged": self.diverged,
-            "threshold": self.threshold,
-            "passed": self.passed,
-        }
+        return {**asdict(self), "passed": self.passed}
 
 
 def words(text: str) -> list[str]:
@@ -97,7 +89,7 @@ def compare(reference: list[str], candidate: list[str], threshold: float) -> Com
         prompts=n,
         exact_match_rate=exact / n if n else 1.0,
         mean_prefix_fraction=sum(fractions) / n if n else 1.0,
-        median_divergence=statistics.median(divergences) if divergences else None,
+        median_first_divergence_words=statistics.median(divergences) if divergences else None,
         diverged=len(divergences),
         threshold=threshold,
     )
@@ -114,19 +106,15 @@ def load_prompts(path: Path) -> list[list[dict[str, Any]]]:
             row = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
             raise InputError(source, f"not valid JSON: {exc}") from None
-        prompts.append(_messages(row, source))
+        if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            prompts.append(row["messages"])
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append([{"role": "user", "content": row["prompt"]}])
+        else:
+            raise InputError(source, "expected an object with 'messages' (a list) or 'prompt' (a string)")
     if not prompts:
         raise InputError(str(path), "no prompts")
     return prompts
-
-
-def _messages(row: Any, source: str) -> list[dict[str, Any]]:
-    if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-        messages: list[dict[str, Any]] = row["messages"]
-        return messages
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
-    raise InputError(source, "expected an object with 'messages' (a list) or 'prompt' (a string)")
 
 
 def run_check(

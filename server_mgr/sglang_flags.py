@@ -77,11 +77,6 @@ OTHER_FLAGS = (
 ).split()
 
 
-def is_lossy_kv_cache(dtype: str) -> bool:
-    """Whether ``dtype`` quantizes the KV cache (fp8*, fp4*, mxfp8, nvfp4)."""
-    return dtype not in LOSSLESS_KV_CACHE_DTYPES
-
-
 def extra_args_problem(args: tuple[str, ...]) -> str | None:
     """Why ``args`` cannot be passed to SGLang, or None if every flag in it is acceptable."""
     known = (*MANAGED_FLAGS, *OTHER_FLAGS)

@@ -206,7 +206,6 @@ class Supervisor:
             time.sleep(TICK_S)
 
     def _on_ready(self, engine: process.Engine) -> None:
-        c = self.config
         total, context = self._capacity(engine)
         self._set_state(servers.READY, max_total_num_tokens=total, context_length=context)
         self._event(
@@ -215,7 +214,7 @@ class Supervisor:
             f"max_total_num_tokens={total}, context_length={context}",
             max_total_num_tokens=total,
             context_length=context,
-            mem_fraction_static=c.mem_fraction_static,
+            mem_fraction_static=self.config.mem_fraction_static,
         )
 
     def _capacity(self, engine: process.Engine) -> tuple[int | None, int | None]:

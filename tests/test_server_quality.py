@@ -18,7 +18,7 @@ def test_agreement_figures_of_two_output_lists() -> None:
     result = compare([" a b c d", " a b", ""], [" a b x d", " a b", ""], threshold=0.9)
     assert result.exact_match_rate == pytest.approx(2 / 3)
     assert result.mean_prefix_fraction == pytest.approx((0.5 + 1 + 1) / 3)
-    assert (result.median_divergence, result.diverged, result.passed) == (2, 1, False)
+    assert (result.median_first_divergence_words, result.diverged, result.passed) == (2, 1, False)
     assert words(" a  b\n") == [" a", "  b", "\n"]
 
 

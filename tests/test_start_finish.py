@@ -163,7 +163,7 @@ def test_finish_commits_and_releases_the_slot_whatever_the_verdict(rclient: redi
     first = {"content": "hi", "usage": {"completion_tokens": 10, "prompt_tokens": 5}, "continued_tokens": 6}
     result = {"content": "hi", "usage": {"completion_tokens": 2, "prompt_tokens": 5}}
 
-    assert ledger.call(t.commit(ledger.k, claims[0], first, 4, release_slot=True)) == "ok"
+    assert ledger.call(t.commit(ledger.k, claims[0], first, 4)) == "ok"
     assert ledger.job(a.job_id)["state"] == "done"
     assert slots(rclient) == [claims[1].slot[2]]  # type: ignore[index]
     assert (used(rclient)["n"], used(rclient)["total"]) == ("1", "300")
@@ -173,7 +173,7 @@ def test_finish_commits_and_releases_the_slot_whatever_the_verdict(rclient: redi
 
     # a stale claim (another worker took the job over) commits nothing, but its slot is freed
     ledger.call(t.release(ledger.k, claims[1], JobError("x", "y"), delay_s=0, burn=False, max_attempts=8))
-    assert ledger.call(t.commit(ledger.k, claims[1], result, 2, release_slot=True)) == "stale"
+    assert ledger.call(t.commit(ledger.k, claims[1], result, 2)) == "stale"
     assert ledger.job(b.job_id)["state"] == "queued"
     assert slots(rclient) == [] and (used(rclient)["n"], used(rclient)["total"]) == ("0", "0")
     assert (float(used(rclient)["len_mean"]), float(used(rclient)["len_dev"])) == (3.8, 0.2)

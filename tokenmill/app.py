@@ -11,7 +11,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
-from tokenmill import keys, kombu_patch, redis_url
+from tokenmill import keys, kombu_patch, redis_conn, redis_url
 from tokenmill.messages import TASK_NAME as TASK_NAME  # the task's name, re-exported
 from tokenmill.serializer import NAME as SERIALIZER
 from tokenmill.serializer import register_orjson
@@ -25,12 +25,7 @@ app = Celery("tokenmill", include=["workers.task"])
 # vanishes would hold a publish, an ack and the warm shutdown until the kernel gives up. These
 # are redis-py's own defaults, and kombu's check of its long-lived BRPOP and pub/sub connections
 # every 10 s (its 25 s default let a consumer on a dead connection sit ~51 s).
-BROKER_DEADLINES = {
-    "socket_timeout": 5.0,
-    "socket_connect_timeout": 5.0,
-    "socket_keepalive": True,
-    "health_check_interval": 10,
-}
+BROKER_DEADLINES = {**redis_conn.DEADLINES, "health_check_interval": 10}
 _configured: dict[str, Settings] = {}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,8 +171,6 @@ def demo(out_dir: str, keep: bool, hold: bool) -> None:
             _hold(console)
         console.print("Shutting down the workers, the sim and Redis…")
     if not keep:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     else:
         console.print(f"Logs and the Redis AOF are kept in {work}")
@@ -194,9 +193,8 @@ def _hold(console: Console) -> None:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

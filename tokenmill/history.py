@@ -27,7 +27,7 @@ state series one at each change. Every series keeps ``series_keep_s`` (default 7
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys, series
@@ -77,23 +77,19 @@ def run_point(client: redis.Redis, run: str) -> tuple[dict[str, float], bool]:
     for partition in partitions:
         pipe.scard(k.shards(text(partition)))
     shards = pipe.execute()
-    point: dict[str, float] = dict.fromkeys(keys.STATES, 0)
+    point = Counter(dict.fromkeys((*keys.STATES, JUDGED), 0))
     for field, n in counts.items():
-        state, _ = keys.split_count_field(text(field))
-        point[state] = point.get(state, 0) + int(n)
+        point[keys.split_count_field(text(field))[0]] += int(n)
     point["completion_tokens"] = int(tokens or 0)
     point["sealed"] = sum(int(n) for n in sealed)
     point["shards"] = sum(shards)
     for hash_ in (failed_now, retried):  # failed now, and failed before `retry` sent them back
         for cls, n in hash_.items():
-            name = FAILURES + text(cls)
-            point[name] = point.get(name, 0) + int(n)
-    point[JUDGED] = 0
+            point[FAILURES + text(cls)] += int(n)
     for field, n in quality.items():  # <partition>|judged, <partition>|<flag>
         flag = text(field).rpartition(keys.FIELD_SEP)[2]
-        name = JUDGED if flag == JUDGED else FLAGGED + flag
-        point[name] = point.get(name, 0) + int(n)
-    return point, point["queued"] + point["running"] > 0
+        point[JUDGED if flag == JUDGED else FLAGGED + flag] += int(n)
+    return dict(point), point["queued"] + point["running"] > 0
 
 
 def record_run(writer: series.SeriesWriter, client: redis.Redis, run: str) -> bool:
@@ -140,7 +136,8 @@ def record_server(
 def record_state(writer: series.SeriesWriter, record: ServerRecord) -> bool:
     """Add a point to the server's state series when its state or restarts changed (its manager,
     on every publish)."""
-    point = {"state": _state_index(record.state), "restarts": record.restarts}
+    state = record.state if record.state in server_records.STATES else server_records.DOWN
+    point = {"state": server_records.STATES.index(state), "restarts": record.restarts}
     return writer.add(
         keys.server_states(record.name),
         point,
@@ -148,13 +145,6 @@ def record_state(writer: series.SeriesWriter, record: ServerRecord) -> bool:
         gap=False,
         index=(keys.series_servers(), record.name),
     )
-
-
-def _state_index(state: str) -> int:
-    try:
-        return server_records.STATES.index(state)
-    except ValueError:
-        return server_records.STATES.index(server_records.DOWN)
 
 
 # -- reading --------------------------------------------------------------------------------
@@ -177,7 +167,8 @@ def run_history(client: redis.Redis, run: str, since_ms: int | None = None) -> d
     cursor = int(sec) * 1000 + int(usec) // 1000 - 1
     run_raw = client.xrange(k.series(), series.after(since_ms) if since_ms is not None else "-", str(cursor))
     run_points = [series.parse_entry(e) for e in run_raw or ()]  # None only in redis-py's type
-    moving = bool(run_points) and _moving(run_points[-1][1])
+    last_point = run_points[-1][1] if run_points else {}
+    moving = last_point.get("queued", 0) + last_point.get("running", 0) > 0
     start = since_ms if since_ms is not None else int(first or cursor) - MARGIN_MS
     end = cursor if moving or not last else min(cursor, int(last) + MARGIN_MS)
     servers, states = _servers(client, sorted(text(n) for n in names), start, end, since_ms is None)
@@ -219,7 +210,3 @@ def _servers(
         if changes:
             states[name] = series.columns(changes)
     return loads, states
-
-
-def _moving(point: Mapping[str, float]) -> bool:
-    return point.get("queued", 0) + point.get("running", 0) > 0

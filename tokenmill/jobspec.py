@@ -8,6 +8,7 @@ jobs, ``<id>#<k>``, each with a seed derived from the prompt's seed and k.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -59,15 +60,10 @@ def canonical_request(
     return b"{" + b",".join([_key(k) + parts[k] for k in sorted(parts)]) + b"}"
 
 
-_KEYS: dict[str, bytes] = {}
-
-
+@functools.cache
 def _key(name: str) -> bytes:
     """``"name":`` as JSON bytes (option names are plain identifiers)."""
-    key = _KEYS.get(name)
-    if key is None:
-        key = _KEYS[name] = b'"%s":' % name.encode()
-    return key
+    return b'"%s":' % name.encode()
 
 
 def content_hash(request: dict[str, Any] | bytes) -> str:

@@ -8,8 +8,6 @@ import click
 
 
 class LazyGroup(click.Group):
-    """A click group whose subcommands are imported only when used."""
-
     def __init__(self, *args: object, lazy: dict[str, tuple[str, str]], **kwargs: object) -> None:
         """``lazy``: command name -> ("module:attribute" of a click command, its summary in --help)."""
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -35,7 +35,6 @@ class Executor:
         self._scripts = {n: client.register_script(t.script_source(n)) for n in t.SCRIPT_NAMES}
 
     def call(self, call: t.Call[R]) -> R:
-        """Run one of :mod:`tokenmill.transitions`' calls; its reply, decoded."""
         if not call.script:
             return call.decode(self.r.execute_command(*call.args))  # type: ignore[no-untyped-call]
         return call.decode(self._scripts[call.script](call.keys, call.args))
@@ -68,14 +67,15 @@ class Ledger(Executor):
 
     # -- the upkeep (reaper, delayed retries, backlog feeder) ---------------------------------
 
-    def _now_ms(self) -> int:
+    def _due_ids(self, zset: str, limit: int) -> list[str]:
+        """The first ``limit`` members of ``zset`` due by Redis's clock."""
         sec, usec = self.r.time()
-        return int(sec) * 1000 + int(usec) // 1000
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        return [text(x) for x in self.r.zrangebyscore(zset, "-inf", now_ms, 0, limit)]
 
     def _due(self, zset: str, limit: int) -> Iterator[tuple[str, str, str]]:
-        """(job id, partition, queue) of the first ``limit`` members of ``zset`` due by Redis's clock."""
-        for raw in self.r.zrangebyscore(zset, "-inf", self._now_ms(), 0, limit):
-            job_id = text(raw)
+        """(job id, partition, queue) of :meth:`_due_ids`."""
+        for job_id in self._due_ids(zset, limit):
             part, queue = (
                 text(x) if x else "" for x in self.r.hmget(self.k.job(job_id), F.PARTITION, F.QUEUE)
             )
@@ -132,7 +132,7 @@ class Ledger(Executor):
 
     def requeue_abandoned(self, limit: int = 500) -> int:
         """Republish delivered jobs whose worker died while they waited (lease expired, still queued)."""
-        ids = [text(x) for x in self.r.zrangebyscore(self.k.waiting(), "-inf", self._now_ms(), 0, limit)]
+        ids = self._due_ids(self.k.waiting(), limit)
         if not ids:
             return 0
         self.r.zrem(self.k.waiting(), *ids)

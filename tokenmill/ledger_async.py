@@ -31,7 +31,6 @@ class AsyncLedger:
         self.r = client
 
     async def call(self, call: Call[R]) -> R:
-        """Run one of :mod:`tokenmill.transitions`' calls; its reply, decoded."""
         if not call.script:
             return call.decode(await self.r.call(*call.args))
         return call.decode(await self.r.evalsha(SCRIPTS[call.script], call.keys, call.args))

@@ -136,7 +136,6 @@ class LengthBounds:
         return cls(edge(lo_bin), edge(hi_bin + 1))
 
     def outside(self, tokens: int) -> bool:
-        """Whether a completion of ``tokens`` falls outside the bounds."""
         return not self.lo <= tokens < self.hi
 
 
@@ -156,8 +155,7 @@ def flags(result: Mapping[str, Any], request: Mapping[str, Any], bounds: LengthB
         mask |= LENGTH
     if not calls and not content.strip():
         mask |= EMPTY
-    reasoning = result.get("reasoning_content") or ""
-    if loop_share(reasoning + content if reasoning else content) >= REPETITION_SHARE:
+    if loop_share((result.get("reasoning_content") or "") + content) >= REPETITION_SHARE:
         mask |= REPETITION
     if not structured_ok(content, request):
         mask |= INVALID_STRUCTURED

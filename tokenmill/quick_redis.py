@@ -140,16 +140,16 @@ class QuickRedis(_Reads):
         try:
             replies = self._exchange(packed, len(commands))
         except TimeoutError:
-            raise self._unreachable(f"no answer within {self._at.socket_timeout_s:g} s") from None
+            raise unreachable(self.url, f"no answer within {self._at.socket_timeout_s:g} s") from None
         except OSError as exc:  # ConnectionError included
             if not reused:
-                raise self._unreachable(f"it closed the connection: {exc}") from None
+                raise unreachable(self.url, f"it closed the connection: {exc}") from None
             # Redis closed the connection since our last command (a restart, its idle timeout):
             # every command here is a read, so send them once more on a new connection.
             try:
                 replies = self._exchange(packed, len(commands))
             except OSError as again:
-                raise self._unreachable(f"it closed the connection: {again}") from None
+                raise unreachable(self.url, f"it closed the connection: {again}") from None
         out = []
         for (convert, args), reply in zip(commands, replies, strict=True):
             if isinstance(reply, hiredis.ReplyError):
@@ -184,14 +184,14 @@ class QuickRedis(_Reads):
         try:
             sock = self._connect()
         except OSError as exc:
-            raise self._unreachable(str(exc) or "timed out") from None
+            raise unreachable(self.url, str(exc) or "timed out") from None
         if self._hello:
             try:
                 sock.sendall(b"".join(hiredis.pack_command(c) for c in self._hello))
                 replies = self._read(sock, len(self._hello))
             except OSError as exc:
                 sock.close()
-                raise self._unreachable(f"the connection failed while it was opened: {exc}") from None
+                raise unreachable(self.url, f"the connection failed while it was opened: {exc}") from None
             for command, reply in zip(self._hello, replies, strict=True):
                 if isinstance(reply, hiredis.ReplyError):
                     sock.close()
@@ -222,23 +222,32 @@ class QuickRedis(_Reads):
 
     def _error_reply(self, command: str, text: str) -> RedisUnavailableError:
         if text.startswith("NOAUTH"):
-            return self._failure(
-                f"needs a password: {text} (put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
-            )
+            return failure(self.url, f"needs a password: {text} {PUT_PASSWORD}")
         if command == "AUTH" or text.startswith("WRONGPASS"):
-            return self._failure(
-                f"refused the credentials: {text} (check the password in TOKENMILL_REDIS_URL)"
-            )
-        return self._failure(f"answered {command} with an error: {text}")
+            return refused(text, self.url)
+        return failure(self.url, f"answered {command} with an error: {text}")
 
-    def _unreachable(self, why: str) -> RedisUnavailableError:
-        """Worded as :func:`tokenmill.redis_conn.connect` words it, so either client reads alike."""
-        return RedisUnavailableError(
-            f"cannot reach Redis at {redact_url(self.url)}: {why} (is it running? set TOKENMILL_REDIS_URL)"
-        )
 
-    def _failure(self, what: str) -> RedisUnavailableError:
-        return RedisUnavailableError(f"Redis at {redact_url(self.url)} {what}")
+# how a failure of Redis is worded (here, in tokenmill.redis_conn and tokenmill.redis_retry), alike
+PUT_PASSWORD = "(put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
+
+
+def unreachable(url: str, why: str) -> RedisUnavailableError:
+    return RedisUnavailableError(
+        f"cannot reach Redis at {redact_url(url)}: {why} (is it running? set TOKENMILL_REDIS_URL)"
+    )
+
+
+def failure(url: str, what: str) -> RedisUnavailableError:
+    return RedisUnavailableError(f"Redis at {redact_url(url)} {what}")
+
+
+def refused(exc: object, url: str = "") -> RedisUnavailableError:
+    """Credentials Redis refused (to the client of ``url``): one clear error, never ridden out."""
+    at = f" at {redact_url(url)}" if url else ""
+    return RedisUnavailableError(
+        f"Redis{at} refused the credentials: {exc} (check the password in TOKENMILL_REDIS_URL)"
+    )
 
 
 if TYPE_CHECKING:

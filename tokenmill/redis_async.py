@@ -60,10 +60,11 @@ class LoopScript:
 class _Protocol(asyncio.Protocol):
     """One connection: replies matched to the futures waiting, in order, under one deadline."""
 
+    transport: asyncio.Transport  # set by connection_made, before the connection is handed out
+
     def __init__(self, timeout_s: float | None) -> None:
         self.reader = hiredis.Reader()
         self.waiting: deque[asyncio.Future[Any]] = deque()
-        self.transport: asyncio.Transport | None = None
         self.lost = False
         self.timeout_s = timeout_s
         self.last_io = 0.0  # when a command was sent to an idle connection, or a reply came
@@ -100,7 +101,6 @@ class _Protocol(asyncio.Protocol):
             if self._timer is None and self.timeout_s:
                 self._timer = loop.call_at(self.last_io + self.timeout_s, self._check)
         self.waiting.append(fut)
-        assert self.transport is not None
         self.transport.write(packed)
         return fut
 
@@ -118,8 +118,7 @@ class _Protocol(asyncio.Protocol):
 
     def _abort(self, exc: redis.RedisError) -> None:
         self._fail_all(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        self.transport.abort()
 
     def _fail_all(self, exc: redis.RedisError) -> None:
         self.lost = True
@@ -180,8 +179,7 @@ class LoopRedis:
         (a PING would cost the same round trip, and the deadline covers a dead one anyway)."""
         if asyncio.get_running_loop().time() - conn.last_io <= self.at.health_check_s:
             return False
-        if conn.transport is not None:
-            conn.transport.close()
+        conn.transport.close()
         conn.lost = True
         return True
 
@@ -217,8 +215,7 @@ class LoopRedis:
         try:
             await self._hello(conn)
         except BaseException:
-            if conn.transport is not None:
-                conn.transport.abort()
+            conn.transport.abort()
             raise
         self._conn = conn
         self.connections += 1
@@ -257,8 +254,7 @@ class LoopRedis:
                             hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))  # type: ignore[arg-type]
                         )
                     finally:
-                        if conn.transport is not None:
-                            conn.transport.close()
+                        conn.transport.close()
             except (OSError, TimeoutError, redis.RedisError) as exc:
                 errors.append(f"{host}:{port}: {exc or 'timed out'}")
                 continue
@@ -268,13 +264,13 @@ class LoopRedis:
         raise redis.ConnectionError(f"no sentinel named a primary: {'; '.join(errors)}")
 
     def close(self) -> None:
-        if self._conn is not None and self._conn.transport is not None:
+        if self._conn is not None:
             self._conn.transport.close()
         self._conn = None
 
 
-def _keepalive(transport: asyncio.BaseTransport | None) -> None:
-    sock = transport.get_extra_info("socket") if transport is not None else None
+def _keepalive(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
     if sock is None:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -18,9 +18,9 @@ from redis.retry import Retry
 
 from tokenmill import redis_url
 from tokenmill.errors import RedisUnavailableError
-from tokenmill.redis_retry import BACKOFF, refused
+from tokenmill.quick_redis import PUT_PASSWORD, failure, refused, unreachable
+from tokenmill.redis_retry import BACKOFF
 from tokenmill.settings import Settings
-from tokenmill.url_secrets import redact_url
 
 log = logging.getLogger("tokenmill.redis")
 HEALTH_CHECK_S = 30
@@ -80,15 +80,10 @@ def ping(client: redis.Redis, url: str) -> None:
         raise refused(exc, url) from None
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise RedisUnavailableError(
-                f"Redis at {redact_url(url)} needs a password: {exc} "
-                "(put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
-            ) from None
-        raise RedisUnavailableError(f"Redis at {redact_url(url)} answered an error: {exc}") from None
+            raise failure(url, f"needs a password: {exc} {PUT_PASSWORD}") from None
+        raise failure(url, f"answered an error: {exc}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise RedisUnavailableError(
-            f"cannot reach Redis at {redact_url(url)}: {exc} (is it running? set TOKENMILL_REDIS_URL)"
-        ) from None
+        raise unreachable(url, str(exc)) from None
 
 
 def durability_warnings(client: redis.Redis) -> list[str]:

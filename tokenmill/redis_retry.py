@@ -24,8 +24,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import ExponentialBackoff
 
-from tokenmill.errors import RedisUnavailableError
-from tokenmill.url_secrets import redact_url
+from tokenmill.quick_redis import refused
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
@@ -51,14 +50,6 @@ class _Backoff:
         # one warning per transition ridden out; the tries after it are the same news
         (log.warning if self.tries == 1 else log.debug)("Redis unavailable (%s); retrying", exc)
         return BACKOFF.compute(self.tries)
-
-
-def refused(exc: redis.AuthenticationError, url: str = "") -> RedisUnavailableError:
-    """Credentials Redis refused (to the client of ``url``): one clear error, never ridden out."""
-    at = f" at {redact_url(url)}" if url else ""
-    return RedisUnavailableError(
-        f"Redis{at} refused the credentials: {exc} (check the password in TOKENMILL_REDIS_URL)"
-    )
 
 
 async def ride_out(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:

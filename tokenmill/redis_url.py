@@ -145,7 +145,7 @@ def endpoint(url: str, what: str = "TOKENMILL_REDIS_URL") -> Endpoint:
     db = query.get("db") or (parts.path.strip("/") if parts.scheme != "unix" else "") or "0"
     try:
         numbers = {name: float(query[name]) for name in _NUMBERS if name in query}
-        found = Endpoint(
+        return Endpoint(
             host=unquote(parts.hostname or "localhost"),
             port=parts.port or 6379,
             path=unquote(parts.path) if parts.scheme == "unix" else None,
@@ -161,7 +161,6 @@ def endpoint(url: str, what: str = "TOKENMILL_REDIS_URL") -> Endpoint:
         )
     except ValueError as exc:
         raise ConfigError(f"{what}: {exc}") from None
-    return found
 
 
 _NUMBERS = ("socket_timeout", "socket_connect_timeout", "health_check_interval")

@@ -117,8 +117,7 @@ def downsample(points: list[Point], max_points: int, counters: Iterable[str] = (
 def columns(points: Sequence[Point]) -> dict[str, list[float | None]]:
     """Points as columns: ``t`` (unix seconds) and one list per field, None where a point lacks
     the field (a failure class that appeared later)."""
-    names = sorted({name for _, fields in points for name in fields})
     out: dict[str, list[float | None]] = {"t": [ms / 1000 for ms, _ in points]}
-    for name in names:
+    for name in sorted({name for _, fields in points for name in fields}):
         out[name] = [fields.get(name) for _, fields in points]
     return out

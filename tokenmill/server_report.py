@@ -95,8 +95,7 @@ def metrics(base_url: str, timeout_s: float, api_key: str | None = None) -> dict
 def router_load(base_url: str, api_key: str | None, timeout_s: float) -> Load:
     """The load of every worker behind sglang-router, summed: its ``/engine_metrics``."""
     url = base_url + "/engine_metrics"
-    text = _text(url, api_key, timeout_s)
-    figures = parse_metrics(text, extra=(CAPACITY_METRIC,))
+    figures = parse_metrics(_text(url, api_key, timeout_s), extra=(CAPACITY_METRIC,))
     if CAPACITY_METRIC not in figures or "running_req" not in figures:
         raise ValueError(
             f"{redact_url(url)} has no SGLang scheduler figures (workers without --enable-metrics?)"

@@ -13,7 +13,7 @@ States: ``starting`` (launched, not yet answering ``/health``), ``ready`` (send 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -60,9 +60,6 @@ class ServerRecord:
         return ((time.time() if now is None else now) - self.updated_at) <= max_age_s
 
 
-_RECORD_FIELDS = tuple(f.name for f in fields(ServerRecord) if f.name != "live")
-
-
 def name_of(url: str) -> str:
     """The name of a server nobody manages, in key names and results: its URL as shown (a
     URL without secrets is its own name, as it always was)."""
@@ -90,8 +87,7 @@ def _mapping(values: dict[str, Any]) -> dict[FieldT, EncodableT]:
 
 def publish(redis_client: redis.Redis, record: ServerRecord) -> None:
     """Write the whole record (one HSET) and register its name (SADD), in one pipeline."""
-    values = {name: getattr(record, name) for name in _RECORD_FIELDS}
-    update(redis_client, record.name, **values, live=record.live)
+    update(redis_client, record.name, **asdict(record))
 
 
 def update(redis_client: redis.Redis, name: str, /, **values: Any) -> None:
@@ -102,9 +98,7 @@ def update(redis_client: redis.Redis, name: str, /, **values: Any) -> None:
     """
     values.setdefault("updated_at", time.time())
     pipe = redis_client.pipeline(transaction=True)
-    mapping = _mapping(values)
-    if mapping:
-        pipe.hset(keys.server(name), mapping=mapping)
+    pipe.hset(keys.server(name), mapping=_mapping(values))
     pipe.sadd(keys.servers(), name)
     pipe.execute()
 
@@ -134,10 +128,8 @@ def record_event(redis_client: redis.Redis, name: str, kind: str, message: str, 
 
 
 def _number(value: str, kind: type[int] | type[float]) -> int | float | None:
-    if value == "":
-        return None
     try:
-        return kind(float(value)) if kind is int else kind(value)
+        return kind(float(value))
     except ValueError:
         return None
 

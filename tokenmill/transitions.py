@@ -353,14 +353,13 @@ def commit(
     result: dict[str, Any],
     new_tokens: int,
     lengths: LengthReport | None = None,
-    release_slot: bool = False,
     judged: Judged | None = None,
 ) -> Call[str]:
     """Record the result: ``ok``, ``done`` (already) or ``stale``. With ``lengths``, the run's
-    length curve learns how long the completion was. With ``release_slot`` and a claim that
-    holds an admission slot, the slot is given back in the same round trip (``finish.lua``),
-    whatever the verdict. With ``judged``, the run's quality counts and its partition's window
-    take the job's flags, and the run's stop rules are applied (a trip pauses the run)."""
+    length curve learns how long the completion was. A claim that holds an admission slot gives
+    it back in the same round trip (``finish.lua``), whatever the verdict. With ``judged``, the
+    run's quality counts and its partition's window take the job's flags, and the run's stop rules
+    are applied (a trip pauses the run)."""
     usage = result.get("usage") or {}
     p = claim.partition
     script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.stats(), k.throughput()]
@@ -382,7 +381,7 @@ def commit(
         raised = [ended_field(lengths.ended), *map(reached_field, lengths.reached)]
         pairs = [(field, 1) for field in raised] + (prompt_fields(*lengths.prompt) if lengths.prompt else [])
         args += [x for pair in pairs for x in pair]
-    if release_slot and claim.slot is not None:
+    if claim.slot is not None:
         slots_key, used_key, member = claim.slot
         return Call(
             "finish",
@@ -444,13 +443,12 @@ def release(
 ) -> Call[str]:
     """Back to ``queued`` (now or after ``delay_s``), keeping the checkpoint; ``cancelled``
     instead for a job ``cancel`` marked."""
-    ck = checkpoint
+    ck = checkpoint if checkpoint else Checkpoint()  # one without text is not written
     script_keys = [k.job(claim.job_id), k.counts(), k.leases(), k.delayed(), keys.broker_queue(claim.queue)]
     script_keys += [k.failures(), k.failure_last(), k.stats()]
     args = [claim.job_id, claim.token, error.error_class, error.message, int(delay_s * 1000)]
     args += [task_message(k.run, claim.partition, claim.job_id, claim.queue), 1 if burn else 0, max_attempts]
-    args += [1 if ck else 0, ck.content if ck else "", ck.reasoning if ck else ""]
-    args += [ck.tokens if ck else 0, ck.prompt_tokens if ck else 0]
+    args += [1 if ck else 0, ck.content, ck.reasoning, ck.tokens, ck.prompt_tokens]
     return Call("release", script_keys, args, text)
 
 

@@ -80,8 +80,6 @@ def _redact_userinfo(scheme: str, netloc: str) -> str:
 
 
 def _redact_query(query: str) -> str:
-    if not query:
-        return query
     pairs = []
     for pair in query.split("&"):
         name, eq, _ = pair.partition("=")

@@ -40,7 +40,6 @@ class Commit(NamedTuple):
     result: dict[str, Any]
     new_tokens: int
     lengths: LengthReport | None
-    release: bool  # the admission slot goes back with the commit
     judged: Judged | None  # the job's quality flags (None: not judged)
 
 
@@ -73,7 +72,7 @@ class Attempted:
         if self.tracker:
             lengths = self.tracker.finish(result["usage"]["completion_tokens"], self.state.progress.usage)
         judged = judge(result, self.claim, settings, bounds)
-        return Commit(result, self.outcome.new_tokens, lengths, self.claim.slot is not None, judged)
+        return Commit(result, self.outcome.new_tokens, lengths, judged)
 
 
 def judge(
@@ -284,8 +283,7 @@ def _outcome(
     if cut.stop is not None and cut.content != ck.content and not ck.reasoning:
         end = len(cut.content) + (0 if req.get("no_stop_trim") else len(cut.stop))
         _cut_per_token(result, ck.content, end)
-    new_tokens = max(0, new_completion - state.reported_tokens)
-    return Outcome(result=result, new_tokens=new_tokens)
+    return Outcome(result, new_tokens=max(0, new_completion - state.reported_tokens))
 
 
 def _cut_per_token(result: dict[str, Any], text: str, end: int) -> None:

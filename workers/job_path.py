@@ -78,7 +78,7 @@ async def run_job(rt: Runtime, run: str, job_id: str) -> str | Attempted:
         return done
     commit = done.commit(rt.settings, await _length_bounds(rt, k) if rt.settings.quality_signals else None)
     verdict = await ride_out(lambda: led.call(t.commit(k, done.claim, *commit)), rt.abort_streams)
-    if commit.release:
+    if done.claim.slot is not None:
         rt.admission.wake()  # the commit (finish.lua) gave the slot back: let this process's line ask
     if verdict != "ok":
         log.warning("commit of %s/%s: %s", run, job_id, verdict)

@@ -115,10 +115,15 @@ class ServerPool:
     def ready_views(self) -> list[ServerView]:
         """Every ready server (probing suspects when none is)."""
         ready = self._ready(self._load_records(), fetch=True)
-        if not ready:
-            self._probe_suspects()
-            ready = self._ready(self._load_records(), fetch=True)
-        return ready
+        if ready:
+            return ready
+        with self._lock:
+            suspects = list(self._suspect)
+        for url in suspects:
+            if probe_health(url)[0]:
+                log.warning("server %s answers /health again", redact_url(url))
+                self._suspect.pop(url, None)
+        return self._ready(self._load_records(), fetch=True)
 
     def is_down(self, url: str) -> bool:
         """After a failed request: is the server down (rather than the request at fault)?
@@ -144,14 +149,6 @@ class ServerPool:
     def found_down(self, url: str) -> bool:
         """Whether ``url`` failed its health check and has not answered since (any thread)."""
         return url in self._suspect
-
-    def _probe_suspects(self) -> None:
-        with self._lock:
-            suspects = list(self._suspect)
-        for url in suspects:
-            if probe_health(url)[0]:
-                log.warning("server %s answers /health again", redact_url(url))
-                self._suspect.pop(url, None)
 
 
 def probe_health(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> tuple[bool, str]:

@@ -294,10 +294,8 @@ class Scorer(threading.Thread):
         pipe.hincrbyfloat(q, qd.field(partition, qd.SUMSQ), scored * scored)
         pipe.hgetall(k.quality_rules())
         *_, n, total, squares, rules = pipe.execute()
-        self.judge(k, partition, qd.Drift(int(n), float(total), float(squares)), qd.decode(rules))
-
-    def judge(self, k: keys.RunKeys, partition: str, drift: qd.Drift, rules: dict[str, str]) -> None:
-        for expr in rules:
+        drift = qd.Drift(int(n), float(total), float(squares))
+        for expr in qd.decode(rules):
             rule = parse_rule(expr)
             if rule.name == DRIFT and rule.trips(drift.mean, drift.n):
                 reason = (

@@ -9,7 +9,6 @@ import threading
 from typing import Any
 
 from tokenmill import ledger_async, redis_conn
-from tokenmill.ledger import Ledger
 from tokenmill.ledger_async import AsyncLedger
 from tokenmill.quality import LengthBounds
 from tokenmill.redis_async import LoopRedis
@@ -44,7 +43,6 @@ class Runtime:
         # the loop's clock; and the pause this process last said it saw, run -> since (ms)
         self.length_bounds: dict[str, tuple[float, LengthBounds | None]] = {}
         self.pauses_said: dict[str, str] = {}
-        self._ledgers: dict[str, Ledger] = {}
         self.redis_async = LoopRedis(
             settings.redis_url, name=f"tokenmill-loop:{self.worker_id}", scripts=ledger_async.SCRIPTS.values()
         )
@@ -61,12 +59,6 @@ class Runtime:
         for url in settings.server_urls:  # built now, not on the loop under the first job
             self.client(url)
         self.reference = Scorer(self.redis, settings)  # started with the upkeep (workers/task.py)
-
-    def ledger(self, run: str) -> Ledger:
-        with self._lock:
-            if run not in self._ledgers:
-                self._ledgers[run] = Ledger(self.redis, run)
-            return self._ledgers[run]
 
     def client(self, url: str) -> StreamClient:
         """The stream client for ``url``, one per server per process (its connections are kept

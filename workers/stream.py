@@ -157,16 +157,14 @@ def _fill(p: Progress, answer: dict[str, Any], now: float) -> None:
     p.first_chunk_at = p.last_chunk_at = now
 
 
+@dataclass(slots=True, eq=False)
 class _Lines:
     """The body of a stream, as it arrives: split into lines, each ``data:`` line parsed."""
 
-    __slots__ = ("buf", "loop", "on_line", "progress")
-
-    def __init__(self, progress: Progress, loop: asyncio.AbstractEventLoop, on_line: LineHandler) -> None:
-        self.buf = b""
-        self.progress = progress
-        self.loop = loop
-        self.on_line = on_line
+    progress: Progress
+    loop: asyncio.AbstractEventLoop
+    on_line: LineHandler
+    buf: bytes = b""
 
     def feed(self, data: bytes) -> None:
         if b"\n" not in data:
@@ -251,7 +249,9 @@ def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) 
             p.chunks += 1
         logprobs = choice.get("logprobs")
         if logprobs and logprobs.get("content"):
-            (p.logprobs if p.logprobs is not None else _new_list(p, "logprobs")).extend(logprobs["content"])
+            if p.logprobs is None:
+                p.logprobs = []
+            p.logprobs.extend(logprobs["content"])
         reason = choice.get("finish_reason")
         if reason:
             p.finish_reason = reason
@@ -275,16 +275,12 @@ def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) 
         p.guard.check(p)
 
 
-def _new_list(p: Progress, name: str) -> list[Any]:
-    out: list[Any] = []
-    setattr(p, name, out)
-    return out
-
-
 def _add_tool_calls(p: Progress, fragments: list[dict[str, Any]]) -> None:
     """Fold streamed tool-call fragments into whole calls: the first fragment of an ``index``
     carries its id and function name, later ones more of its arguments."""
-    calls = p.tool_calls if p.tool_calls is not None else _new_list(p, "tool_calls")
+    if p.tool_calls is None:
+        p.tool_calls = []
+    calls = p.tool_calls
     for frag in fragments:
         index = frag.get("index") or 0
         while len(calls) <= index:

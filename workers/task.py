@@ -15,6 +15,7 @@ from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_do
 from tokenmill import redis_conn, worker_registry
 from tokenmill.app import TASK_NAME, app
 from tokenmill.app import settings as app_settings
+from tokenmill.ledger import Ledger
 from workers import celery_logs
 from workers.job import ABANDON_AFTER_S, run_job
 from workers.loadwatch import LoadWatch
@@ -35,7 +36,7 @@ def generate(self: Task[Any, Any], run: str, partition: str, job_id: str) -> str
     if outcome in ("skipped", "stopping"):
         # Not claimed: keep the job's message alive (acks_late acks this delivery on return).
         try:
-            rt.ledger(run).republish([job_id])
+            Ledger(rt.redis, run).republish([job_id])
         except redis.RedisError as exc:  # its waiting lease, else the reconciler, puts it back
             log.warning("job %s/%s: not republished (%s); the upkeep will put it back", run, job_id, exc)
         if rt.auth_error is not None:

@@ -84,17 +84,11 @@ def upkeep_once(
                 did["fed"] += ledger.feed_backlog(queue, settings.max_queued)
             did["republished"] += reconciler.pass_(client, ledger)
         if recorder is not None:
-            did["recorded"] += _record(recorder, client, run)
+            try:  # a failure to record never stops the upkeep's work
+                did["recorded"] += history.record_run(recorder, client, run)
+            except redis.ResponseError as exc:
+                log.warning("run %s: history point not recorded: %s", run, exc)
     return did
-
-
-def _record(recorder: SeriesWriter, client: redis.Redis, run: str) -> bool:
-    """The run's history point; a failure to record never stops the upkeep's work."""
-    try:
-        return history.record_run(recorder, client, run)
-    except redis.ResponseError as exc:
-        log.warning("run %s: history point not recorded: %s", run, exc)
-        return False
 
 
 class Upkeep(threading.Thread):
@@ -117,14 +111,13 @@ class Upkeep(threading.Thread):
         )
 
     def run(self) -> None:
-        lock = self.lock
         while not self.stop_event.wait(self.settings.reaper_period_s):
             try:
-                if lock.acquire(blocking=False):
+                if self.lock.acquire(blocking=False):
                     try:
                         upkeep_once(self.r, self.settings, self.reconciler, self.recorder)
                     finally:
-                        lock.release()
+                        self.lock.release()
             except redis.RedisError as exc:
                 log.warning("upkeep pass skipped: %s", exc)
             except Exception:

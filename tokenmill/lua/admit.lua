@@ -55,8 +55,7 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now_ms + MAX_LEA
 end
 for _, m in ipairs(expired) do
   local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m, 'tl:' .. m)
-  bumps(KEYS[2], 0, unhold(held))
-  redis.call('HDEL', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'at:' .. m, 'up:' .. m, 'tl:' .. m)
+  unhold(KEYS[2], m, held)
   redis.call('ZREM', KEYS[1], m)
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then

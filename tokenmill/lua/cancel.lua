@@ -19,8 +19,7 @@ for i = 4, #KEYS do
   if f[1] == 'queued' then
     redis.call('HSET', job, 'state', 'cancelled', 'cancelled_ms', now_ms)
     redis.call('ZREM', KEYS[2], id)
-    bump(KEYS[1], 'queued|' .. f[2], -1, 0)
-    bump(KEYS[1], 'cancelled|' .. f[2], 1, 0)
+    move(KEYS[1], f[2], 'queued', 'cancelled')
     cancelled = cancelled + 1
   elseif f[1] == 'running' then
     if f[3] ~= 'now' then redis.call('HSET', job, 'cancel', mode) end

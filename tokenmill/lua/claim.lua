@@ -21,8 +21,7 @@ if state == 'running' and f[4] then return {'cancelled'} end
 local paused = redis.call('HGET', KEYS[5], 'reason')
 if paused then return {'paused', paused} end
 if state == 'queued' then
-  bump(KEYS[2], 'queued|' .. partition, -1, 0)
-  bump(KEYS[2], 'running|' .. partition, 1, 0)
+  move(KEYS[2], partition, 'queued', 'running')
 end
 local token = bump(KEYS[1], 'token', 1, 0)
 local attempts = bump(KEYS[1], 'attempts', 1, 0)

@@ -38,8 +38,7 @@ redis.call('HDEL', KEYS[1], 'ckpt_content', 'ckpt_reasoning', 'ckpt_tokens', 'ck
 redis.call('ZREM', KEYS[3], ARGV[1])
 -- a job enqueued before jobs had a seq is never sealed: its result stays in the job hash
 if f[4] then redis.call('ZADD', KEYS[6], num(f[4], 0), ARGV[1]) end
-bump(KEYS[2], 'running|' .. f[3], -1, 0)
-bump(KEYS[2], 'done|' .. f[3], 1, 0)
+move(KEYS[2], f[3], 'running', 'done')
 bump(KEYS[4], 'completion_tokens', ARGV[4], 0)
 bump(KEYS[4], 'prompt_tokens', ARGV[5], 0)
 redis.call('HSET', KEYS[4], 'last_activity_ms', now_ms)

@@ -11,17 +11,10 @@
 -- Returns one entry per job: new | backlog | conflict:<source> | the state the job is in
 --         (a conflict with a sealed job names its shard: it no longer keeps its source).
 local run, partition, max_depth = ARGV[1], ARGV[2], int(ARGV[3], 0, 0)
-local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
-local broker = {short = KEYS[5], long = KEYS[6]}
-local backlog = {short = KEYS[7], long = KEYS[8]}
+local add, flush = publisher({KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, max_depth)
 local out = {}
 local ids = {}
 local seq0 = redis.call('LLEN', KEYS[4])
--- Messages (and backlogged ids) are pushed with one call per queue after the loop: one
--- redis.call per message cost about 9 us of Redis CPU each, half of the whole enqueue. LPUSH of
--- m1..mn leaves the order n single pushes leave, so workers still take them first in, first out.
-local messages = {short = {}, long = {}}
-local parked = {short = {}, long = {}}
 for i = 10, #KEYS do
   local a = 4 + (i - 10) * 6
   local job, hash, queue = KEYS[i], ARGV[a + 1], ARGV[a + 3]
@@ -36,26 +29,10 @@ for i = 10, #KEYS do
     redis.call('HSET', job, 'state', 'queued', 'partition', partition, 'queue', queue,
       'hash', hash, 'source', ARGV[a + 2], 'spec', ARGV[a + 4], 'seq', seq0 + #ids)
     ids[#ids + 1] = ARGV[a]
-    if depth[queue] < max_depth then
-      local pending = messages[queue]
-      pending[#pending + 1] = ARGV[a + 5]
-      depth[queue] = depth[queue] + 1
-      out[#out + 1] = 'new'
-    else
-      local waiting = parked[queue]
-      waiting[#waiting + 1] = ARGV[a]
-      out[#out + 1] = 'backlog'
-    end
+    out[#out + 1] = add(queue, ARGV[a], ARGV[a + 5])
   end
 end
-for queue, pending in pairs(messages) do
-  if #pending > 0 then
-    redis.call('LPUSH', broker[queue], unpack(pending))
-  end
-  if #parked[queue] > 0 then
-    redis.call('RPUSH', backlog[queue], unpack(parked[queue]))
-  end
-end
+flush()
 if #ids > 0 then
   redis.call('RPUSH', KEYS[4], unpack(ids))
   redis.call('SADD', KEYS[1], run)

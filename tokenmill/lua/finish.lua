@@ -7,9 +7,6 @@
 -- ARGV: commit.lua's, then the slot member and the tokens the attempt generated (the last two).
 -- Returns commit.lua's reply.
 local nk, na = #KEYS, #ARGV
-local ckeys, cargv = {}, {}
-for i = 1, nk - 2 do ckeys[i] = KEYS[i] end
-for i = 1, na - 2 do cargv[i] = ARGV[i] end
-local verdict = commit(ckeys, cargv)
+local verdict = commit({unpack(KEYS, 1, nk - 2)}, {unpack(ARGV, 1, na - 2)})
 unadmit({KEYS[nk - 1], KEYS[nk]}, {ARGV[na - 1], ARGV[na]})
 return verdict

@@ -30,9 +30,7 @@ if KEYS[4] then
       bumps(KEYS[5], 0, {'total', delta, held[2], delta})
     end
   end
-  local reached = {}
-  for i = 12, #ARGV do reached[#reached + 1], reached[#reached + 2] = ARGV[i], 1 end
-  bumps(KEYS[6], 0, reached)
+  for i = 12, #ARGV do bump(KEYS[6], ARGV[i], 1, 0) end
 end
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[1], 'ckpt_content', ARGV[5], 'ckpt_reasoning', ARGV[6],

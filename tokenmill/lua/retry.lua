@@ -13,11 +13,7 @@
 -- Returns one entry per job: '' (left alone), 'new:<class>' (published) or 'backlog:<class>'
 -- (<class> is the failure class; 'cancelled' for a cancelled job).
 local from, max_depth, allowed = ARGV[1], int(ARGV[2], 0, 0), ARGV[3]
-local depth = {short = redis.call('LLEN', KEYS[5]), long = redis.call('LLEN', KEYS[6])}
-local broker = {short = KEYS[5], long = KEYS[6]}
-local backlog = {short = KEYS[7], long = KEYS[8]}
-local messages = {short = {}, long = {}}
-local parked = {short = {}, long = {}}
+local add, flush = publisher({KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, max_depth)
 local out = {}
 local moved = 0
 for i = 9, #KEYS do
@@ -40,24 +36,11 @@ for i = 9, #KEYS do
       bump(KEYS[3], class, 1, 0)
     end
     redis.call('HDEL', job, 'cancel', 'cancelled_ms')
-    bump(KEYS[1], from .. '|' .. f[2], -1, 0)
-    bump(KEYS[1], 'queued|' .. f[2], 1, 0)
-    if depth[queue] < max_depth then
-      local pending = messages[queue]
-      pending[#pending + 1] = ARGV[a + 1]
-      depth[queue] = depth[queue] + 1
-      out[#out + 1] = 'new:' .. class
-    else
-      local waiting = parked[queue]
-      waiting[#waiting + 1] = ARGV[a]
-      out[#out + 1] = 'backlog:' .. class
-    end
+    move(KEYS[1], f[2], from, 'queued')
+    out[#out + 1] = add(queue, ARGV[a], ARGV[a + 1]) .. ':' .. class
   end
 end
-for queue, pending in pairs(messages) do
-  if #pending > 0 then redis.call('LPUSH', broker[queue], unpack(pending)) end
-  if #parked[queue] > 0 then redis.call('RPUSH', backlog[queue], unpack(parked[queue])) end
-end
+flush()
 if moved > 0 then
   redis.call('HSET', KEYS[4], 'last_activity_ms', clock_ms())
 end

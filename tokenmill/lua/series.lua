@@ -18,16 +18,10 @@ if last then
   if ARGV[3] == '1' then
     local prev = last[2]
     local same = #prev == #ARGV - 4
-    local i = 1
-    while same and i <= #prev do
-      same = prev[i] == ARGV[i + 4]
-      i = i + 1
-    end
+    for i = 1, #prev do same = same and prev[i] == ARGV[i + 4] end
     if same then return 0 end
   end
 end
-local args = {'XADD', KEYS[1], 'MINID', '~', math.max(0, now - int(ARGV[2], 0, 0)), '*'}
-for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
-redis.call(unpack(args))
+redis.call('XADD', KEYS[1], 'MINID', '~', math.max(0, now - int(ARGV[2], 0, 0)), '*', unpack(ARGV, 5))
 if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[4]) end
 return 1

@@ -22,8 +22,7 @@ if not state or state == 'done' or state == 'failed' or state == 'cancelled' or 
   or (state == 'running' and (lease > now_ms or f[3])) or redis.call('EXISTS', KEYS[8]) == 1 then
   return claim(ckeys, {ARGV[1], ARGV[2], ARGV[3]})
 end
-local aargv = {}
-for i = 4, #ARGV do aargv[#aargv + 1] = ARGV[i] end
+local aargv = {unpack(ARGV, 4)}
 local counts, behind = redis.call('HGETALL', KEYS[2]), 0
 for i = 1, #counts, 2 do
   if string.sub(counts[i], 1, 7) == 'queued|' then behind = behind + int(counts[i + 1], 0, 0) end

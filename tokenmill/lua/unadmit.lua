@@ -36,7 +36,5 @@ if held[5] then
   local out = num(ARGV[2], -1)
   if out >= 0 then moving(out, 'len_mean', 'len_dev', held[8], held[9]) end
 end
-bumps(KEYS[2], 0, unhold(held))
-redis.call('HDEL', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'at:' .. ARGV[1], 'up:' .. ARGV[1],
-  'tl:' .. ARGV[1])
+unhold(KEYS[2], ARGV[1], held)
 return 1

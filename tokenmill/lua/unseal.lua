@@ -22,8 +22,7 @@ for i = 5, #KEYS do
   end
 end
 if n > 0 then
-  bump(KEYS[1], 'done|' .. ARGV[2], -n, 0)
-  bump(KEYS[1], 'queued|' .. ARGV[2], n, 0)
+  move(KEYS[1], ARGV[2], 'done', 'queued', n)
   bump(KEYS[2], ARGV[2], -n, 0)
 end
 if ARGV[3] == '1' then

@@ -172,8 +172,7 @@ class Homes:
     """Where this process last admitted each prefix key (the key's *home*), and on which servers
     its prefix is *warm* (a job of it had its first token there within ``ttl_s``: the prefix is
     in that server's cache) or *cold* (jobs of it are on their way to a first token there, on a
-    server where it was not warm). A sibling is not sent where its key is cold: it would arrive
-    in the same prefill batch as the job already there, and both would prefill the prefix.
+    server where it was not warm: a sibling is not sent there, rule 2).
 
     Touched only on the event loop; the oldest keys are dropped past ``max_keys``."""
 
@@ -194,10 +193,8 @@ class Homes:
 
     def put(self, key: bytes, server: str, now: float) -> bool:
         """A job of ``key`` was admitted on ``server`` at ``now``. Returns whether the key was
-        not warm there (the job is cold there until :meth:`warmed` or :meth:`ended`)."""
-        home = self._homes.pop(key, None)  # re-inserted last: the dict's order is the age order
-        if home is None:
-            home = _Home(server, now)
+        not warm there (the job is cold there until :meth:`ended`)."""
+        home = self._homes.pop(key, None) or _Home(server, now)  # re-inserted last: the age order
         home.server, home.at = server, now
         self._homes[key] = home
         while len(self._homes) > self.max_keys:
@@ -224,13 +221,9 @@ class Homes:
 
 
 class Prefills:
-    """The prefix keys whose first job in this process is on its way to its first token: until
-    then its prompt is not in any server's cache, and a sibling sent now would prefill it again
-    (copies of a prompt that reach a server in one prefill batch are each prefilled in full,
-    whoever chose the server: bench/servers.py, ``#new-seq: 5, #new-token: 4096,
-    #cached-token: 0``). So the first job of a key *leads*: its siblings wait (up to
-    ``server_prefill_wait_s``) for its first token, then go to its server and find the prefix
-    cached. Touched only on the event loop."""
+    """The prefix keys whose first job in this process is on its way to its first token: the
+    key's leader, whose siblings wait for that token (rule 1 of the module's docstring). Touched
+    only on the event loop."""
 
     def __init__(self) -> None:
         self._pending: dict[bytes, asyncio.Event] = {}
@@ -251,31 +244,23 @@ class Prefills:
             del self._pending[key]
 
 
+@dataclass(slots=True, eq=False)
 class JobAffinity:
     """One job's say in where it goes: its prefix key; the sibling it waits for before it asks
     for a slot (the key's leader in this process, whose prompt is not cached yet), or its
     leading; and the server a sibling went to (its home), which it tries first, and waits for up
     to ``wait_s`` from the first time it is asked with that home known."""
 
-    __slots__ = ("_cold_on", "_lead", "for_home", "homes", "key", "prefills", "shared", "until", "wait_s")
-
-    def __init__(
-        self,
-        key: bytes | None,
-        homes: Homes,
-        wait_s: float,
-        prefills: Prefills | None = None,
-        shared: int = 0,
-    ) -> None:
-        self.key = key
-        self.homes = homes
-        self.wait_s = wait_s
-        self.prefills = prefills
-        self.shared = shared  # the prefix's tokens, cached at home: not held again there
-        self.until: float | None = None
-        self.for_home = False  # its last ask left servers out (its home's siblings, cold ones)
-        self._lead: asyncio.Event | None = None
-        self._cold_on: str | None = None  # the server it is cold on (admitted, no token yet)
+    key: bytes | None
+    homes: Homes
+    wait_s: float
+    prefills: Prefills | None = None
+    shared: int = 0  # the prefix's tokens, cached at home: not held again there
+    until: float | None = field(default=None, init=False)
+    # its last ask left servers out (its home's siblings, cold ones)
+    for_home: bool = field(default=False, init=False)
+    _lead: asyncio.Event | None = field(default=None, init=False)
+    _cold_on: str | None = field(default=None, init=False)  # where it was admitted, cold (no token yet)
 
     @classmethod
     def of(cls, prefix: Prefix | None, homes: Homes, wait_s: float, prefills: Prefills | None) -> JobAffinity:

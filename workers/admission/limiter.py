@@ -88,10 +88,8 @@ class LengthTracker:
         """The bins still to report and the bin the request ended in (for the commit); with the
         server's ``usage``, the prompt's tokens in its KV pool (its count, less what it reported
         served from its prefix cache)."""
-        prompt = None
         kv = prompt_kv_tokens(usage) if self._prompt_estimate else 0
-        if kv > 0:
-            prompt = (self._prompt_estimate, kv)
+        prompt = (self._prompt_estimate, kv) if kv > 0 else None
         return LengthReport(self._newly_reached(completion_tokens), bin_of(completion_tokens), prompt)
 
     def _newly_reached(self, tokens: int) -> tuple[int, ...]:

@@ -111,7 +111,6 @@ def num(v: Any, default: float, lo: float = -INT_MAX, hi: float = INT_MAX) -> fl
 
 
 def whole(v: Any, default: float, lo: float = -INT_MAX, hi: float = INT_MAX) -> int:
-    """:func:`num` rounded down."""
     return math.floor(num(v, default, lo, hi))
 
 

@@ -65,9 +65,6 @@ class WaitLine:
         self.epoch = 0  # counts the head's wake-ups: a step back lasts until the next
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def __len__(self) -> int:
-        return len(self._turns)
-
     def head(self) -> Turn | None:
         return self._turns[0] if self._turns else None
 
