@@ -63,16 +63,11 @@ def launch_argv(config: ServerConfig, *, redact: bool = False, key_file: Path | 
         if value is None or value is False or flag in skip:
             continue
         argv.extend([flag] if value is True else [flag, _text(value)])
-    if c.engine == "sim":
-        return [sys.executable, "-m", "server_mgr.sim", *argv, *c.extra_args, *sim_flags(c)]
-    return [*c.launcher, *argv, *c.extra_args]
-
-
-def sim_flags(config: ServerConfig) -> list[str]:
-    """``--sim-<knob> value`` for every knob set in ``[server.sim]``."""
-    argv: list[str] = []
-    for f in dataclasses.fields(config.sim):
-        value = getattr(config.sim, f.name)
+    if c.engine != "sim":
+        return [*c.launcher, *argv, *c.extra_args]
+    argv = [sys.executable, "-m", "server_mgr.sim", *argv, *c.extra_args]
+    for f in dataclasses.fields(c.sim):  # ``--sim-<knob> value`` for every knob set in [server.sim]
+        value = getattr(c.sim, f.name)
         if value is not None:
             argv.extend([f"--sim-{f.name.replace('_', '-')}", _text(value)])
     return argv

@@ -88,12 +88,6 @@ class RedisReporter(LogReporter):
         return record.pid if record else None
 
 
-def request_stop(client: redis.Redis, name: str, *, drain: bool = True) -> None:
-    """Ask the supervisor of ``name`` (on whichever host) to drain and stop its server."""
-    request = {"drain": drain, "at": time.time(), "by": f"{socket.gethostname()}:{os.getpid()}"}
-    client.set(keys.server_stop(name), orjson.dumps(request))
-
-
 def clear_stop_request(client: redis.Redis, name: str) -> None:
     """Forget a stale stop request (a new ``server up`` must not obey an old one)."""
     client.delete(keys.server_stop(name))
@@ -122,7 +116,8 @@ def stop_servers(
             )
             ok = False
         else:
-            request_stop(client, name, drain=drain)
+            request = {"drain": drain, "at": time.time(), "by": f"{socket.gethostname()}:{os.getpid()}"}
+            client.set(keys.server_stop(name), orjson.dumps(request))
             pending.append(name)
             click.echo(f"{name}: stop requested ({'drain first' if drain else 'now'})")
     if timeout_s is None:

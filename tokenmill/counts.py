@@ -20,9 +20,7 @@ def run_counts(client: ReadClient, run: str) -> dict[str, dict[str, int]]:
     """``{partition: {state: n}}`` for every partition of ``run``. Every partition carries
     ``cancelled`` once any job of the run was cancelled."""
     k = keys.RunKeys(run)
-    out: dict[str, dict[str, int]] = {}
-    for p in client.smembers(k.partitions()):
-        out[text(p)] = dict.fromkeys(keys.STATES, 0)
+    out = {text(p): dict.fromkeys(keys.STATES, 0) for p in client.smembers(k.partitions())}
     for field, value in client.hgetall(k.counts()).items():
         state, part = keys.split_count_field(text(field))
         out.setdefault(part, dict.fromkeys(keys.STATES, 0))[state] = int(value)

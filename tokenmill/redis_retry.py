@@ -33,30 +33,21 @@ BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)  # after the nth failure, base 
 _PASSING = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
-class _Backoff:
-    def __init__(self, stop: threading.Event | None) -> None:
-        self.deadline = time.monotonic() + REDIS_RETRY_S
-        self.stop = stop
-        self.tries = 0
-
-    def pause(self, exc: redis.RedisError) -> float:
-        """How long to wait before the next try; ``exc`` again once time is up (or the worker
-        stops), a :class:`RedisUnavailableError` at once for refused credentials."""
-        if isinstance(exc, redis.AuthenticationError):
-            raise refused(exc) from exc
-        if time.monotonic() > self.deadline or (self.stop is not None and self.stop.is_set()):
-            raise exc
-        self.tries += 1
-        # one warning per transition ridden out; the tries after it are the same news
-        (log.warning if self.tries == 1 else log.debug)("Redis unavailable (%s); retrying", exc)
-        return BACKOFF.compute(self.tries)
-
-
 async def ride_out(fn: Callable[[], Awaitable[T]], stop: threading.Event | None = None) -> T:
-    """``await fn()``, repeated while Redis is unavailable (on the loop, which goes on meanwhile)."""
-    backoff = _Backoff(stop)
+    """``await fn()``, repeated while Redis is unavailable (on the loop, which goes on meanwhile):
+    the error again once time is up (or the worker stops), a :class:`RedisUnavailableError` at
+    once for refused credentials."""
+    deadline = time.monotonic() + REDIS_RETRY_S
+    tries = 0
     while True:
         try:
             return await fn()
         except _PASSING as exc:
-            await asyncio.sleep(backoff.pause(exc))
+            if isinstance(exc, redis.AuthenticationError):
+                raise refused(exc) from exc
+            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                raise
+            tries += 1
+            # one warning per transition ridden out; the tries after it are the same news
+            (log.warning if tries == 1 else log.debug)("Redis unavailable (%s); retrying", exc)
+            await asyncio.sleep(BACKOFF.compute(tries))

@@ -35,7 +35,6 @@ SSL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "
 MOOT = ("max_connections", "retry_on_timeout", "retry_on_error", "socket_read_size", "timeout", "protocol")
 _FALSE = ("0", "F", "FALSE", "N", "NO")  # redis-py's to_bool
 _CERT_REQS = ("none", "optional", "required")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "cluster", "redis-cluster")
 # the options a Sentinel URL may carry, besides master_name (each client honours them), and the
 # field of the primary's Endpoint each sets
 SENTINEL_OPTIONS = {"socket_timeout": "socket_timeout_s", "socket_connect_timeout": "connect_timeout_s"}
@@ -68,7 +67,7 @@ def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
 
 
 def _refuse_cluster(scheme: str, what: str) -> None:
-    if scheme in CLUSTER_SCHEMES or "cluster" in scheme:
+    if "cluster" in scheme:  # redis+cluster, rediss+cluster, cluster, redis-cluster, ...
         raise ConfigError(
             f"{what}: Redis Cluster ({scheme}://) is not supported: Celery's Redis transport cannot "
             "use a cluster (a queue's messages move between keys in one MULTI, which a cluster "
