@@ -8,6 +8,8 @@ a server's answer onto these classes, and the worker maps the classes onto ledge
 
 from __future__ import annotations
 
+from tokenmill.url_secrets import redact_url
+
 
 class TokenmillError(Exception):
     """Base of every tokenmill error."""
@@ -60,6 +62,28 @@ class IdConflictError(InputError):
 
 class RedisUnavailableError(TokenmillError):
     """Redis cannot be reached or refused us; the message names the (redacted) URL."""
+
+
+# how a failure of Redis is worded, alike by every client (quick_redis, redis_conn, redis_retry)
+PUT_PASSWORD = "(put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
+
+
+def unreachable(url: str, why: str) -> RedisUnavailableError:
+    return RedisUnavailableError(
+        f"cannot reach Redis at {redact_url(url)}: {why} (is it running? set TOKENMILL_REDIS_URL)"
+    )
+
+
+def failure(url: str, what: str) -> RedisUnavailableError:
+    return RedisUnavailableError(f"Redis at {redact_url(url)} {what}")
+
+
+def refused(exc: object, url: str = "") -> RedisUnavailableError:
+    """Credentials Redis refused (to the client of ``url``): one clear error, never ridden out."""
+    at = f" at {redact_url(url)}" if url else ""
+    return RedisUnavailableError(
+        f"Redis{at} refused the credentials: {exc} (check the password in TOKENMILL_REDIS_URL)"
+    )
 
 
 class ServerStartError(TokenmillError):

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 import hiredis
 
 from tokenmill import redis_url
-from tokenmill.errors import RedisUnavailableError
-from tokenmill.url_secrets import redact_url
+from tokenmill.errors import PUT_PASSWORD, RedisUnavailableError, failure, refused, unreachable
 
 if TYPE_CHECKING:
     import redis
@@ -226,28 +225,6 @@ class QuickRedis(_Reads):
         if command == "AUTH" or text.startswith("WRONGPASS"):
             return refused(text, self.url)
         return failure(self.url, f"answered {command} with an error: {text}")
-
-
-# how a failure of Redis is worded (here, in tokenmill.redis_conn and tokenmill.redis_retry), alike
-PUT_PASSWORD = "(put it in TOKENMILL_REDIS_URL as redis://:PASSWORD@host:port/db)"
-
-
-def unreachable(url: str, why: str) -> RedisUnavailableError:
-    return RedisUnavailableError(
-        f"cannot reach Redis at {redact_url(url)}: {why} (is it running? set TOKENMILL_REDIS_URL)"
-    )
-
-
-def failure(url: str, what: str) -> RedisUnavailableError:
-    return RedisUnavailableError(f"Redis at {redact_url(url)} {what}")
-
-
-def refused(exc: object, url: str = "") -> RedisUnavailableError:
-    """Credentials Redis refused (to the client of ``url``): one clear error, never ridden out."""
-    at = f" at {redact_url(url)}" if url else ""
-    return RedisUnavailableError(
-        f"Redis{at} refused the credentials: {exc} (check the password in TOKENMILL_REDIS_URL)"
-    )
 
 
 if TYPE_CHECKING:

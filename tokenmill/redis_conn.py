@@ -17,8 +17,7 @@ import redis.sentinel
 from redis.retry import Retry
 
 from tokenmill import redis_url
-from tokenmill.errors import RedisUnavailableError
-from tokenmill.quick_redis import PUT_PASSWORD, failure, refused, unreachable
+from tokenmill.errors import PUT_PASSWORD, RedisUnavailableError, failure, refused, unreachable
 from tokenmill.redis_retry import BACKOFF
 from tokenmill.settings import Settings
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import ExponentialBackoff
 
-from tokenmill.quick_redis import refused
+from tokenmill.errors import refused
 
 log = logging.getLogger("tokenmill.worker")
 T = TypeVar("T")
