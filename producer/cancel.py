@@ -44,8 +44,7 @@ def cancel_run(
 ) -> CancelSummary:
     """Cancel the queued jobs of ``run`` (or of its ``partition``) and mark its running ones."""
     ledger = existing_run(client, run)
-    scope = partitions(ledger, partition)
-    busy = [p for p, c in sorted(scope.items()) if c["queued"] or c["running"]]
+    busy = [p for p, c in sorted(partitions(ledger, partition).items()) if c["queued"] or c["running"]]
     summary = CancelSummary(run, partition, now)
     for chunk in ledger.pick(busy, ("queued", "running")):
         queued, running = ledger.call(t.cancel(ledger.k, [j.job_id for j in chunk], now))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import click
@@ -213,13 +214,11 @@ def enqueue(
         )
         task = progress.add_task("enqueue", total=None)
         enq.on_progress = lambda n: progress.advance(task, n)
-        progress.start()
     try:
-        for path in files:
-            enq.enqueue_file(path, partition)
+        with nullcontext() if progress is None else progress:
+            for path in files:
+                enq.enqueue_file(path, partition)
     finally:
-        if progress is not None:
-            progress.stop()
         click.echo(enq.summary.line(run))
     for conflict in enq.summary.conflicts[:20]:
         click.echo(f"error: {conflict}", err=True)
@@ -240,29 +239,27 @@ def status(run: str, as_json: bool, watch: bool, interval: float, redis_url: str
     settings, client = _connect_read(redis_url, "status")
     _check_run(client, run, " (enqueue into it first)")
     urls = settings.server_urls
-    if as_json:
-        while True:
-            click.echo(orjson.dumps(run_status(client, run, urls)).decode())
-            if not watch:
-                return
-            time.sleep(interval)
-    from rich.console import Console
-    from rich.live import Live
+    if not as_json:
+        from rich.console import Console
+        from rich.live import Live
 
-    from producer.status_view import render
+        from producer.status_view import render
 
-    console = Console()
-    if not watch:
-        console.print(render(run_status(client, run, urls)))
-        return
-    if not console.is_terminal:  # a log or a pipe: one frame per refresh, appended
-        while True:
-            console.print(render(run_status(client, run, urls)))
-            time.sleep(interval)
-    with Live(render(run_status(client, run, urls)), console=console, refresh_per_second=4) as live:
-        while True:
-            time.sleep(interval)
-            live.update(render(run_status(client, run, urls)))
+        console = Console()
+        if watch and console.is_terminal:
+            with Live(render(run_status(client, run, urls)), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(run_status(client, run, urls)))
+    while True:  # once; or, watching as JSON or in a log or a pipe, one frame per refresh, appended
+        doc = run_status(client, run, urls)
+        if as_json:
+            click.echo(orjson.dumps(doc).decode())
+        else:
+            console.print(render(doc))
+        if not watch:
+            return
+        time.sleep(interval)
 
 
 @click.command()

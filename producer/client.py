@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 import orjson
@@ -43,7 +45,7 @@ Rows = Union[
 ]
 
 
-class Client:
+class Client(AbstractContextManager["Client"]):
     """tokenmill from Python: enqueue rows into runs, watch them, read their completions back.
 
     Settings are the CLI's: ``TOKENMILL_*`` variables, overridden by the arguments given
@@ -63,9 +65,6 @@ class Client:
     def close(self) -> None:
         """Close the client's Redis connections."""
         self._redis.close()
-
-    def __enter__(self) -> Client:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -153,8 +152,8 @@ class Client:
             samples=samples,
             on_invalid=lambda e: log.warning("skipped: %s", e),
         )
-        for source in sources(rows, partition):
-            enq.enqueue_records(source.records, source.partition)
+        for part, records in sources(rows, partition):
+            enq.enqueue_records(records, part)
         result = EnqueueResult.of(run, enq.summary)
         if enq.summary.conflicts:
             raise conflict_error(enq.summary.conflicts, result)
@@ -254,7 +253,7 @@ class Client:
         they moved. Truncated rows (``finish_reason`` ``"length"``) are left out unless
         ``include_truncated``, as the export does; once the rows are read to the end, a
         ``UserWarning`` says how many were left out."""
-        return _warned(self._export_rows(run, partition, include_truncated, results_url), run)
+        return _warned(self._export_rows(run, partition, include_truncated, results_url))
 
     def _export_rows(
         self, run: str, partition: str | None, include_truncated: bool, results_url: str | None
@@ -281,7 +280,7 @@ class Client:
 
         rows = self._export_rows(run, partition, include_truncated, results_url)
         dataset = to_dataset(run, rows)
-        rows.warn(run, stacklevel=2)
+        rows.warn(stacklevel=2)
         return dataset
 
     def to_pandas(
@@ -297,7 +296,7 @@ class Client:
 
         rows = self._export_rows(run, partition, include_truncated, results_url)
         frame: pandas.DataFrame = to_pandas(rows)
-        rows.warn(run, stacklevel=2)
+        rows.warn(stacklevel=2)
         return frame
 
     # -- day two ----------------------------------------------------------------------------
@@ -360,47 +359,44 @@ class Client:
         return existing_run(self._redis, run)
 
 
+@dataclass(slots=True)
 class _ExportRows:
     """The export rows of ``readers`` as dicts, streamed; without ``include_truncated``, the
     truncated ones (``finish_reason`` ``"length"``) are left out and counted in ``left_out``."""
 
-    def __init__(self, ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool) -> None:
-        self.left_out = 0
-        self._rows = self._read(ledger, readers, include_truncated)
+    ledger: Ledger
+    readers: dict[str, ShardReader]
+    include_truncated: bool
+    left_out: int = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._rows
-
-    def _read(
-        self, ledger: Ledger, readers: dict[str, ShardReader], include_truncated: bool
-    ) -> Iterator[dict[str, Any]]:
         from producer.export import export_row
         from producer.export_rows import RowCounts, partition_rows
 
-        for reader in readers.values():  # the rows ``export_run`` writes, in its order
-            for line in partition_rows(ledger, reader, RowCounts(), export_row):
+        for reader in self.readers.values():  # the rows ``export_run`` writes, in its order
+            for line in partition_rows(self.ledger, reader, RowCounts(), export_row):
                 row = orjson.loads(line.row)
-                if not include_truncated and row.get("finish_reason") == "length":
+                if not self.include_truncated and row.get("finish_reason") == "length":
                     self.left_out += 1
                     continue
                 yield row
 
-    def warn(self, run: str, stacklevel: int) -> None:
+    def warn(self, stacklevel: int) -> None:
         """A ``UserWarning`` naming how many truncated rows were left out, if any (``stacklevel``
         as ``warnings.warn``'s, counted from the caller of this method)."""
         if self.left_out:
             warnings.warn(
-                f"run {run}: {self.left_out} truncated row(s) (finish_reason 'length', cut at "
+                f"run {self.ledger.run}: {self.left_out} truncated row(s) (finish_reason 'length', cut at "
                 "max_tokens) left out; pass include_truncated=True to include them",
                 UserWarning,
                 stacklevel=stacklevel + 1,
             )
 
 
-def _warned(rows: _ExportRows, run: str) -> Iterator[dict[str, Any]]:
+def _warned(rows: _ExportRows) -> Iterator[dict[str, Any]]:
     """``rows``, then the warning naming the truncated rows they left out."""
     yield from rows
-    rows.warn(run, stacklevel=2)  # the code that read the last row
+    rows.warn(stacklevel=2)  # the code that read the last row
 
 
 def _check_counts(**values: int | None) -> None:

@@ -11,7 +11,7 @@ dict).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from itertools import islice
 from typing import Any
 
@@ -43,7 +43,8 @@ def to_dataset(run: str, rows: Iterable[dict[str, Any]]) -> Any:
     import pyarrow as pa
 
     try:
-        tables = [pa.Table.from_pylist(batch) for batch in _batches(rows)]
+        it = iter(rows)
+        tables = [pa.Table.from_pylist(batch) for batch in iter(lambda: list(islice(it, BATCH_ROWS)), [])]
         if not tables:
             return datasets.Dataset.from_dict({c: [] for c in COLUMNS})
         table = pa.concat_tables(tables, promote_options="permissive")
@@ -53,9 +54,3 @@ def to_dataset(run: str, rows: Iterable[dict[str, Any]]) -> Any:
             "read them with results() or to_pandas()"
         ) from None
     return datasets.Dataset(table)
-
-
-def _batches(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    it = iter(rows)
-    while batch := list(islice(it, BATCH_ROWS)):
-        yield batch

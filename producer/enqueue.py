@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from producer.limits import DEFAULT, Limits
-from producer.options import check_request, option_json
+from producer.options import check_request, to_json
 from producer.readers import Record, dataset_stem, iter_records
 from producer.rows import Row, normalize_row
 from tokenmill import keys
@@ -92,7 +92,7 @@ class Routing:
         options = {**self.params, **row.options}
         options_json = {
             **self._params_json,
-            **{k: option_json(source, k, v) for k, v in row.options.items()},
+            **{k: to_json(source, f'"{k}"', v) for k, v in row.options.items()},
         }
         return options, options_json
 

@@ -53,16 +53,8 @@ KNOWN: dict[str, pa.DataType] = {
     "logprobs": pa.struct([pa.field("content", pa.list_(TOKEN_LOGPROB))]),
     "output_token_ids": pa.list_(pa.int64()),
 }
-
-
-def _extra_type(value: Any) -> pa.DataType:
-    if isinstance(value, bool):
-        return pa.bool_()
-    if isinstance(value, int):
-        return pa.int64()
-    if isinstance(value, float):
-        return pa.float64()
-    return pa.string()
+# a field the export row gains: its type by its first value's (JSON's: exact), else text
+EXTRA: dict[type, pa.DataType] = {bool: pa.bool_(), int: pa.int64(), float: pa.float64()}
 
 
 def _check_messages(row: dict[str, Any]) -> None:
@@ -91,7 +83,7 @@ class ParquetRows:
         row = orjson.loads(row_json)
         _check_messages(row)
         if self.schema is None:
-            extra = [pa.field(k, _extra_type(v)) for k, v in row.items() if k not in KNOWN]
+            extra = [pa.field(k, EXTRA.get(type(v), pa.string())) for k, v in row.items() if k not in KNOWN]
             self.schema = pa.schema([pa.field(k, t) for k, t in KNOWN.items()] + extra)
         unknown = set(row) - set(self.schema.names)
         if unknown:
@@ -100,25 +92,20 @@ class ParquetRows:
         if len(self.batch) >= BATCH:
             self._flush()
 
-    def _flush(self) -> None:
-        if not self.batch or self.schema is None:
-            return
-        columns = []
-        for f in self.schema:
-            values = [_cell(f, row.get(f.name)) for row in self.batch]
-            columns.append(pa.array(values, f.type))
-        table = pa.Table.from_arrays(columns, schema=self.schema)
+    def _flush(self) -> pq.ParquetWriter:
+        """The rows held, written as a row group; the file is begun at the first (with no row at
+        all, of :data:`KNOWN`'s columns: still a valid, empty file)."""
+        schema = self.schema or pa.schema(KNOWN)
+        columns = [pa.array([_cell(f, row.get(f.name)) for row in self.batch], f.type) for f in schema]
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
-        self.writer.write_table(table)
-        self.batch = []
+            self.writer = pq.ParquetWriter(self.path, schema, compression="zstd")
+        if self.batch:
+            self.writer.write_table(pa.Table.from_arrays(columns, schema=schema))
+            self.batch = []
+        return self.writer
 
     def close(self) -> None:
-        self._flush()
-        if self.writer is None:  # no row at all: still a valid, empty file
-            self.schema = self.schema or pa.schema([pa.field(k, t) for k, t in KNOWN.items()])
-            self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
-        self.writer.close()
+        self._flush().close()
 
     def __enter__(self) -> ParquetRows:
         return self

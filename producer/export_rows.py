@@ -231,13 +231,11 @@ def _sealed_row(
         if shard_id not in reader.groups:  # sealed since the export started
             merge.add(reader.check(shard_id), from_seq=seq)
         found = merge.take(seq, shard_id)  # raises for a row group that does not decode
+        if found is None or found.job_id != job_id:
+            raise ValueError(f"it has no row for job {job_id!r} (seq {seq})")
     except Exception as exc:
         jobs = jobs_of_shard(ledger, reader.partition, shard_id)
         raise ShardLostError(ledger.run, {shard_id: (_why(reader, shard_id, exc), jobs)}) from exc
-    if found is None or found.job_id != job_id:
-        jobs = jobs_of_shard(ledger, reader.partition, shard_id)
-        why = _why(reader, shard_id, ValueError(f"it has no row for job {job_id!r} (seq {seq})"))
-        raise ShardLostError(ledger.run, {shard_id: (why, jobs)})
     return found
 
 

@@ -26,7 +26,7 @@ from tokenmill import servers as server_records
 from tokenmill.errors import ConfigError
 from tokenmill.ledger import Ledger
 from tokenmill.quality import DRIFT, RATE_NAMES, SIGNALS
-from tokenmill.quality_view import JUDGED, QualityView, quality_view
+from tokenmill.quality_view import JUDGED, quality_view
 from tokenmill.replies import text
 from tokenmill.url_secrets import redact_url
 
@@ -82,32 +82,15 @@ class LedgerCollector(Collector):
 
     # -- runs -------------------------------------------------------------------------------
 
-    def _run_names(self) -> list[str]:
-        names = []
-        for raw in sorted(text(x) for x in self.r.smembers(keys.runs())):
-            try:
-                names.append(keys.check_run(raw))
-            except ConfigError:
-                log.warning("skipping run %r: not a valid run name", raw)
-        return names
-
     def _runs(self) -> list[Metric]:
         families = _RunFamilies()
-        for run in self._run_names():
-            k = keys.RunKeys(run)
-            pipe = self.r.pipeline(transaction=False)
-            pipe.hgetall(k.stats())
-            pipe.hgetall(k.failures())
-            pipe.hgetall(k.retried())
-            pipe.zcard(k.delayed())
-            for queue in keys.QUEUES:
-                pipe.llen(k.backlog(queue))
-            run_stats, failed_now, retried, n_delayed, *backlogs = pipe.execute()
-            # Every job that ever ended failed: those failed now, and those `retry` sent back.
-            ever = Counter({text(c): int(n) for c, n in failed_now.items()})
-            ever.update({text(c): int(n) for c, n in retried.items()})
-            counts = Ledger(self.r, run).counts()
-            families.add(run, counts, run_stats, ever, n_delayed, backlogs, quality_view(self.r, run, counts))
+        for raw in sorted(text(x) for x in self.r.smembers(keys.runs())):
+            try:
+                run = keys.check_run(raw)
+            except ConfigError:
+                log.warning("skipping run %r: not a valid run name", raw)
+                continue
+            families.add(self.r, run)
         return families.all()
 
     def _queues(self) -> list[Metric]:
@@ -138,7 +121,7 @@ class LedgerCollector(Collector):
             pipe.zcard(keys.admission(rec.name))
             pipe.hmget(keys.admission_used(rec.name), ADMISSION_READ)
         replies = pipe.execute()
-        return [*_server_families(records), *_admission_families(records, replies)]
+        return _server_families(records, replies)
 
 
 class _RunFamilies:
@@ -181,22 +164,27 @@ class _RunFamilies:
             labels=["run", "partition"],
         )
 
-    def add(
-        self,
-        run: str,
-        counts: dict[str, dict[str, int]],
-        stats: dict[Any, Any],
-        failures: dict[Any, Any],
-        delayed: int,
-        backlogs: list[int],
-        view: QualityView,
-    ) -> None:
-        """Add one run's figures (``stats`` and ``failures`` as read from their hashes), and its
-        quality: counts since it began, window rates, and its pause."""
+    def add(self, r: redis.Redis, run: str) -> None:
+        """Read and add one run's figures, and its quality: counts since it began, window rates,
+        and its pause."""
+        k = keys.RunKeys(run)
+        pipe = r.pipeline(transaction=False)
+        pipe.hgetall(k.stats())
+        pipe.hgetall(k.failures())
+        pipe.hgetall(k.retried())
+        pipe.zcard(k.delayed())
+        for queue in keys.QUEUES:
+            pipe.llen(k.backlog(queue))
+        run_stats, failed_now, retried, delayed, *backlogs = pipe.execute()
+        # Every job that ever ended failed: those failed now, and those `retry` sent back.
+        failures = Counter({text(c): int(n) for c, n in failed_now.items()})
+        failures.update({text(c): int(n) for c, n in retried.items()})
+        counts = Ledger(r, run).counts()
+        view = quality_view(r, run, counts)
         for partition, by_state in sorted(counts.items()):
             for state, n in by_state.items():
                 self.jobs.add_metric([run, partition, state], n)
-        stats = {text(a): b for a, b in stats.items()}
+        stats = {text(a): b for a, b in run_stats.items()}
         for field, family in self.stats.items():
             family.add_metric([run], _num(stats.get(field)) or 0)
         for cls, n in sorted(failures.items()):
@@ -221,41 +209,9 @@ class _RunFamilies:
         return [self.jobs, self.failures, *self.stats.values(), self.delayed, self.backlog, *quality]
 
 
-def _admission_families(records: list[server_records.ServerRecord], replies: list[Any]) -> list[Metric]:
-    """Each server's admission from ``replies``: its slot count, then its used-hash values (in
-    :data:`ADMISSION_READ` order)."""
-    slots = GaugeMetricFamily(
-        "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
-    )
-    fields = {
-        f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
-        for f, (name, doc, counter) in ADMISSION_FIELDS.items()
-    }
-    by_queue = GaugeMetricFamily(
-        "tokenmill_admission_queue_tokens",
-        "Tokens held by admission slots, by queue.",
-        labels=["server", "queue"],
-    )
-    caps = GaugeMetricFamily(
-        "tokenmill_admission_queue_cap_tokens",
-        "The most tokens one queue may hold on the server.",
-        labels=["server", "queue"],
-    )
-    for i, rec in enumerate(records):
-        slots.add_metric([rec.name], replies[2 * i])
-        values = {f: _num(v) for f, v in zip(ADMISSION_READ, replies[2 * i + 1], strict=True)}
-        for field, family in fields.items():
-            if (v := values[field]) is not None:
-                family.add_metric([rec.name], v)
-        for queue in keys.QUEUES:
-            if (v := values[queue]) is not None:
-                by_queue.add_metric([rec.name, queue], v)
-            if (v := values[f"cap:{queue}"]) is not None:
-                caps.add_metric([rec.name, queue], v)
-    return [slots, *fields.values(), by_queue, caps]
-
-
-def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]:
+def _server_families(records: list[server_records.ServerRecord], replies: list[Any]) -> list[Metric]:
+    """Each server's record, and its admission from ``replies``: its slot count, then its
+    used-hash values (in :data:`ADMISSION_READ` order)."""
     state = GaugeMetricFamily(
         "tokenmill_server_state", "1 for the server's current state, else 0.", labels=["server", "state"]
     )
@@ -281,7 +237,24 @@ def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]
     live = GaugeMetricFamily(
         "tokenmill_server_live", "Live figures the server manager publishes.", labels=["server", "figure"]
     )
-    for rec in records:
+    slots = GaugeMetricFamily(
+        "tokenmill_admission_slots", "Admission slots held on the server.", labels=["server"]
+    )
+    fields = {
+        f: (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["server"])
+        for f, (name, doc, counter) in ADMISSION_FIELDS.items()
+    }
+    by_queue = GaugeMetricFamily(
+        "tokenmill_admission_queue_tokens",
+        "Tokens held by admission slots, by queue.",
+        labels=["server", "queue"],
+    )
+    caps = GaugeMetricFamily(
+        "tokenmill_admission_queue_cap_tokens",
+        "The most tokens one queue may hold on the server.",
+        labels=["server", "queue"],
+    )
+    for i, rec in enumerate(records):
         for s in dict.fromkeys([*server_records.STATES, rec.state]):
             state.add_metric([rec.name, s], 1 if s == rec.state else 0)
         info.add_metric([rec.name, rec.engine, redact_url(rec.url)], 1)
@@ -293,7 +266,18 @@ def _server_families(records: list[server_records.ServerRecord]) -> list[Metric]
         updated.add_metric([rec.name], rec.updated_at)
         for figure, value in sorted(rec.live.items()):
             live.add_metric([rec.name, figure], value)
-    return [state, info, capacity, context, restarts, updated, live]
+        slots.add_metric([rec.name], replies[2 * i])
+        values = {f: _num(v) for f, v in zip(ADMISSION_READ, replies[2 * i + 1], strict=True)}
+        for field, family in fields.items():
+            if (v := values[field]) is not None:
+                family.add_metric([rec.name], v)
+        for queue in keys.QUEUES:
+            if (v := values[queue]) is not None:
+                by_queue.add_metric([rec.name, queue], v)
+            if (v := values[f"cap:{queue}"]) is not None:
+                caps.add_metric([rec.name, queue], v)
+    server = [state, info, capacity, context, restarts, updated, live]
+    return [*server, slots, *fields.values(), by_queue, caps]
 
 
 def registry_for(client: redis.Redis) -> CollectorRegistry:

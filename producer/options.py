@@ -57,7 +57,8 @@ def check_option(source: str, name: str, value: Any, limits: Limits = DEFAULT) -
 
 def check_request(source: str, options: Mapping[str, Any], max_tokens: int) -> None:
     """The options of one request, together (each was checked alone already)."""
-    grammars = [g for g in GRAMMARS if options.get(g) is not None and not _is_text_format(options, g)]
+    text = (options.get("response_format") or {}).get("type") == "text"  # a text format constrains nothing
+    grammars = [g for g in GRAMMARS if options.get(g) is not None and not (text and g == "response_format")]
     if len(grammars) > 1:
         got = " and ".join(grammars)
         raise InputError(source, f"only one of {', '.join(GRAMMARS)} may be set; got {got}")
@@ -131,17 +132,17 @@ def check_run_option(source: str, name: str, value: Any, limits: Limits = DEFAUL
         raise InputError(source, f"{name!r} is not a request option tokenmill knows; known: {known}")
     if (too_deep := depth_problem(value, limits)) is not None:
         raise InputError(source, f'"{name}" {too_deep}')
-    option_json(source, name, value)
+    to_json(source, f'"{name}"', value)
     return check_option(source, name, value, limits)
 
 
-def option_json(source: str, name: str, value: Any) -> bytes:
-    """An option's value as JSON, or :class:`InputError` when JSON cannot hold it (an integer past
-    64 bits, from a Python or Arrow row)."""
+def to_json(source: str, what: str, value: Any, option: int = 0) -> bytes:
+    """``value`` as JSON, or :class:`InputError` naming ``what`` when JSON cannot hold it (bytes,
+    decimals, an integer past 64 bits, from a Python or Arrow row): jobs are stored as JSON."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, option=option)
     except TypeError as exc:
-        raise InputError(source, f'"{name}" cannot be stored as JSON: {exc}') from None
+        raise InputError(source, f"{what} cannot be stored as JSON: {exc}") from None
 
 
 def _load_params_file(path: str) -> dict[str, Any]:
@@ -169,66 +170,77 @@ def _parse_param(text: str) -> tuple[str, Any]:
         ) from None
 
 
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short for display in an error message."""
+    text = repr(value)
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."
+
+
 # --- one option's value --------------------------------------------------------------------------
 
 
-def _number(low: float, high: float | None, low_open: bool = False) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        ok = _is_number(value)
-        if ok:
-            ok = value > low if low_open else value >= low
-        if ok and high is not None:
-            ok = value <= high
-        if not ok:
-            if high is None:
-                where = f"{'>' if low_open else '>='} {low:g}"
-            else:
-                where = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-            raise Bad(f"must be a number {where}, got {_show(value)}")
-        return float(value)  # 1 and 1.0 are one job (and ids made before options kept floats)
+def _must(
+    test: Callable[[Any], object], what: str, show: Callable[[Any], str] = _show
+) -> Callable[[Any], Any]:
+    """A check: the value itself when ``test`` holds, else :class:`Bad` saying it must be ``what``."""
 
-    return check
-
-
-def _integer(low: int, high: int) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if not _is_int(value) or not low <= value <= high:
-            raise Bad(f"must be an integer in [{low}, {high}], got {_show(value)}")
+    def check(value: Any) -> Any:
+        if not test(value):
+            raise Bad(f"must be {what}, got {show(value)}")
         return value
 
     return check
 
 
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise Bad(f"must be true or false, got {_show(value)}")
-    return value
+def _number(low: float, high: float | None, low_open: bool = False) -> Callable[[Any], float]:
+    if high is None:
+        where = f"{'>' if low_open else '>='} {low:g}"
+    else:
+        where = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    within = _must(
+        lambda v: _is_number(v) and (v > low if low_open else v >= low) and (high is None or v <= high),
+        f"a number {where}",
+    )
+    # 1 and 1.0 are one job (and ids made before options kept floats)
+    return lambda value: float(within(value))
 
 
-def _object(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise Bad(f"must be an object, got {json_kind(value)}")
-    return value
+def _integer(low: int, high: int) -> Callable[[Any], int]:
+    return _must(lambda v: _is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]")
+
+
+_boolean = _must(lambda v: isinstance(v, bool), "true or false")
+_object = _must(lambda v: isinstance(v, dict), "an object", json_kind)
+_seed = _must(lambda v: _is_int(v) and -(2**63) <= v < 2**63, "a 64-bit integer")
+_top_k = _must(
+    lambda v: _is_int(v) and (v == -1 or 1 <= v <= INT32_MAX), f"-1 (off) or an integer in [1, {INT32_MAX}]"
+)
+_token_ids = _must(
+    lambda v: isinstance(v, list) and all(_is_int(t) and 0 <= t <= INT64_MAX for t in v),
+    f"a list of token ids (integers in [0, {INT64_MAX}])",
+)
+_ebnf = _must(lambda v: isinstance(v, str) and v and not v.isspace(), "a non-empty grammar string", json_kind)
+_lora_path = _must(lambda v: isinstance(v, str) and v, "the name of a loaded LoRA adapter (a string)")
+_reasoning_effort = _must(
+    lambda v: (isinstance(v, str) and v in EFFORTS) or (_is_number(v) and 0 <= v <= 0.99),
+    f"one of {', '.join(EFFORTS)} or a number in [0, 0.99]",
+)
 
 
 def _any_json(value: Any) -> Any:
     return value
 
 
-def _seed(value: Any) -> int:
-    if not _is_int(value) or not -(2**63) <= value < 2**63:
-        raise Bad(f"must be a 64-bit integer, got {_show(value)}")
-    return value
-
-
-def _top_k(value: Any) -> int:
-    if not _is_int(value) or (value < 1 and value != -1) or value > INT32_MAX:
-        raise Bad(f"must be -1 (off) or an integer in [1, {INT32_MAX}], got {_show(value)}")
-    return value
-
-
 def _logit_bias(value: Any) -> dict[str, float]:
-    bias = _object(value)
+    bias: dict[str, float] = _object(value)
     for token, b in bias.items():
         if not _is_token_key(token):
             raise Bad(f"keys must be token ids (digits, at most {INT64_MAX}), got {_show(token)}")
@@ -261,12 +273,6 @@ def _strings(what: str, each: Callable[[str], object] | None = None) -> Callable
     return check
 
 
-def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in value):
-        raise Bad(f"must be a list of token ids (integers in [0, {INT64_MAX}]), got {_show(value)}")
-    return value
-
-
 def _compiles(pattern: str) -> None:
     try:
         re.compile(pattern)
@@ -281,14 +287,8 @@ def _regex(value: Any) -> str:
     return value
 
 
-def _ebnf(value: Any) -> str:
-    if not isinstance(value, str) or value.isspace() or not value:
-        raise Bad(f"must be a non-empty grammar string, got {json_kind(value)}")
-    return value
-
-
 def _response_format(value: Any) -> dict[str, Any]:
-    fmt = _object(value)
+    fmt: dict[str, Any] = _object(value)
     kind = fmt.get("type")
     if kind not in FORMATS:
         raise Bad(f'"type" must be one of {", ".join(FORMATS)}, got {_show(kind)}')
@@ -371,20 +371,6 @@ def _tool_choice(value: Any) -> Any:
     return value
 
 
-def _reasoning_effort(value: Any) -> Any:
-    if isinstance(value, str) and value in EFFORTS:
-        return value
-    if _is_number(value) and 0 <= value <= 0.99:
-        return value
-    raise Bad(f"must be one of {', '.join(EFFORTS)} or a number in [0, 0.99], got {_show(value)}")
-
-
-def _lora_path(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise Bad(f"must be the name of a loaded LoRA adapter (a string), got {_show(value)}")
-    return value
-
-
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "temperature": _number(0, None),
     "top_p": _number(0, 1, low_open=True),
@@ -418,21 +404,3 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "lora_path": _lora_path,
 }
 assert set(_CHECKS) == OPTIONS, "every option has its check"
-
-
-def _is_text_format(options: Mapping[str, Any], name: str) -> bool:
-    return name == "response_format" and options[name].get("type") == "text"
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
-def _show(value: Any) -> str:
-    """``repr(value)``, cut short for display in an error message."""
-    text = repr(value)
-    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."

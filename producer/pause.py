@@ -18,9 +18,6 @@ from tokenmill.ledger import Ledger
 from tokenmill.quality import parse_rule
 from tokenmill.replies import text
 
-BY_PERSON = "person"
-BY_HAND = "paused by hand (tokenmill pause)"
-
 
 def encode_rules(exprs: Iterable[str]) -> dict[str, str]:
     """The rules hash's fields for ``exprs``, each checked (a :class:`~tokenmill.errors.ConfigError`
@@ -47,7 +44,7 @@ def store_rules(client: redis.Redis, run: str, given: dict[str, str], default: d
 def pause_run(ledger: Ledger, reason: str | None) -> tuple[bool, dict[str, str]]:
     """Pause the run by hand: whether it was paused now (else it already was), and the pause it
     is under (``reason``, ``at_ms``, ``by``)."""
-    now = ledger.call(t.pause(ledger.k, reason or BY_HAND, BY_PERSON))
+    now = ledger.call(t.pause(ledger.k, reason or "paused by hand (tokenmill pause)", "person"))
     held = ledger.r.hgetall(ledger.k.paused())
     return now, {text(a): text(b) for a, b in held.items()}
 

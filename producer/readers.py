@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,17 +198,17 @@ def _iter_parquet(p: Path) -> Iterator[Record]:
     name = str(p)
     try:
         with pq.ParquetFile(p) as pf:
-            yield from _rows(name, pf.iter_batches(batch_size=BATCH_ROWS), start=1)
+            yield from arrow_records(pf.iter_batches(batch_size=BATCH_ROWS), f"{name}:row {{}}".format, 1)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(name, f"Parquet read failed: {exc}") from None
 
 
-def _rows(name: str, batches: Iterable[pa.RecordBatch], *, start: int) -> Iterator[Record]:
-    n = start
-    for batch in batches:
-        for row in batch.to_pylist():
-            yield Record(f"{name}:row {n}", row)
-            n += 1
+def arrow_records(
+    batches: Iterable[pa.RecordBatch | pa.Table], named: Callable[[int], str], start: int
+) -> Iterator[Record]:
+    """One record per row of ``batches``, the ``n``-th (counted from ``start``) named ``named(n)``."""
+    rows = chain.from_iterable(batch.to_pylist() for batch in batches)
+    return (Record(named(n), row) for n, row in enumerate(rows, start))
 
 
 # --- Hugging Face datasets directories -----------------------------------------------------------
@@ -259,7 +260,7 @@ def _iter_arrow_rows(name: str, files: list[Path]) -> Iterator[Record]:
     for file in files:
         try:
             with pa.OSFile(str(file), "rb") as f:
-                for record in _rows(name, ipc.open_stream(f), start=n):
+                for record in arrow_records(ipc.open_stream(f), f"{name}:row {{}}".format, n):
                     yield record
                     n += 1
         except (pa.ArrowException, OSError) as exc:

@@ -83,10 +83,12 @@ class ResultStore:
     def write(self, path: str, data: bytes, hook: Hook = no_hook) -> None:
         """Write ``data`` at ``path``, whole or not at all; ``hook("tmp_written")`` runs once a
         temporary copy is durable and before it takes the final name (a test fault point)."""
+        if self.local:
+            with self.writer(path, hook) as fh:
+                fh.write(data)
+            return
         try:
-            if self.local:
-                self._write_local(path, data, hook)
-            elif self.protocols & OBJECT_STORES:
+            if self.protocols & OBJECT_STORES:
                 self.fs.pipe_file(path, data)
             else:
                 tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
@@ -96,31 +98,12 @@ class ResultStore:
         except OSError as exc:
             raise ResultStoreError(f"cannot write {self.describe(path)}: {exc}") from exc
 
-    def _write_local(self, path: str, data: bytes, hook: Hook) -> None:
-        folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            hook("tmp_written")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself survives a power cut
-        finally:
-            os.close(fd)
-
     @contextmanager
-    def writer(self, path: str) -> Iterator[IO[bytes]]:
+    def writer(self, path: str, hook: Hook = no_hook) -> Iterator[IO[bytes]]:
         """A binary file that writes ``path`` piece by piece, whole or not at all as
-        :meth:`write` does: on a local disk through a fsynced temporary name, on object storage
-        as one multipart upload (aborted on an error), elsewhere through a temporary name."""
+        :meth:`write` does: on a local disk through a fsynced temporary name (``hook`` as
+        :meth:`write`'s), on object storage as one multipart upload (aborted on an error),
+        elsewhere through a temporary name."""
         direct = not self.local and bool(self.protocols & OBJECT_STORES)
         if self.local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -133,6 +116,7 @@ class ResultStore:
                 if self.local:
                     fh.flush()
                     os.fsync(fh.fileno())
+                    hook("tmp_written")
             except BaseException:
                 discard = getattr(fh, "discard", None)
                 discard() if direct and discard else fh.close()
@@ -142,6 +126,12 @@ class ResultStore:
             fh.close()
             if not direct:
                 self.fs.mv(tmp, path)
+            if self.local:
+                fd = os.open(folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # the rename itself survives a power cut
+                finally:
+                    os.close(fd)
         except OSError as exc:
             raise ResultStoreError(f"cannot write {self.describe(path)}: {exc}") from exc
 

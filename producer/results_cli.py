@@ -44,9 +44,8 @@ def make_sealer(
     on_shard: Callable[[], None] | None = None,
     mark_chunk: int | None = None,
 ) -> Sealer:
-    """A sealer building rows with the export's own row builder; ``crash_at`` names a protocol
-    step where the process kills itself (the chaos tests' fault hook)."""
-    from producer.export import export_row
+    """A sealer; ``crash_at`` names a protocol step where the process kills itself (the chaos
+    tests' fault hook)."""
     from producer.sealing import MARK_CHUNK, Sealer
 
     def fault(step: str) -> None:
@@ -56,7 +55,6 @@ def make_sealer(
     return Sealer(
         client,
         store,
-        export_row,
         batch_jobs=settings.seal_batch_jobs,
         after_s=settings.seal_after_s,
         fault=fault,
@@ -161,8 +159,7 @@ def repair(run: str, results_url: str | None, redis_url: str | None) -> None:
     store = run_store(Ledger(client, run), results_url)
     sealer = make_sealer(settings, client, store) if store is not None else None
     summary = repair_run(client, run, store, sealer, settings.max_queued)
-    for line in summary.lines(run):
-        click.echo(line)
+    click.echo("\n".join(summary.lines(run)))
     if summary.unrecoverable:
         raise SystemExit(1)
 

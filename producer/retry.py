@@ -8,7 +8,6 @@ Typical use: ``--class context_length`` after the server's context length was ra
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,13 +76,11 @@ def retry_run(
     if not cancelled:
         _check_classes(client, ledger.k.failures(), classes)
     busy = [p for p, c in sorted(scope.items()) if c.get(state)]
-    by_class: Counter[str] = Counter()
     for chunk in ledger.pick(busy, (state,), set(classes) if classes else None):
         for outcome, cls in ledger.call(t.retry(ledger.k, chunk, state, max_queued, classes)):
             if outcome:
-                by_class[cls] += 1
+                summary.by_class[cls] = summary.by_class.get(cls, 0) + 1
                 summary.backlogged += outcome == "backlog"
-    summary.by_class = dict(by_class)
     return summary
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from producer.limits import DEFAULT, Limits, check_max_tokens, depth_problem
-from producer.options import _is_int, _show, check_option
+from producer.options import _is_int, _show, check_option, to_json
 from producer.readers import json_kind
 from tokenmill.errors import InputError
 from tokenmill.options import OPTIONS, REFUSED
@@ -69,7 +69,7 @@ def normalize_row(source: str, data: dict[str, Any], limits: Limits = DEFAULT) -
     if "custom_id" in row and "body" in row:
         row = _batch_row(source, row)
     messages = _messages(source, row)
-    messages_json = _to_json(source, "messages", messages, orjson.OPT_SORT_KEYS)
+    messages_json = to_json(source, "messages", messages, orjson.OPT_SORT_KEYS)
     if len(messages_json) > limits.prompt_bytes:
         why = f"above {limits.prompt_bytes} (TOKENMILL_INPUT_MAX_PROMPT_BYTES)"
         raise InputError(source, f"the prompt is {len(messages_json)} bytes as JSON, {why}")
@@ -91,7 +91,7 @@ def normalize_row(source: str, data: dict[str, Any], limits: Limits = DEFAULT) -
         metadata,
         options,
         messages_json,
-        _to_json(source, "metadata", metadata) if metadata else b"{}",
+        to_json(source, "metadata", metadata) if metadata else b"{}",
     )
 
 
@@ -299,11 +299,3 @@ def _metadata(source: str, given: Any, extra: dict[str, Any] | None) -> dict[str
                 f'field {name!r} is both a top-level field and a key of "metadata"; rename one',
             )
     return {**given, **extra}
-
-
-def _to_json(source: str, what: str, value: Any, option: int = 0) -> bytes:
-    """Jobs are stored as JSON: refuse values that cannot be (bytes, decimals...) now, by row."""
-    try:
-        return orjson.dumps(value, option=option)
-    except TypeError as exc:
-        raise InputError(source, f"{what} cannot be stored as JSON: {exc}") from None

@@ -47,8 +47,7 @@ def list_runs(client: ReadClient) -> list[dict[str, Any]]:
                 "last_activity_at": _seconds(stats.get("last_activity_ms")),
             }
         )
-    out.sort(key=lambda d: d["run"])
-    out.sort(key=lambda d: d["first_enqueue_at"] or 0.0, reverse=True)
+    out.sort(key=lambda d: (-(d["first_enqueue_at"] or 0.0), d["run"]))
     return out
 
 

@@ -31,10 +31,9 @@ def recent_samples(
     """Up to ``per_partition`` of the latest completions of each of ``partitions``, newest first:
     ``{"job_id", "partition", "source": "redis"|"shard", "truncated", "row"}`` with ``row`` the
     export row, or ``"error"`` in its place when the job's shard cannot be read."""
-    r, k = ledger.r, ledger.k
-    pipe = r.pipeline(transaction=False)
+    pipe = ledger.r.pipeline(transaction=False)
     for partition in partitions:
-        pipe.lrange(k.recent(partition), 0, RECENT_KEPT - 1)
+        pipe.lrange(ledger.k.recent(partition), 0, RECENT_KEPT - 1)
     recent = [[x.decode() for x in ids] for ids in pipe.execute()]
     return samples_of(ledger, list(zip(partitions, recent, strict=True)), per_partition, results_url)
 
@@ -57,11 +56,10 @@ def samples_of(
 ) -> list[dict[str, Any]]:
     """The samples (as :func:`recent_samples`') of the first ``per_partition`` done or sealed
     jobs of each (partition, ids); a job not done, or not of that partition, has none."""
-    r, k = ledger.r, ledger.k
-    pipe = r.pipeline(transaction=False)
+    pipe = ledger.r.pipeline(transaction=False)
     for _, ids in candidates:
         for job_id in ids:
-            pipe.hmget(k.job(job_id), FIELDS)
+            pipe.hmget(ledger.k.job(job_id), FIELDS)
     replies = iter(pipe.execute())
     picked: list[dict[str, Any]] = []
     sealed: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)  # (partition, shard) ->

@@ -29,11 +29,13 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import redis
 
-from producer.export_rows import RowBuilder, _text
+from producer.export import export_row
+from producer.export_rows import _text
 from producer.result_store import Hook, ResultStore, no_hook
 from producer.shards import ShardFile, ShardRow, SpecRow, shard_bytes, specs_bytes
 from tokenmill import keys
@@ -51,6 +53,7 @@ STEPS = ("reserved", "specs_written", "tmp_written", "shard_written", "half_mark
 MARK_CHUNK = 250  # jobs per seal.lua call: bounds how long one call blocks Redis
 READ_CHUNK = 500
 _FIELDS = (F.STATE, F.SEQ, F.SPEC, F.RESULT, F.TRUNCATED, F.QUEUE, F.HASH, F.SOURCE, F.SHARD)
+_Job = dict[str, Any]  # a job's _FIELDS as read (None: absent), and its "id"
 
 
 def new_shard_id() -> str:
@@ -76,28 +79,13 @@ class SealReport:
     other_store: dict[str, str] = field(default_factory=dict)  # run -> the store its shards are in
 
 
-@dataclass(frozen=True, slots=True)
-class _Job:
-    job_id: str
-    values: tuple[bytes | None, ...]  # _FIELDS
-
-    def get(self, name: str) -> bytes | None:
-        return self.values[_FIELDS.index(name)]
-
-    @property
-    def state(self) -> str:
-        raw = self.get(F.STATE)
-        return raw.decode() if raw else "missing"
-
-
 class Sealer:
-    """Seals done results of runs into ``store``; safe to run beside other sealers."""
+    """Seals done results of runs into ``store`` (the export's rows); safe to run beside other sealers."""
 
     def __init__(
         self,
         client: redis.Redis,
         store: ResultStore,
-        build_row: RowBuilder,
         *,
         batch_jobs: int,
         after_s: float,
@@ -107,7 +95,6 @@ class Sealer:
     ) -> None:
         self.r = client
         self.store = store
-        self.build_row = build_row
         self.batch_jobs = batch_jobs
         self.after_ms = int(after_s * 1000)
         self.fault = fault
@@ -209,18 +196,19 @@ class Sealer:
             pipe = self.r.pipeline(transaction=False)
             for job_id in chunk:
                 pipe.hmget(k.job(job_id), list(_FIELDS))
-            out += [_Job(j, tuple(v)) for j, v in zip(chunk, pipe.execute(), strict=True)]
+            for j, values in zip(chunk, pipe.execute(), strict=True):
+                out.append({"id": j, **dict(zip(_FIELDS, values, strict=True))})
         return out
 
     def _write_and_mark(self, run: str, partition: str, shard_id: str, ids: Sequence[str]) -> tuple[int, int]:
         """Steps 2 and 3 for a ``pending`` manifest; returns (rows, shard bytes)."""
         jobs = self._read(run, ids)
-        if any(j.state == "sealed" and j.get(F.SHARD) == shard_id.encode() for j in jobs):
+        if any(j[F.STATE] == b"sealed" and j[F.SHARD] == shard_id.encode() for j in jobs):
             return self._mark_from_file(run, partition, shard_id, ids)  # another sealer is marking
-        done = [j for j in jobs if j.state == "done"]
+        done = [j for j in jobs if j[F.STATE] == b"done"]
         specs = [
-            SpecRow(j.job_id, int(j.get(F.SEQ) or 0), _text(j.get(F.QUEUE)), _text(j.get(F.HASH)),
-                    _text(j.get(F.SOURCE)), j.get(F.SPEC) or b"")
+            SpecRow(j["id"], int(j[F.SEQ] or 0), _text(j[F.QUEUE]), _text(j[F.HASH]), _text(j[F.SOURCE]),
+                    j[F.SPEC] or b"")
             for j in done
         ]  # fmt: skip
         rows = [self._shard_row(j, partition) for j in done]
@@ -229,14 +217,14 @@ class Sealer:
         data = shard_bytes(rows)
         self.store.write(self.store.shard_path(run, partition, shard_id), data, self.fault)
         self.fault("shard_written")
-        self._mark(run, partition, shard_id, [j.job_id for j in done], len(rows), len(data))
+        self._mark(run, partition, shard_id, [j["id"] for j in done], len(rows), len(data))
         return len(rows), len(data)
 
     def _shard_row(self, job: _Job, partition: str) -> ShardRow:
-        spec = orjson.loads(job.get(F.SPEC) or b"{}")
-        result = orjson.loads(job.get(F.RESULT) or b"{}")
-        row = orjson.dumps(self.build_row(job.job_id, partition, spec, result))
-        return ShardRow(job.job_id, int(job.get(F.SEQ) or 0), job.get(F.TRUNCATED) == b"1", row)
+        spec = orjson.loads(job[F.SPEC] or b"{}")
+        result = orjson.loads(job[F.RESULT] or b"{}")
+        row = orjson.dumps(export_row(job["id"], partition, spec, result))
+        return ShardRow(job["id"], int(job[F.SEQ] or 0), job[F.TRUNCATED] == b"1", row)
 
     def _mark(
         self, run: str, partition: str, shard_id: str, ids: Sequence[str], rows: int, nbytes: int
@@ -265,11 +253,11 @@ class Sealer:
             log.error("run %s: shard %s cannot be read (%s); its sealed jobs need repair", run, shard_id, exc)
             in_file, nbytes = set(), 0
         jobs = self._read(run, ids)
-        done = [j for j in jobs if j.state == "done"]
-        strays = [j for j in done if j.job_id not in in_file]
+        done = [j for j in jobs if j[F.STATE] == b"done"]
+        strays = [j for j in done if j["id"] not in in_file]
         if strays:
             unsealed = keys.RunKeys(run).unsealed(partition)
-            self.r.zadd(unsealed, {j.job_id: int(j.get(F.SEQ) or 0) for j in strays})
-        marked = [j.job_id for j in done if j.job_id in in_file]
+            self.r.zadd(unsealed, {j["id"]: int(j[F.SEQ] or 0) for j in strays})
+        marked = [j["id"] for j in done if j["id"] in in_file]
         self._mark(run, partition, shard_id, marked, len(in_file), nbytes)
         return len(marked), nbytes

@@ -39,6 +39,7 @@ _SPEC_FIELDS: list[pa.Field[Any]] = [
     pa.field("spec", pa.string(), nullable=False),
 ]
 SPEC_SCHEMA = pa.schema(_SPEC_FIELDS)
+_JSON = ("row", "spec")  # text columns whose values are JSON bytes
 
 
 class _WriteOptions(TypedDict):
@@ -82,34 +83,36 @@ def row_groups(seqs: Sequence[int], limit: int = ROW_GROUP_ROWS) -> list[tuple[i
     return groups
 
 
+def _table(rows: Sequence[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
+    """``rows`` (tuples in ``schema``'s column order) as a table; a :data:`_JSON` column comes as
+    bytes, cast to text (which checks it is UTF-8)."""
+    columns = list(zip(*rows, strict=True)) or [()] * len(schema)
+    arrays = [
+        pa.array(c, pa.binary() if f.name in _JSON else f.type).cast(f.type)
+        for f, c in zip(schema, columns, strict=True)
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _tuples(table: pa.Table, schema: pa.Schema) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``table`` as tuples in ``schema``'s column order, a :data:`_JSON` column as bytes."""
+    cols = ((f, table.column(f.name)) for f in schema)
+    return zip(*((c.cast(pa.binary()) if f.name in _JSON else c).to_pylist() for f, c in cols), strict=True)
+
+
 def shard_bytes(rows: Sequence[ShardRow]) -> bytes:
     """A shard file holding ``rows`` (sorted by seq here)."""
     ordered = sorted(rows, key=lambda r: r.seq)
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(sink, SHARD_SCHEMA, **_WRITE) as writer:
         for start, stop in row_groups([r.seq for r in ordered]):
-            part = ordered[start:stop]
-            columns: list[pa.Array[Any]] = [
-                pa.array([r.job_id for r in part], pa.string()),
-                pa.array([r.seq for r in part], pa.int64()),
-                pa.array([r.truncated for r in part], pa.bool_()),
-                pa.array([r.row for r in part], pa.binary()).cast(pa.string()),
-            ]
-            writer.write_table(pa.Table.from_arrays(columns, schema=SHARD_SCHEMA), row_group_size=len(part))
+            writer.write_table(_table(ordered[start:stop], SHARD_SCHEMA), row_group_size=stop - start)
     return bytes(sink.getvalue())
 
 
 def specs_bytes(rows: Sequence[SpecRow]) -> bytes:
-    columns: list[pa.Array[Any]] = [
-        pa.array([r.job_id for r in rows], pa.string()),
-        pa.array([r.seq for r in rows], pa.int64()),
-        pa.array([r.queue for r in rows], pa.string()),
-        pa.array([r.hash for r in rows], pa.string()),
-        pa.array([r.source for r in rows], pa.string()),
-        pa.array([r.spec for r in rows], pa.binary()).cast(pa.string()),
-    ]
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_arrays(columns, schema=SPEC_SCHEMA), sink, **_WRITE)
+    pq.write_table(_table(rows, SPEC_SCHEMA), sink, **_WRITE)
     return bytes(sink.getvalue())
 
 
@@ -117,12 +120,7 @@ def read_specs(source: str | IO[bytes]) -> list[SpecRow]:
     """Every row of a spec file (checksums verified)."""
     table = pq.ParquetFile(source, page_checksum_verification=True).read()
     _check_columns(table.schema, SPEC_SCHEMA)
-    cols = [table.column(name) for name in SPEC_SCHEMA.names]
-    spec = table.column("spec").cast(pa.binary()).to_pylist()
-    return [
-        SpecRow(j, s, q, h, src or "", sp)
-        for j, s, q, h, src, sp in zip(*(c.to_pylist() for c in cols[:5]), spec, strict=True)
-    ]
+    return [SpecRow(j, s, q, h, src or "", sp) for j, s, q, h, src, sp in _tuples(table, SPEC_SCHEMA)]
 
 
 def _check_columns(schema: pa.Schema, want: pa.Schema) -> None:
@@ -163,11 +161,7 @@ class ShardFile:
     def read_group(self, index: int) -> list[ShardRow]:
         """The rows of row group ``index``, in seq order."""
         table = self.file.read_row_group(index, columns=list(SHARD_SCHEMA.names), use_threads=False)
-        ids = table.column("job_id").to_pylist()
-        seqs = table.column("seq").to_pylist()
-        truncated = table.column("truncated").to_pylist()
-        rows = table.column("row").cast(pa.binary()).to_pylist()
-        return [ShardRow._make(r) for r in zip(ids, seqs, truncated, rows, strict=True)]
+        return [ShardRow._make(r) for r in _tuples(table, SHARD_SCHEMA)]
 
     def job_ids(self) -> list[str]:
         """Every job id in the shard (one column read)."""

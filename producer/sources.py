@@ -17,47 +17,35 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.readers import Record, dataset_stem, iter_records, json_kind
+from producer.readers import BATCH_ROWS, Record, arrow_records, dataset_stem, iter_records, json_kind
 from tokenmill.errors import InputError
 
-BATCH_ROWS = 1024
 DEFAULT_PARTITION = "default"  # the partition of rows given as Python objects, unless named
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
-    """One partition's records: a file's, or a Python object's."""
-
-    partition: str
-    records: Iterable[Record]
-
-
-def sources(rows: Any, partition: str | None) -> Iterator[Source]:
-    """The sources in ``rows``: a path (str or ``os.PathLike``), a list of paths, a DataFrame, a
-    Dataset, or an iterable of dicts. Files go to ``partition`` or each one's stem (as
-    ``tokenmill enqueue FILE...``); anything else to ``partition`` or ``default``."""
+def sources(rows: Any, partition: str | None) -> Iterator[tuple[str, Iterable[Record]]]:
+    """The sources in ``rows``, each as (partition, records): a path (str or ``os.PathLike``), a
+    list of paths, a DataFrame, a Dataset, or an iterable of dicts. Files go to ``partition`` or
+    each one's stem (as ``tokenmill enqueue FILE...``); anything else to ``partition`` or ``default``."""
     if isinstance(rows, str | os.PathLike):
         rows = [rows]
     if _is(rows, "pandas", "DataFrame"):
-        yield Source(partition or DEFAULT_PARTITION, _frame_records(rows))
-        return
-    if _is(rows, "datasets", "Dataset"):
-        yield Source(partition or DEFAULT_PARTITION, _dataset_records(rows))
-        return
-    if isinstance(rows, Mapping) or not isinstance(rows, Iterable) or isinstance(rows, bytes):
+        yield partition or DEFAULT_PARTITION, _frame_records(rows)
+    elif _is(rows, "datasets", "Dataset"):
+        yield partition or DEFAULT_PARTITION, _dataset_records(rows)
+    elif isinstance(rows, Mapping) or not isinstance(rows, Iterable) or isinstance(rows, bytes):
         got = (
             "a single dict (pass a list of them)" if isinstance(rows, Mapping) else f"a {type(rows).__name__}"
         )
         raise InputError("rows", f"expected dicts, a DataFrame, a Dataset or file paths, got {got}")
-    if isinstance(rows, list | tuple) and rows and all(isinstance(p, str | os.PathLike) for p in rows):
+    elif isinstance(rows, list | tuple) and rows and all(isinstance(p, str | os.PathLike) for p in rows):
         for path in rows:
-            yield Source(partition or dataset_stem(path), _lazy_file(Path(path)))
-        return
-    yield Source(partition or DEFAULT_PARTITION, _dict_records(rows))
+            yield partition or dataset_stem(path), _lazy_file(Path(path))
+    else:
+        yield partition or DEFAULT_PARTITION, _dict_records(rows)
 
 
 def _is(obj: Any, package: str, name: str) -> bool:
@@ -108,11 +96,7 @@ def _ints_with_gaps(df: Any) -> set[str]:
 
 def _dataset_records(ds: Any) -> Iterator[Record]:
     """Rows of a ``datasets.Dataset`` through Arrow, as the CLI reads a saved one."""
-    n = 0
-    for table in ds.with_format("arrow").iter(batch_size=BATCH_ROWS):
-        for row in table.to_pylist():
-            yield Record(f"dataset[{n}]", row)
-            n += 1
+    yield from arrow_records(ds.with_format("arrow").iter(batch_size=BATCH_ROWS), "dataset[{}]".format, 0)
 
 
 def _missing(value: Any) -> bool:

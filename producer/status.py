@@ -70,7 +70,10 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         per_job = stats.get("completion_tokens", 0) / done
         eta_s = round(remaining * per_job / tokens_per_s, 1)
     records = server_records.load_all(client)
-    servers = [_server_view(r) for r in records]
+    servers = [  # as the records are, but the url redacted and without updated_at
+        {k: redact_url(v) if k == "url" else v for k, v in asdict(r).items() if k != "updated_at"}
+        for r in records
+    ]
     managed = {r.url for r in records}
     names = [r.name for r in records] + [server_records.name_of(u) for u in server_urls if u not in managed]
     return {
@@ -97,9 +100,3 @@ def run_status(client: ReadClient, run: str, server_urls: tuple[str, ...] = ()) 
         "dead_letters": int(dead or 0),  # of every run: the queues are shared (tokenmill.dead_letters)
         "at": time.time(),
     }
-
-
-def _server_view(rec: server_records.ServerRecord) -> dict[str, Any]:
-    view = {**asdict(rec), "url": redact_url(rec.url)}
-    del view["updated_at"]
-    return view

@@ -244,20 +244,9 @@ def _table_row(row: dict[str, Any]) -> list[str]:
     live = row["live"]
     age = time.time() - row["updated_at"]
     state = row["state"] + (f" (stale {age:.0f}s)" if row["stale"] else "")
-    return [
-        row["name"],
-        row["engine"],
-        state,
-        row["url"],
-        _cell(row["pid"]),
-        str(row["restarts"]),
-        _cell(row["max_total_num_tokens"]),
-        _cell(row["context_length"]),
-        _cell(live.get("running_req")),
-        _cell(live.get("queue_req")),
-        _cell(live.get("token_usage")),
-        row["last_error"][:80],
-    ]
+    figures = [row[k] for k in ("pid", "restarts", "max_total_num_tokens", "context_length")]
+    figures += [live.get(k) for k in ("running_req", "queue_req", "token_usage")]
+    return [row["name"], row["engine"], state, row["url"], *map(_cell, figures), row["last_error"][:80]]
 
 
 def _cell(value: Any) -> str:

@@ -280,7 +280,7 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
     """(key, whether its value is valid, what it must be) for every single-key rule."""
     return [
         ("name", bool(_NAME_RE.match(c.name)), "must be 1-64 letters, digits, '.', '_' or '-'"),
-        ("engine", c.engine in ENGINES, f"must be one of {', '.join(ENGINES)}"),
+        _one_of(c, "engine", ENGINES),
         ("port", 1 <= c.port <= 65535, "must be between 1 and 65535"),
         ("host", bool(c.host.strip()), "must not be empty"),
         ("model_path", c.engine == "sim" or bool(c.model_path), "is required for engine sglang"),
@@ -300,16 +300,8 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
         ),
         ("context_length", _positive(c.context_length), "must be positive"),
         ("max_running_requests", _positive(c.max_running_requests), "must be positive"),
-        (
-            "reasoning_parser",
-            c.reasoning_parser is None or c.reasoning_parser in sglang_flags.REASONING_PARSERS,
-            f"must be one of {', '.join(sglang_flags.REASONING_PARSERS)}",
-        ),
-        (
-            "tool_call_parser",
-            c.tool_call_parser is None or c.tool_call_parser in sglang_flags.TOOL_CALL_PARSERS,
-            f"must be one of {', '.join(sglang_flags.TOOL_CALL_PARSERS)}",
-        ),
+        _one_of(c, "reasoning_parser", sglang_flags.REASONING_PARSERS),
+        _one_of(c, "tool_call_parser", sglang_flags.TOOL_CALL_PARSERS),
         ("launcher", bool(c.launcher), "must not be empty"),
         ("max_restarts", c.max_restarts >= 0, "must be >= 0"),
         ("restart_window_s", c.restart_window_s > 0, "must be positive"),
@@ -321,12 +313,15 @@ def _rules(c: ServerConfig) -> list[tuple[str, bool, str]]:
         ("health_interval_s", c.health_interval_s > 0, "must be positive"),
         ("health_timeout_s", c.health_timeout_s > 0, "must be positive"),
         ("health_failures", c.health_failures >= 1, "must be at least 1"),
-        (
-            "kv_cache_dtype",
-            c.kv_cache_dtype in sglang_flags.KV_CACHE_DTYPES,
-            f"must be one of {', '.join(sglang_flags.KV_CACHE_DTYPES)} (sglang 0.5.23's choices)",
-        ),
+        _one_of(c, "kv_cache_dtype", sglang_flags.KV_CACHE_DTYPES, " (sglang 0.5.23's choices)"),
     ]
+
+
+def _one_of(
+    c: ServerConfig, key: str, choices: typing.Sequence[str], note: str = ""
+) -> tuple[str, bool, str]:
+    """The rule that ``key``, when set, is one of ``choices``."""
+    return key, getattr(c, key) in (None, *choices), f"must be one of {', '.join(choices)}{note}"
 
 
 def _validate_fraction(c: ServerConfig, where: str) -> None:
@@ -369,15 +364,11 @@ def _check_ports_given(configs: list[ServerConfig], tables: list[dict[str, Any]]
 
 
 def _check_unique(configs: list[ServerConfig], path: Path) -> None:
-    seen_names: set[str] = set()
-    seen_ports: set[tuple[str, int]] = set()
-    for c in configs:
-        if c.name in seen_names:
+    for i, c in enumerate(configs):
+        if any(e.name == c.name for e in configs[:i]):
             raise _bad(c.source, "name", f"{c.name!r} is used by two servers in {path}")
-        if (c.host, c.port) in seen_ports:
+        if any((e.host, e.port) == (c.host, c.port) for e in configs[:i]):
             raise _bad(c.source, "port", f"{c.host}:{c.port} is used by two servers in {path}")
-        seen_names.add(c.name)
-        seen_ports.add((c.host, c.port))
 
 
 def _bad(where: str, key: str, problem: str) -> ConfigError:

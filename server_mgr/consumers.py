@@ -49,8 +49,7 @@ def paused_reason(client: ReadClient) -> str | None:
 
 def pause_consumers(client: redis.Redis, control: Any, reason: str) -> None:
     """Record ``reason`` in the worker control hash and cancel every worker's queue consumers."""
-    active = _active_consumers(control)
-    known = _merged(_saved_consumers(client), active)
+    known = _known(client, _active_consumers(control))
     client.hset(
         keys.worker_control(),
         mapping={
@@ -70,7 +69,7 @@ def resume_consumers(client: redis.Redis, control: Any) -> None:
     consuming when the pause began, and every worker that registered its queues (a worker that
     started just before the pause may not answer the inspect in time, and would otherwise never
     consume again)."""
-    known = _merged(_saved_consumers(client), registered_consumers(client))
+    known = _known(client, registered_consumers(client))
     pipe = client.pipeline(transaction=True)
     pipe.hdel(keys.worker_control(), PAUSED, "paused_at", "paused_by", CONSUMERS)
     pipe.hset(keys.worker_control(), "resumed_at", str(time.time()))
@@ -152,12 +151,9 @@ def _active_consumers(control: Any) -> dict[str, list[str]]:
     return found
 
 
-def _merged(known: dict[str, list[str]], more: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Queue name -> the workers of either map, sorted."""
-    return {q: sorted(set(known.get(q, [])) | set(more.get(q, []))) for q in known.keys() | more.keys()}
-
-
-def _saved_consumers(client: redis.Redis) -> dict[str, list[str]]:
+def _known(client: redis.Redis, more: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Queue name -> the workers saved in the control hash or in ``more``, sorted."""
     raw = client.hget(keys.worker_control(), CONSUMERS)
     data = orjson.loads(raw) if raw else {}
-    return {q: list(w) for q, w in data.items()} if isinstance(data, dict) else {}
+    saved = data if isinstance(data, dict) else {}
+    return {q: sorted(set(saved.get(q, [])) | set(more.get(q, []))) for q in saved.keys() | more.keys()}

@@ -140,7 +140,7 @@ def classify(log_text: str, returncode: int | None, *, first_prefill: bool) -> C
 
 
 def _by_exit_code(lines: list[str], returncode: int | None) -> Crash:
-    error = _last_error(lines)
+    error = _last_exception(lines[-60:])  # among the last lines of the log
     said = f"; last error line: {error}" if error else ""
     if returncode in (-9, 137):
         return Crash(
@@ -167,12 +167,10 @@ def _detail(lines: list[str], hit: int) -> str:
     """The matched line, or for a traceback banner the exception line that follows it."""
     line = lines[hit]
     if "hit an exception" in line:
-        follow = [s for s in lines[hit + 1 : hit + 200] if _EXCEPTION_RE.match(s)]
-        line = follow[-1] if follow else line
+        line = _last_exception(lines[hit + 1 : hit + 200]) or line
     return line[:300]
 
 
-def _last_error(lines: list[str]) -> str:
-    """The last exception line among the last lines of the log ("" if none)."""
-    errors = [s for s in lines[-60:] if _EXCEPTION_RE.match(s)]
-    return errors[-1][:300] if errors else ""
+def _last_exception(lines: list[str]) -> str:
+    """The last exception line of ``lines`` ("" if none)."""
+    return next((s for s in reversed(lines) if _EXCEPTION_RE.match(s)), "")[:300]

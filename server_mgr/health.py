@@ -10,19 +10,10 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """The outcome of one ``/health`` probe."""
-
-    ok: bool
-    error: str
-
-
-def probe_health(base_url: str, timeout_s: float) -> Probe:
-    """GET ``/health``: ok on 200; a refused connection, a 503 or a timeout is not ok."""
+def probe_health(base_url: str, timeout_s: float) -> str | None:
+    """GET ``/health``: None on 200, else what went wrong (a refused connection, a 503, a timeout)."""
     try:
         with urllib.request.urlopen(base_url + "/health", timeout=timeout_s) as resp:
             status = resp.status
@@ -34,4 +25,4 @@ def probe_health(base_url: str, timeout_s: float) -> Probe:
         status, error = None, f"/health: {reason}"
         if isinstance(reason, TimeoutError) or "timed out" in str(reason):
             error = f"/health did not answer within {timeout_s:g} s"
-    return Probe(status == 200, error)
+    return None if status == 200 else error

@@ -52,7 +52,8 @@ def parse_batch_line(line: str) -> tuple[str, dict[str, float]] | None:
             # a known name's published one, else a slug of it
             name = pair["name"].strip()
             name = FIELD_NAMES.get(name) or re.sub(r"[^a-z0-9]+", "_", name.lower().replace("(token/s)", ""))
-            figures[name.strip("_")] = _number(pair["value"])
+            value = pair["value"]
+            figures[name.strip("_")] = float(value == "True") if value in ("True", "False") else float(value)
     return match[1].lower(), figures
 
 
@@ -69,10 +70,6 @@ def launch_fraction(log_text: str) -> float | None:
     """The ``mem_fraction_static`` SGLang resolved, from its ``server_args=`` or OOM lines."""
     match = _FRACTION_RE.search(log_text)
     return float(match[1]) if match else None
-
-
-def _number(text: str) -> float:
-    return float(text == "True") if text in ("True", "False") else float(text)
 
 
 @dataclass(slots=True)

@@ -86,10 +86,10 @@ def stop(engine: Engine, grace_s: float, *, graceful: bool = True) -> int | None
     Returns the main process's exit status.
     """
     if graceful and engine.returncode() is None:
-        _signal_pid(engine.pid, signal.SIGTERM)
+        _signal(os.kill, engine.pid, signal.SIGTERM)
         _wait_exit(engine.proc, grace_s)
     engine.remember_members()
-    _signal_group(engine.pgid, signal.SIGKILL)
+    _signal(os.killpg, engine.pgid, signal.SIGKILL)
     _wait_exit(engine.proc, 10.0)
     return engine.returncode()
 
@@ -102,7 +102,7 @@ def ensure_gone(pgid: int, seen: Mapping[int, int], timeout_s: float = 15.0) -> 
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        ours = [p for p, start in seen.items() if _same_process(p, start)]
+        ours = [p for p, start in seen.items() if is_alive(p, start)]
         left = sorted(set(group_members(pgid)) | set(ours))
         holders = gpu_holders(ours)
         if not left and not holders:
@@ -112,8 +112,8 @@ def ensure_gone(pgid: int, seen: Mapping[int, int], timeout_s: float = 15.0) -> 
                 f"pid {p} still holds GPU memory" for p in holders
             ]
         for pid in left:
-            _signal_pid(pid, signal.SIGKILL)
-        _signal_group(pgid, signal.SIGKILL)
+            _signal(os.kill, pid, signal.SIGKILL)
+        _signal(os.killpg, pgid, signal.SIGKILL)
         time.sleep(0.1)
 
 
@@ -138,9 +138,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def is_alive(pid: int) -> bool:
+def is_alive(pid: int, start: int | None = None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and, given ``start``, is the process that started then."""
     stat = _read_stat(pid)
-    return stat is not None and stat.state != "Z"
+    return stat is not None and stat.state != "Z" and (start is None or stat.start == start)
 
 
 def gpu_holders(pids: Iterable[int], run: Callable[..., str] | None = None) -> list[int]:
@@ -180,11 +181,11 @@ def is_stale_server(pid: int, port: int) -> bool:
 def stop_orphan(pid: int, grace_s: float) -> list[str]:
     """Stop a server left by an earlier manager (not our child): SIGTERM, grace, SIGKILL group."""
     seen = _members(pid)
-    _signal_pid(pid, signal.SIGTERM)
+    _signal(os.kill, pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    _signal_group(pid, signal.SIGKILL)
+    _signal(os.killpg, pid, signal.SIGKILL)
     return ensure_gone(pid, seen)
 
 
@@ -221,21 +222,12 @@ def _read_stat(pid: int) -> _Stat | None:
     return _Stat(fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
 
 
-def _same_process(pid: int, start: int) -> bool:
-    stat = _read_stat(pid)
-    return stat is not None and stat.state != "Z" and stat.start == start
-
-
 def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
 
 
-def _signal_pid(pid: int, sig: signal.Signals) -> None:
+def _signal(kill: Callable[[int, int], None], target: int, sig: signal.Signals) -> None:
+    """``kill`` (os.kill or os.killpg) ``target``; one already gone or not ours is ignored."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+        kill(target, sig)

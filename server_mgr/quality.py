@@ -73,21 +73,18 @@ def compare(reference: list[str], candidate: list[str], threshold: float) -> Com
     """Agreement of ``candidate`` with ``reference`` (same prompts, same order)."""
     fractions: list[float] = []
     divergences: list[int] = []
-    exact = 0
     for ref, cand in zip(reference, candidate, strict=True):
         a, b = words(ref), words(cand)
         # the leading words the two have in common
         common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         longest = max(len(a), len(b))
         fractions.append(1.0 if longest == 0 else common / longest)
-        if ref == cand:
-            exact += 1
-        else:
+        if ref != cand:
             divergences.append(common)
     n = len(reference)
     return Comparison(
         prompts=n,
-        exact_match_rate=exact / n if n else 1.0,
+        exact_match_rate=(n - len(divergences)) / n if n else 1.0,
         mean_prefix_fraction=sum(fractions) / n if n else 1.0,
         median_first_divergence_words=statistics.median(divergences) if divergences else None,
         diverged=len(divergences),

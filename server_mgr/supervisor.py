@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from server_mgr import health, logparse, process
@@ -35,13 +35,6 @@ STOP_POLL_S = 0.5
 LIVE_PUBLISH_S = 1.0
 HEARTBEAT_S = 5.0  # the record's updated_at is refreshed at least this often
 LOG_QUIET_S = 10.0  # no batch line for this long: the log says nothing is in flight
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How one launch ended: stopped on request (no ``crash``), else a ``crash`` to remedy."""
-
-    crash: Crash | None = None
 
 
 class Supervisor:
@@ -91,13 +84,8 @@ class Supervisor:
 
     def _run(self) -> str:
         self._stop_orphan()
-        while True:
-            outcome = self._run_once()
-            if outcome.crash is None:
-                self._set_state(servers.DOWN)
-                self._event("stopped", "server stopped")
-                return servers.DOWN
-            decision = self.policy.decide(outcome.crash, time.time(), self._launched_fraction)
+        while (crash := self._run_once()) is not None:
+            decision = self.policy.decide(crash, time.time(), self._launched_fraction)
             if decision.action == FAIL:
                 return self._fail(decision.reason)
             if decision.fraction is not None:
@@ -118,35 +106,37 @@ class Supervisor:
                 f"relaunch #{self.record.restarts} after {decision.reason}",
                 delay_s=decision.delay_s,
             )
+        self._set_state(servers.DOWN)
+        self._event("stopped", "server stopped")
+        return servers.DOWN
 
-    def _run_once(self) -> Outcome:
-        outcome = self._before_launch()
-        if outcome is not None:
-            return outcome
+    def _run_once(self) -> Crash | None:
+        """How one launch ended: a crash to remedy, or None when stopped on request (``_stop`` is set)."""
+        crash = self._before_launch()
+        if crash is not None or self._stop is not None:
+            return crash
         try:
             engine = self._launch()
         except OSError as exc:
             argv0 = launch_argv(self.config)[0]
-            return Outcome(Crash("launch_failed", f"cannot start {argv0!r}: {exc}", GIVE_UP))
-        outcome = self._await_ready(engine)
-        if outcome is None:
+            return Crash("launch_failed", f"cannot start {argv0!r}: {exc}", GIVE_UP)
+        crash = self._await_ready(engine)
+        if crash is None and self._stop is None:
             self._on_ready(engine)
-            outcome = self._watch(engine)
-        return self._shut_down(engine, outcome)
+            crash = self._watch(engine)
+        return self._shut_down(engine, crash)
 
     # --- launch and readiness ------------------------------------------------------------------
 
-    def _before_launch(self) -> Outcome | None:
+    def _before_launch(self) -> Crash | None:
         """Refuse to launch on a port something else holds (waits a little for a dying server)."""
         host = self.config.probe_host
         deadline = time.monotonic() + 5.0
         while process.port_in_use(host, self.config.port):
             if self._stop_wanted():
-                return Outcome()
+                return None
             if time.monotonic() >= deadline:
-                return Outcome(
-                    Crash("port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART),
-                )
+                return Crash("port_in_use", f"{host}:{self.config.port} is taken by another process", RESTART)
             time.sleep(0.2)
         return None
 
@@ -174,29 +164,24 @@ class Supervisor:
         self._event("launch", f"pid {engine.pid}: {shown}", pid=engine.pid)
         return engine
 
-    def _await_ready(self, engine: process.Engine) -> Outcome | None:
-        """None once ``/health`` answers 200, else how the startup ended."""
+    def _await_ready(self, engine: process.Engine) -> Crash | None:
+        """None once ``/health`` answers 200 (or a stop is asked), else how the startup ended."""
         c = self.config
         deadline = time.monotonic() + c.startup_timeout_s
-        probe: Future[health.Probe] | None = None
+        probe: Future[str | None] | None = None
         next_probe = 0.0
         while True:
             self._read_log()
             code = engine.returncode()
             if code is not None or self._doomed:
-                return Outcome(self._classify(engine, code, first_prefill=True))
+                return self._classify(engine, code, first_prefill=True)
             if self._stop_wanted():
-                return Outcome()
+                return None
             if time.monotonic() >= deadline:
-                return Outcome(
-                    Crash(
-                        "startup_timeout",
-                        f"not ready within startup_timeout_s = {c.startup_timeout_s:g}",
-                        RESTART,
-                    ),
-                )
+                why = f"not ready within startup_timeout_s = {c.startup_timeout_s:g}"
+                return Crash("startup_timeout", why, RESTART)
             if probe is not None and probe.done():
-                if probe.result().ok:
+                if probe.result() is None:
                     return None
                 probe = None
             if probe is None and time.monotonic() >= next_probe:
@@ -228,33 +213,28 @@ class Supervisor:
 
     # --- watching a ready server ---------------------------------------------------------------
 
-    def _watch(self, engine: process.Engine) -> Outcome:
-        """Watch the process and ``/health`` until it dies, wedges or is asked to stop."""
+    def _watch(self, engine: process.Engine) -> Crash | None:
+        """Watch the process and ``/health`` until it dies, wedges or is asked to stop (None)."""
         c = self.config
         failures = 0
-        probe: Future[health.Probe] | None = None
+        probe: Future[str | None] | None = None
         next_probe = time.monotonic() + c.health_interval_s
         while True:
             self._read_log()
             code = engine.returncode()
             if code is not None:
-                return Outcome(self._classify(engine, code, first_prefill=self.live.decode_lines == 0))
+                return self._classify(engine, code, first_prefill=self.live.decode_lines == 0)
             if self._stop_wanted():
                 self._drain(engine)
-                return Outcome()
+                return None
             if probe is not None and probe.done():
-                result = probe.result()
-                failures = 0 if result.ok else failures + 1
+                error = probe.result()
+                failures = 0 if error is None else failures + 1
                 if failures:
-                    log.warning("[%s] health probe failed (%d in a row): %s", c.name, failures, result.error)
+                    log.warning("[%s] health probe failed (%d in a row): %s", c.name, failures, error)
                 if failures >= c.health_failures:
-                    return Outcome(
-                        Crash(
-                            "health_failed",
-                            f"{failures} /health probes failed in a row (last: {result.error})",
-                            RESTART,
-                        ),
-                    )
+                    why = f"{failures} /health probes failed in a row (last: {error})"
+                    return Crash("health_failed", why, RESTART)
                 probe = None
             if probe is None and time.monotonic() >= next_probe:
                 probe = self._probes.submit(health.probe_health, c.probe_url, c.health_timeout_s)
@@ -348,27 +328,22 @@ class Supervisor:
             return 0
         return int(self.live.figures.get("running_req", 0) + self.live.figures.get("queue_req", 0))
 
-    def _shut_down(self, engine: process.Engine, outcome: Outcome) -> Outcome:
+    def _shut_down(self, engine: process.Engine, crash: Crash | None) -> Crash | None:
         """Stop what is left of the server and make sure none of it remains."""
         c = self.config
-        if outcome.crash is not None:
-            self._set_state(servers.DOWN, last_error=outcome.crash.describe())
-            self._event(
-                "crash",
-                outcome.crash.describe(),
-                crash_class=outcome.crash.kind,
-                returncode=outcome.crash.returncode,
-            )
+        if crash is not None:
+            self._set_state(servers.DOWN, last_error=crash.describe())
+            self._event("crash", crash.describe(), crash_class=crash.kind, returncode=crash.returncode)
         # A wedged server may still drain on SIGTERM; a dead one has nothing left to drain.
-        graceful = outcome.crash is None or outcome.crash.kind == "health_failed"
+        graceful = crash is None or crash.kind == "health_failed"
         code = process.stop(engine, c.stop_grace_s, graceful=graceful and not self.hurry.is_set())
         left = process.ensure_gone(engine.pgid, engine.seen)
         self._engine = None
         if left:
             reason = f"processes of the old server remain after SIGKILL: {'; '.join(left)}"
-            return Outcome(Crash("not_released", reason, GIVE_UP, code))
+            return Crash("not_released", reason, GIVE_UP, code)
         log.info("[%s] pid %d and its process group are gone (exit %s)", c.name, engine.pid, code)
-        return outcome
+        return crash
 
     def _sleep_unless_stopped(self, delay_s: float) -> bool:
         """Sleep ``delay_s``; True if a stop was asked meanwhile."""

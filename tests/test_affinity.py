@@ -199,7 +199,7 @@ def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token(
         assert sibling.is_set() and leader.cold() == []
         later = job(key)
         assert later.sibling_prefill(now=2.0) is None and later.home(now=2.0) == ("s2", False)
-        assert prefills.pending(key) is None
+        assert prefills.get(key) is None
         leader.ended()  # the job's end: nothing left to do
         # a sibling admitted where the prefix is warm is not cold there; one spilled elsewhere is
         later.admitted("s2", now=2.1)
@@ -219,8 +219,8 @@ def test_the_first_job_of_a_key_leads_and_its_siblings_wait_for_its_first_token(
         # When it ends
         lost.ended()
         # Then its siblings go, and the key's next job leads afresh
-        assert waiting.is_set() and prefills.pending(z) is None
-        assert job(z).sibling_prefill(now=3.2) is None and prefills.pending(z) is not None
+        assert waiting.is_set() and prefills.get(z) is None
+        assert job(z).sibling_prefill(now=3.2) is None and prefills.get(z) is not None
 
     asyncio.run(run())
 

@@ -156,7 +156,7 @@ def test_a_reserve_sent_again_after_redis_ran_it_returns_the_same_jobs_and_loses
     env = sealing.sealing_env(redis_url, store, seal_batch_jobs=100)
     sealing.done_run(tmp_path, rclient, env, "r", {"P": 250})
     k = keys.RunKeys("r")
-    sealer = Sealer(rclient, ResultStore(str(store)), export_row, batch_jobs=100, after_s=3600)
+    sealer = Sealer(rclient, ResultStore(str(store)), batch_jobs=100, after_s=3600)
     shard = new_shard_id()
     first = sealer.reserve("r", "P", shard, force=False)
 

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it (the API itself lives with the producer: only this
-# map, like the CLI root's, names a component from the shared package)
+# public name -> the module that defines it, for the names not in tokenmill.errors (the API itself
+# lives with the producer: only this map, like the CLI root's, names a component from the shared
+# package)
 _PUBLIC = {
     "Client": "producer.client",
     "Status": "producer.documents",
@@ -30,16 +31,6 @@ _PUBLIC = {
     "EnqueueResult": "producer.documents",
     "RetrySummary": "producer.retry",
     "CancelSummary": "producer.cancel",
-    "TokenmillError": "tokenmill.errors",
-    "ConfigError": "tokenmill.errors",
-    "InputError": "tokenmill.errors",
-    "IdConflictError": "tokenmill.errors",
-    "RedisUnavailableError": "tokenmill.errors",
-    "ResultStoreError": "tokenmill.errors",
-    "ShardLostError": "tokenmill.errors",
-    "ExportError": "tokenmill.errors",
-    "MissingExtraError": "tokenmill.errors",
-    "WaitTimeoutError": "tokenmill.errors",
 }
 
 __all__ = [
@@ -82,13 +73,12 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_PUBLIC.get(name, "tokenmill.errors")), name)
     globals()[name] = value  # found once; later lookups are plain attribute reads
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted(set(globals()) | set(__all__))

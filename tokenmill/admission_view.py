@@ -20,12 +20,8 @@ if TYPE_CHECKING:
 def admission_view(client: ReadClient, server: str) -> dict[str, Any]:
     """The figures behind the last decisions on ``server`` (for status): numbers, and which
     ``rule`` decided (``window`` or ``budget``)."""
-    raw = client.hgetall(keys.admission_used(server))
-    out: dict[str, Any] = {}
-    for f, v in raw.items():
-        name, text = as_text(f), as_text(v)
-        if not name.startswith("slot"):
-            out[name] = _number(text)
+    raw = {as_text(f): as_text(v) for f, v in client.hgetall(keys.admission_used(server)).items()}
+    out: dict[str, Any] = {name: _number(v) for name, v in raw.items() if not name.startswith("slot")}
     out["slots"] = int(client.zcard(keys.admission(server)))
     return out
 

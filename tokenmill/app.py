@@ -82,6 +82,4 @@ def settings() -> Settings:
 
 @app.on_configure.connect
 def _on_configure(sender: Celery, **_: Any) -> None:
-    if "settings" not in _configured:
-        _configured["settings"] = Settings.load()
-    sender.conf.update(celery_config(_configured["settings"]))
+    sender.conf.update(celery_config(settings()))

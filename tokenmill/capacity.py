@@ -55,30 +55,23 @@ def server_info(base_url: str, api_key: str | None, timeout_s: float) -> dict[st
     return get_json(base_url + "/get_server_info", api_key, timeout_s)
 
 
-def from_server_info(info: dict[str, Any]) -> Capacity:
-    """The capacity a ``/server_info`` answer states (its context length only when configured)."""
+def fetch(base_url: str, api_key: str | None, timeout_s: float) -> Capacity:
+    """The server's capacity: the pool size ``/server_info`` states, and its context length when
+    configured, else ``max_model_len`` of the first model card on ``/v1/models`` (the context in
+    force); raises OSError or ValueError when ``/server_info`` fails."""
+    info = server_info(base_url, api_key, timeout_s)
     total = info.get("max_total_num_tokens")
     states = info.get("internal_states") or []
     if total is None and states and isinstance(states[0], dict):
         total = (states[0].get("memory_usage") or {}).get("token_capacity")
-    return Capacity(_int(total), _int(info.get("context_length")))
-
-
-def model_context_length(base_url: str, api_key: str | None, timeout_s: float) -> int | None:
-    """``max_model_len`` of the first model card on ``/v1/models``: the context in force."""
-    cards = get_json(base_url + "/v1/models", api_key, timeout_s).get("data") or []
-    return _int(cards[0].get("max_model_len")) if cards and isinstance(cards[0], dict) else None
-
-
-def fetch(base_url: str, api_key: str | None, timeout_s: float) -> Capacity:
-    """The server's capacity; raises OSError or ValueError when ``/server_info`` fails."""
-    cap = from_server_info(server_info(base_url, api_key, timeout_s))
-    if cap.context_length is None:
+    context = _int(info.get("context_length"))
+    if context is None:
         try:
-            cap = cap._replace(context_length=model_context_length(base_url, api_key, timeout_s))
+            cards = get_json(base_url + "/v1/models", api_key, timeout_s).get("data") or []
+            context = _int(cards[0].get("max_model_len")) if cards and isinstance(cards[0], dict) else None
         except (OSError, ValueError):
             pass  # the pool size is what admission needs; the context length is informative
-    return cap
+    return Capacity(_int(total), context)
 
 
 def _int(value: Any) -> int | None:

@@ -94,9 +94,10 @@ def _arguments_problem(payload: Any) -> str | None:
     return None
 
 
-def record(queue: str, reason: str, raw: str | bytes, envelope: Any = None) -> dict[str, Any]:
-    """The dead letter of a message: when, its queue, why, its task id, and the start of its body
-    (decoded when it can be, else the raw message)."""
+def bury(client: redis.Redis, queue: str, reason: str, raw: str | bytes, envelope: Any = None) -> None:
+    """Log the poison message once and keep its record in the dead letters (never raises): when,
+    its queue, why, its task id, and the start of its body (decoded when it can be, else the raw
+    message)."""
     headers = envelope.get("headers") if isinstance(envelope, dict) else None
     task_id = headers.get("id") if isinstance(headers, dict) else None
     task_id = task_id[:100] if isinstance(task_id, str) else None
@@ -109,19 +110,14 @@ def record(queue: str, reason: str, raw: str | bytes, envelope: Any = None) -> d
     if len(text) > BODY_CHARS:
         text = f"{text[:BODY_CHARS]}… ({len(text)} characters)"
     reason = reason[:BODY_CHARS]  # a reason quotes what it found (a run name, a task name)
-    return {"at": round(time.time(), 3), "queue": queue, "reason": reason, "id": task_id, "body": text}
-
-
-def bury(client: redis.Redis, queue: str, reason: str, raw: str | bytes, envelope: Any = None) -> None:
-    """Log the poison message once and keep its record in the dead letters (never raises)."""
-    letter = record(queue, reason, raw, envelope)
+    letter = {"at": round(time.time(), 3), "queue": queue, "reason": reason, "id": task_id, "body": text}
     log.error(
         "poison message %s on queue %s set aside in %s, not run: %s; body: %s",
-        letter["id"] or "(no id)",
+        task_id or "(no id)",
         queue,
         keys.dead_letters(),
-        letter["reason"],
-        letter["body"],
+        reason,
+        text,
     )
     try:
         pipe = client.pipeline()  # MULTI: the record and the count move together
@@ -130,4 +126,4 @@ def bury(client: redis.Redis, queue: str, reason: str, raw: str | bytes, envelop
         pipe.incr(keys.dead_letters_count())
         pipe.execute()
     except redis.RedisError as exc:  # the log line above is then its only record
-        log.error("poison message %s not recorded in the dead letters: %s", letter["id"], exc)
+        log.error("poison message %s not recorded in the dead letters: %s", task_id, exc)

@@ -25,7 +25,6 @@ from importlib import resources
 from pathlib import Path
 
 import click
-import redis
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -159,9 +158,9 @@ def demo(out_dir: str, keep: bool, hold: bool) -> None:
         files = [str(data.joinpath(f"{p}.jsonl")) for p in ("B1", "B2")]
         lengths = ("--short-max-tokens", "256", "--long-max-tokens", "512", "--long-prompt-tokens", "18")
         console.print(f"[bold]enqueue[/] {_cli(env, 'enqueue', *files, '--run', RUN, *lengths)}")
-        client = rds.client()
-        _watch(console, client, timeout_s=600)
-        _wait_sealed(console, client, timeout_s=60)
+        ledger = Ledger(rds.client(), RUN)
+        _watch(console, ledger, timeout_s=600)
+        _wait_sealed(console, ledger, timeout_s=60)
         exported = _cli(env, "export", "--run", RUN, "--out", str(out), "--include-truncated")
         console.print(f"[bold]export[/]  {exported}")
         console.print(
@@ -199,23 +198,21 @@ def _hold(console: Console) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _wait_sealed(console: Console, client: redis.Redis, timeout_s: float) -> None:
+def _wait_sealed(console: Console, ledger: Ledger, timeout_s: float) -> None:
     """Wait for the sealer to take every done result out of Redis (it seals a partition as soon
     as nothing in it is left to run), then say what Redis holds per job."""
-    ledger = Ledger(client, RUN)
     deadline = time.monotonic() + timeout_s
     done = sum(c["done"] for c in ledger.counts().values())
     while True:
-        sealed = sum(int(v) for v in client.hvals(ledger.k.sealed()))
+        sealed = sum(int(v) for v in ledger.r.hvals(ledger.k.sealed()))
         if sealed >= done or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    shards = sum(client.scard(ledger.k.shards(p)) for p in ledger.counts())
+    shards = sum(ledger.r.scard(ledger.k.shards(p)) for p in ledger.counts())
     console.print(f"[bold]sealed[/]  {sealed} of {done} done results, in {shards} shards")
 
 
-def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
-    ledger = Ledger(client, RUN)
+def _watch(console: Console, ledger: Ledger, timeout_s: float) -> None:
     progress = Progress(
         TextColumn("{task.description:>4}"),
         BarColumn(),
@@ -241,5 +238,5 @@ def _watch(console: Console, client: redis.Redis, timeout_s: float) -> None:
                 raise click.ClickException(f"the demo run did not finish within {timeout_s}s")
             time.sleep(0.25)
     console.line()
-    stats = {text(k): int(v) for k, v in client.hgetall(ledger.k.stats()).items()}
+    stats = {text(k): int(v) for k, v in ledger.r.hgetall(ledger.k.stats()).items()}
     console.print(f"[bold]done[/]    {stats.get('completion_tokens', 0)} completion tokens generated")

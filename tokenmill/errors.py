@@ -8,6 +8,8 @@ a server's answer onto these classes, and the worker maps the classes onto ledge
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.url_secrets import redact_url
 
 
@@ -134,9 +136,14 @@ class StaleClaimError(TokenmillError):
 
 
 class GenerationError(TokenmillError):
-    """A generation request failed. ``error_class`` is the stable name recorded in the ledger."""
+    """A generation request failed. ``error_class`` is the stable name recorded in the ledger
+    (a subclass names its own: ``class X(GenerationError, error_class="x")``)."""
 
     error_class = "error"
+
+    def __init_subclass__(cls, error_class: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.error_class = error_class
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
@@ -144,82 +151,57 @@ class GenerationError(TokenmillError):
         self.status = status
 
 
-class TerminalError(GenerationError):
+class TerminalError(GenerationError, error_class="terminal"):
     """Retrying cannot help: the job ends ``failed`` with this class and the server's message."""
 
-    error_class = "terminal"
+
+class ContextLengthError(TerminalError, error_class="context_length"): ...
 
 
-class ContextLengthError(TerminalError):
-    error_class = "context_length"
+class InvalidRequestError(TerminalError, error_class="invalid_request"): ...
 
 
-class InvalidRequestError(TerminalError):
-    error_class = "invalid_request"
-
-
-class UnsupportedOptionError(TerminalError):
+class UnsupportedOptionError(TerminalError, error_class="unsupported_option"):
     """The server does not serve a request option the job asked for (e.g. too old a version)."""
 
-    error_class = "unsupported_option"
 
-
-class AuthError(TerminalError):
+class AuthError(TerminalError, error_class="auth"):
     """The server refused our API key. Workers stop claiming instead of failing every job."""
 
-    error_class = "auth"
 
-
-class RetryableError(GenerationError):
+class RetryableError(GenerationError, error_class="retryable"):
     """A passing fault: the job goes back to ``queued`` with a backoff."""
 
-    error_class = "retryable"
+
+class ServerConnectionError(RetryableError, error_class="connection"): ...
 
 
-class ServerConnectionError(RetryableError):
-    error_class = "connection"
-
-
-class ServerUnavailableError(RetryableError):
+class ServerUnavailableError(RetryableError, error_class="server_unavailable"):
     """A 5xx, or a 503 queue-full abort."""
 
-    error_class = "server_unavailable"
+
+class StreamStalledError(RetryableError, error_class="stall"): ...
 
 
-class StreamStalledError(RetryableError):
-    error_class = "stall"
-
-
-class StreamLostError(RetryableError):
+class StreamLostError(RetryableError, error_class="stream_lost"):
     """The server answers but no longer holds the stream's request (restarted, or a replacement
     answers where its host vanished): the stream is abandoned and the job continues."""
 
-    error_class = "stream_lost"
 
-
-class StreamError(RetryableError):
+class StreamError(RetryableError, error_class="stream_error"):
     """An error chunk arrived mid-stream, or the stream ended without a finish."""
 
-    error_class = "stream_error"
 
-
-class IncompleteOutputError(RetryableError):
+class IncompleteOutputError(RetryableError, error_class="incomplete_output"):
     """The stream ended, but the per-token data it was asked for does not cover every token."""
 
-    error_class = "incomplete_output"
+
+class RequestTimeoutError(RetryableError, error_class="timeout"): ...
 
 
-class RequestTimeoutError(RetryableError):
-    error_class = "timeout"
-
-
-class ShutdownError(RetryableError):
+class ShutdownError(RetryableError, error_class="shutdown"):
     """The worker is shutting down: the job is checkpointed and released."""
 
-    error_class = "shutdown"
 
-
-class JobCancelledError(GenerationError):
+class JobCancelledError(GenerationError, error_class="cancelled"):
     """``tokenmill cancel --now`` stopped the stream: the job ends ``cancelled``, checkpointed."""
-
-    error_class = "cancelled"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import count, islice
 from typing import NamedTuple, TypeVar
 
 import redis
@@ -119,8 +120,7 @@ class Ledger(Executor):
     ) -> Iterator[tuple[str, list[bytes | None]]]:
         """``(job_id, [field values])`` for each job of ``partition``, in enqueue order."""
         key = self.k.jobs(partition)
-        start = 0
-        while True:
+        for start in count(0, batch):
             ids = [text(x) for x in self.r.lrange(key, start, start + batch - 1)]
             if not ids:
                 return
@@ -128,7 +128,6 @@ class Ledger(Executor):
             for job_id in ids:
                 pipe.hmget(self.k.job(job_id), list(fields))
             yield from zip(ids, pipe.execute(), strict=True)
-            start += batch
 
     def requeue_abandoned(self, limit: int = 500) -> int:
         """Republish delivered jobs whose worker died while they waited (lease expired, still queued)."""
@@ -193,16 +192,13 @@ class Ledger(Executor):
         """The jobs of ``partitions`` whose state is one of ``states`` now (and, given ``classes``,
         whose failure class is one of them), in enqueue order, in batches of an operator's script
         call (:data:`BATCH`)."""
-        chunk: list[t.Picked] = []
-        for partition in partitions:
-            for job_id, (state, queue, cls) in self.iter_jobs(partition, (F.STATE, F.QUEUE, F.ERROR_CLASS)):
-                if text(state) in states and (classes is None or text(cls or b"unknown") in classes):
-                    chunk.append(t.Picked(job_id, partition, text(queue or b"short")))
-                if len(chunk) >= BATCH:
-                    yield chunk
-                    chunk = []
-        if chunk:
-            yield chunk
+        picked = (
+            t.Picked(job_id, partition, text(queue or b"short"))
+            for partition in partitions
+            for job_id, (state, queue, cls) in self.iter_jobs(partition, (F.STATE, F.QUEUE, F.ERROR_CLASS))
+            if text(state) in states and (classes is None or text(cls or b"unknown") in classes)
+        )
+        yield from iter(lambda: list(islice(picked, BATCH)), [])
 
 
 class Republished(NamedTuple):

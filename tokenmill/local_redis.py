@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import redis
@@ -49,27 +50,19 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def argv(self) -> list[str]:
-        return [
-            redis_binary(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.workdir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--save",
-            "",
-            "--maxmemory-policy",
-            "noeviction",
+        options = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "dir": str(self.workdir),
+            "appendonly": "yes",
+            "appendfsync": "everysec",
+            "save": "",
+            "maxmemory-policy": "noeviction",
             # a queued job's hash (its prompt) stays in the compact encoding: ~15% less memory
             # (docs/results.md); the 6.x name, which 7.x still accepts
-            "--hash-max-ziplist-value",
-            "8192",
-        ]
+            "hash-max-ziplist-value": "8192",
+        }
+        return [redis_binary(), *(x for name, value in options.items() for x in (f"--{name}", value))]
 
     def start(self, timeout_s: float = 20.0) -> LocalRedis:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -97,10 +90,8 @@ class LocalRedis:
     def stop(self) -> None:
         """A clean shutdown (the AOF is flushed)."""
         if self.proc and self.proc.poll() is None:
-            try:
+            with suppress(redis.RedisError):
                 self.client().shutdown(nosave=True)
-            except redis.RedisError:
-                pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

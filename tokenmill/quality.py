@@ -14,6 +14,8 @@ sentence over and over: ``t = (t[:4096] + "I am sorry, but I cannot help with th
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import re
@@ -30,14 +32,7 @@ from tokenmill.lengths import edge
 SIGNALS = ("length", "empty", "repetition", "invalid_structured", "tool_call_errors", "length_drift")
 LENGTH, EMPTY, REPETITION, INVALID_STRUCTURED, TOOL_CALL_ERRORS, LENGTH_DRIFT = (1 << i for i in range(6))
 # the rates a rule may name, and the flag each is the rate of
-RATE_NAMES: dict[str, str] = {
-    "length_share": "length",
-    "empty_share": "empty",
-    "repetition": "repetition",
-    "invalid_structured": "invalid_structured",
-    "tool_call_errors": "tool_call_errors",
-    "length_drift": "length_drift",
-}
+RATE_NAMES: dict[str, str] = {"length_share": "length", "empty_share": "empty", **{s: s for s in SIGNALS[2:]}}
 DRIFT = "drift"  # judged against the reference, not per job (tokenmill's scorer)
 RULE_NAMES = (*RATE_NAMES, DRIFT)
 
@@ -123,16 +118,9 @@ class LengthBounds:
         total = sum(counts.values())
         if total < MIN_HISTOGRAM_JOBS:
             return None
-        lo_bin = hi_bin = None
-        seen = 0
-        for b in sorted(counts):
-            seen += counts[b]
-            if lo_bin is None and seen >= LOW_Q * total:
-                lo_bin = b
-            if seen >= HIGH_Q * total:
-                hi_bin = b
-                break
-        assert lo_bin is not None and hi_bin is not None
+        bins = sorted(counts)
+        seen = list(itertools.accumulate(counts[b] for b in bins))  # jobs in the bins up to each
+        lo_bin, hi_bin = (bins[bisect.bisect_left(seen, q * total)] for q in (LOW_Q, HIGH_Q))
         return cls(edge(lo_bin), edge(hi_bin + 1))
 
     def outside(self, tokens: int) -> bool:
@@ -148,22 +136,18 @@ def flags(result: Mapping[str, Any], request: Mapping[str, Any], bounds: LengthB
     ``response_format`` or ``regex``; ebnf is not judged), ``tool_call_errors`` (a call of an
     undeclared tool, or arguments that are not JSON or fail the tool's ``parameters``) and
     ``length_drift`` (completion tokens outside ``bounds``)."""
-    mask = 0
     content = result.get("content") or ""
     calls = result.get("tool_calls") or ()
-    if result.get("finish_reason") == "length":
-        mask |= LENGTH
-    if not calls and not content.strip():
-        mask |= EMPTY
-    if loop_share((result.get("reasoning_content") or "") + content) >= REPETITION_SHARE:
-        mask |= REPETITION
-    if not structured_ok(content, request):
-        mask |= INVALID_STRUCTURED
-    if "tools" in request and not tool_calls_ok(calls, request["tools"]):
-        mask |= TOOL_CALL_ERRORS
-    if bounds is not None and bounds.outside(int((result.get("usage") or {}).get("completion_tokens") or 0)):
-        mask |= LENGTH_DRIFT
-    return mask
+    usage = result.get("usage") or {}
+    judged = (  # in the order of SIGNALS
+        result.get("finish_reason") == "length",
+        not calls and not content.strip(),
+        loop_share((result.get("reasoning_content") or "") + content) >= REPETITION_SHARE,
+        not structured_ok(content, request),
+        "tools" in request and not tool_calls_ok(calls, request["tools"]),
+        bounds is not None and bounds.outside(int(usage.get("completion_tokens") or 0)),
+    )
+    return sum(1 << i for i, flagged in enumerate(judged) if flagged)
 
 
 def structured_ok(content: str, request: Mapping[str, Any]) -> bool:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill import keys, quality_drift
 from tokenmill.quality import DRIFT, RATE_NAMES
-from tokenmill.replies import text
 
 if TYPE_CHECKING:
     from tokenmill.quick_redis import ReadClient
@@ -70,7 +69,7 @@ def quality_view(client: ReadClient, run: str, partitions: Iterable[str]) -> Qua
             total[name] = total.get(name, 0) + n
     run_doc: dict[str, Any] = {JUDGED: total.get(JUDGED, 0), "window": total.get("window", 0)}
     run_doc |= _rates(run_doc["window"], total)
-    held = {text(a): text(b) for a, b in paused.items()}
+    held = quality_drift.decode(paused)
     pause = None
     if held:
         at = int(held.get("at_ms") or 0) / 1000
@@ -81,8 +80,5 @@ def quality_view(client: ReadClient, run: str, partitions: Iterable[str]) -> Qua
 def _by_partition(raw: dict[Any, Any]) -> dict[str, dict[str, int]]:
     """A ``<partition>|<name>`` hash as ``{partition: {name: n}}`` (names are flags, ``judged``
     or ``n``)."""
-    out: dict[str, dict[str, int]] = {}
-    for f, v in raw.items():
-        partition, _, name = text(f).rpartition(keys.FIELD_SEP)
-        out.setdefault(partition, {})[name] = int(v)
-    return out
+    fields = quality_drift.per_partition(quality_drift.decode(raw))
+    return {partition: {name: int(v) for name, v in f.items()} for partition, f in fields.items()}

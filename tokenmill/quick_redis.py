@@ -12,9 +12,8 @@ a read timeout; each read command's reply in redis-py's shape (``hgetall`` a dic
 a set, ``sismember`` a bool, ``time`` a tuple), so the same read functions take either client;
 pipelines (``pipeline(transaction=False)``) sent in one write. A connection lost between two
 commands is opened again once (every command here is a read, safe to repeat). Every failure
-is a :class:`~tokenmill.errors.RedisUnavailableError` naming the redacted URL. A URL with any
-other option (``socket_timeout``, ``protocol``, ...) is left to redis-py: :func:`connect`
-returns a redis-py client for it.
+is a :class:`~tokenmill.errors.RedisUnavailableError` naming the redacted URL. A Sentinel URL
+is left to redis-py: :func:`connect` returns a redis-py client for it.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import hiredis
 
 from tokenmill import redis_url
 from tokenmill.errors import PUT_PASSWORD, RedisUnavailableError, failure, refused, unreachable
+from tokenmill.replies import pairs
 
 if TYPE_CHECKING:
     import redis
@@ -48,50 +48,30 @@ def connect(settings: Settings, *, name: str | None = None) -> QuickRedis | redi
     return redis_conn.connect(settings, name=name)
 
 
+def _read(command: str, convert: Convert = None) -> Callable[..., Any]:
+    """A read command as a method of :class:`_Reads` (its arguments are the command's)."""
+    return lambda self, *args: self._run(convert, command, *args)
+
+
 class _Reads:
     """The read commands, in redis-py's reply shapes; ``_run`` runs one or queues it."""
 
     def _run(self, convert: Convert, *args: Any) -> Any:
         raise NotImplementedError
 
-    def get(self, key: str) -> Any:
-        return self._run(None, "GET", key)
-
-    def hget(self, key: str, field: str) -> Any:
-        return self._run(None, "HGET", key, field)
-
-    def hgetall(self, key: str) -> Any:
-        return self._run(_pairs, "HGETALL", key)
-
     def hmget(self, key: str, fields: list[str]) -> Any:
         return self._run(None, "HMGET", key, *fields)
 
-    def smembers(self, key: str) -> Any:
-        return self._run(set, "SMEMBERS", key)
-
-    def sismember(self, key: str, member: str) -> Any:
-        return self._run(bool, "SISMEMBER", key, member)
-
-    def scard(self, key: str) -> Any:
-        return self._run(None, "SCARD", key)
-
-    def zcard(self, key: str) -> Any:
-        return self._run(None, "ZCARD", key)
-
-    def llen(self, key: str) -> Any:
-        return self._run(None, "LLEN", key)
-
-    def time(self) -> Any:
-        return self._run(_time, "TIME")
-
-
-def _pairs(reply: list[bytes]) -> dict[bytes, bytes]:
-    it = iter(reply)
-    return dict(zip(it, it, strict=True))
-
-
-def _time(reply: list[bytes]) -> tuple[int, int]:
-    return int(reply[0]), int(reply[1])
+    ping = _read("PING", lambda reply: reply == b"PONG")
+    get = _read("GET")
+    hget = _read("HGET")
+    hgetall = _read("HGETALL", lambda reply: dict(pairs(reply)))
+    smembers = _read("SMEMBERS", set)
+    sismember = _read("SISMEMBER", bool)
+    scard = _read("SCARD")
+    zcard = _read("ZCARD")
+    llen = _read("LLEN")
+    time = _read("TIME", lambda reply: (int(reply[0]), int(reply[1])))
 
 
 class QuickRedis(_Reads):
@@ -112,10 +92,6 @@ class QuickRedis(_Reads):
         if redis_url.is_sentinel(url):
             return None
         return cls(url, redis_url.endpoint(url), name)
-
-    def ping(self) -> bool:
-        reply: bytes = self._run(None, "PING")
-        return reply == b"PONG"
 
     def pipeline(self, transaction: bool = False) -> Pipeline:
         """Commands queued and sent in one write by :meth:`Pipeline.execute` (never MULTI)."""

@@ -93,7 +93,8 @@ class _Protocol(asyncio.Protocol):
         why = f"the connection to Redis was lost{f': {exc}' if exc else ''}"
         self._fail_all(redis.ConnectionError(why))
 
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(self, command: tuple[Any, ...]) -> asyncio.Future[Any]:
+        packed = hiredis.pack_command(command)  # first: a command it cannot pack is not sent, nor awaited
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if not self.waiting:
@@ -164,7 +165,7 @@ class LoopRedis:
         conn = self._conn
         if conn is None or conn.lost or (self.at.health_check_s and not conn.waiting and self._stale(conn)):
             conn = await self._connect()
-        return await conn.send(hiredis.pack_command(args))
+        return await conn.send(args)
 
     async def evalsha(self, script: LoopScript, keys: list[Any], args: list[Any]) -> Any:
         """Run ``script`` (loading it first if Redis no longer has it, e.g. after a restart)."""
@@ -227,7 +228,7 @@ class LoopRedis:
         if self.sentinel:  # a demoted primary the sentinels still named: not written to
             commands.append(("ROLE",))
         commands += [("SCRIPT", "LOAD", sc.source) for sc in self.scripts]
-        hello = [conn.send(hiredis.pack_command(c)) for c in commands]
+        hello = [conn.send(c) for c in commands]
         replies = [await reply for reply in hello]
         if self.sentinel:
             role = replies[role_at]
@@ -248,11 +249,7 @@ class LoopRedis:
                 async with asyncio.timeout(self.at.connect_timeout_s + (self.at.socket_timeout_s or 0)):
                     _, conn = await loop.create_connection(lambda: _Protocol(None), host, port)
                     try:
-                        got = await conn.send(
-                            # hiredis's stub types the argument as a 1-tuple (Tuple[str | int | ...]);
-                            # it packs a command of any length
-                            hiredis.pack_command(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))  # type: ignore[arg-type]
-                        )
+                        got = await conn.send(("SENTINEL", "GET-MASTER-ADDR-BY-NAME", s.master_name))
                     finally:
                         conn.transport.close()
             except (OSError, TimeoutError, redis.RedisError) as exc:

@@ -60,10 +60,7 @@ def check(url: str, what: str = "TOKENMILL_REDIS_URL") -> None:
     _refuse_cluster(scheme, what)
     if scheme not in SCHEMES:
         raise ConfigError(f"{what} must start with redis://, rediss://, unix:// or sentinel://")
-    if scheme == "sentinel":
-        parse_sentinel(url, what)
-        return
-    endpoint(url, what)
+    (parse_sentinel if scheme == "sentinel" else endpoint)(url, what)
 
 
 def _refuse_cluster(scheme: str, what: str) -> None:

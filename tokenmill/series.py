@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill import transitions as t
 from tokenmill.ledger import Executor
-from tokenmill.replies import text
+from tokenmill.replies import pairs, text
 
 if TYPE_CHECKING:
     import redis
@@ -83,11 +83,7 @@ def parse_entry(entry: Sequence[Any]) -> Point:
     """A stream entry (id, fields) as a point: the id's milliseconds and the values."""
     raw_id, raw = entry
     ms = int(text(raw_id).partition("-")[0])
-    if isinstance(raw, Mapping):
-        items: Iterable[tuple[Any, Any]] = raw.items()
-    else:  # a flat [field, value, ...] list
-        items = zip(raw[::2], raw[1::2], strict=True)
-    return ms, {text(f): float(text(v)) for f, v in items}
+    return ms, {text(f): float(text(v)) for f, v in pairs(raw)}
 
 
 def downsample(points: list[Point], max_points: int, counters: Iterable[str] = ()) -> list[Point]:

@@ -39,6 +39,8 @@ METRIC_NAMES = {
     "sglang:num_retractions": "retractions",
 }
 CAPACITY_METRIC = "sglang:max_total_num_tokens"  # emitted once at startup (0.5.23)
+# /v1/loads' figures of a rank, in the order of Load's fields
+LOADS_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens")
 ROUTER_PREFIX = "sglang_"  # sglang-router's /engine_metrics renames sglang:<name> to this
 # Figures that add up across data-parallel ranks (the others are averaged).
 _SUMMED = {
@@ -72,12 +74,7 @@ def loads(base_url: str, api_key: str | None, timeout_s: float) -> Load:
         return router_load(base_url, api_key, timeout_s)
     if not isinstance(items, list) or not items:
         raise ValueError(f"{redact_url(base_url)}/v1/loads has no loads")
-    return Load(
-        sum(int(x.get("num_running_reqs", 0)) for x in items),
-        sum(int(x.get("num_waiting_reqs", 0)) for x in items),
-        sum(int(x.get("num_used_tokens", 0)) for x in items),
-        sum(int(x.get("max_total_num_tokens", 0)) for x in items),
-    )
+    return Load(*(sum(int(x.get(name, 0)) for x in items) for name in LOADS_FIELDS))
 
 
 def metrics(base_url: str, timeout_s: float, api_key: str | None = None) -> dict[str, float]:

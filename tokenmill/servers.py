@@ -36,6 +36,7 @@ FAILED = "failed"
 STATES = (STARTING, READY, DRAINING, DOWN, FAILED)
 
 LIVE_PREFIX = "live."
+_TEXTS = {"url": "", "state": DOWN, "engine": "sglang", "last_error": ""}  # text fields, when absent
 EVENTS_KEPT = 200
 
 
@@ -141,13 +142,7 @@ def _decode(name: str, raw: dict[Any, Any]) -> ServerRecord:
         for k, v in data.items()
         if k.startswith(LIVE_PREFIX) and _number(v, float) is not None
     }
-    values: dict[str, Any] = {
-        "name": name,
-        "url": data.get("url", ""),
-        "state": data.get("state", DOWN),
-        "engine": data.get("engine", "sglang"),
-        "last_error": data.get("last_error", ""),
-    }
+    values: dict[str, Any] = {"name": name, **{key: data.get(key, absent) for key, absent in _TEXTS.items()}}
     for key in ("pid", "max_total_num_tokens", "context_length"):  # "" (unknown) -> None
         values[key] = _number(data.get(key, ""), int)
     for key, kind in (("restarts", int), ("updated_at", float)):

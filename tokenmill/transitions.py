@@ -29,7 +29,7 @@ from tokenmill.jobspec import JobSpec
 from tokenmill.lengths import ended_field, prompt_fields, reached_field
 from tokenmill.messages import task_message, task_messages
 from tokenmill.quality import RATE_NAMES, SIGNALS
-from tokenmill.replies import text
+from tokenmill.replies import pairs, text
 
 R = TypeVar("R")
 SCRIPT_NAMES = tuple(
@@ -253,8 +253,7 @@ def completion_histogram(k: keys.RunKeys) -> Call[dict[int, int]]:
 
 
 def _histogram(reply: Any) -> dict[int, int]:
-    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
-    fields = ((text(f), v) for f, v in pairs)
+    fields = ((text(f), v) for f, v in pairs(reply))
     return {int(f[1:]): int(v) for f, v in fields if f[:1] == outputs.COMPLETION and f[1:].isdigit()}
 
 
@@ -323,14 +322,13 @@ def started(
 def heartbeat(beat: Beat, lease_ttl_s: float) -> Call[int]:
     """Renew the lease of ``beat``'s claim (with a checkpoint, also save the partial text):
     :data:`ALIVE`, :data:`CANCEL_NOW` or 0 (the claim is stale)."""
-    claim, ck, slot = beat.claim, beat.checkpoint, beat.slot
+    claim, slot = beat.claim, beat.slot
+    # a checkpoint's tokens are kept without text too (a stream of tool calls)
+    ck = beat.checkpoint if beat.checkpoint is not None else Checkpoint()
     k = keys.RunKeys(claim.run)
     script_keys = [k.job(claim.job_id), k.leases(), k.throughput()]
-    args: list[Any] = [claim.job_id, claim.token, int(lease_ttl_s * 1000)]
-    if ck is None:
-        args += [0, "", "", 0, beat.new_tokens, 0]
-    else:  # its tokens are kept without text too (a stream of tool calls)
-        args += [1, ck.content, ck.reasoning, ck.tokens, beat.new_tokens, ck.prompt_tokens]
+    args: list[Any] = [claim.job_id, claim.token, int(lease_ttl_s * 1000), int(beat.checkpoint is not None)]
+    args += [ck.content, ck.reasoning, ck.tokens, beat.new_tokens, ck.prompt_tokens]
     if claim.slot is not None:
         script_keys += [claim.slot[0], claim.slot[1], k.lengths()]
         args += [claim.slot[2], slot.tokens if slot is not None else ""]
@@ -472,12 +470,7 @@ def window_state(server: str, fields: Sequence[str]) -> Call[WindowState]:
     """``window_state.lua``: ``fields`` of ``server``'s used hash and its slots, at one moment."""
 
     def decode(reply: list[Any]) -> WindowState:
-        flat = reply[2]
-        return WindowState(
-            int(reply[0]),
-            dict(zip(fields, reply[1], strict=True)),
-            list(zip(flat[::2], flat[1::2], strict=True)),
-        )
+        return WindowState(int(reply[0]), dict(zip(fields, reply[1], strict=True)), list(pairs(reply[2])))
 
     return Call("window_state", [keys.admission_used(server), keys.admission(server)], list(fields), decode)
 

@@ -26,14 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.worker")
 
 
-@dataclass(slots=True)
-class Outcome:
-    """A finished attempt: the result to commit and the tokens not yet counted."""
-
-    result: dict[str, Any]
-    new_tokens: int
-
-
 class Commit(NamedTuple):
     """What a commit sends (:func:`tokenmill.transitions.commit`'s arguments after the claim)."""
 
@@ -52,7 +44,7 @@ class Attempted:
     url: str
     state: AttemptState
     tracker: LengthTracker | None
-    outcome: Outcome | None = None
+    outcome: Commit | None = None  # its result and the tokens not yet counted (nothing judged)
     error: errors.GenerationError | errors.StaleClaimError | None = None
 
     def commit(self, settings: Settings, bounds: quality.LengthBounds | None = None) -> Commit:
@@ -194,7 +186,7 @@ def continuation_text(base: Checkpoint, think_end_tag: str) -> str:
 
 async def run_attempt(
     client: StreamClient, claim: Claim, settings: Settings, watch: Watch, state: AttemptState
-) -> Outcome:
+) -> Commit:
     """Stream the job to completion under the watch; raise a classified error otherwise."""
     request, extra = build_request(claim, settings, state.base)
     if request.get("max_tokens") is not None and request["max_tokens"] <= 0:
@@ -225,7 +217,7 @@ async def _ended_at_the_limit(
     request: dict[str, Any],
     extra: dict[str, Any],
     state: AttemptState,
-) -> Outcome:
+) -> Commit:
     """The checkpoint already holds every token max_tokens allows (the worker died between its
     last checkpoint and the commit). Ask the server for one more token, only to learn whether the
     text had ended by itself (``stop``) or was cut (``length``) and how long the prompt is; the
@@ -249,7 +241,7 @@ async def _ended_at_the_limit(
 
 def _outcome(
     claim: Claim, request: dict[str, Any], state: AttemptState, finish: str, started: float
-) -> Outcome:
+) -> Commit:
     p = state.progress
     req = claim.spec["request"]
     ck = state.checkpoint()
@@ -283,7 +275,7 @@ def _outcome(
     if cut.stop is not None and cut.content != ck.content and not ck.reasoning:
         end = len(cut.content) + (0 if req.get("no_stop_trim") else len(cut.stop))
         _cut_per_token(result, ck.content, end)
-    return Outcome(result, new_tokens=max(0, new_completion - state.reported_tokens))
+    return Commit(result, max(0, new_completion - state.reported_tokens), None, None)
 
 
 def _cut_per_token(result: dict[str, Any], text: str, end: int) -> None:

@@ -41,9 +41,7 @@ def run_job(rt: Runtime, run: str, job_id: str) -> str:
     if rt.auth_error is not None or rt.stopping.is_set():
         return "skipped"
     left = wait_on_loop(rt, rt.loop.submit(job_path.run_job(rt, run, job_id)), f"{run}/{job_id}")
-    if isinstance(left, str):
-        return left
-    return conclude(rt, left)
+    return left if isinstance(left, str) else conclude(rt, left)
 
 
 def wait_on_loop(rt: Runtime, fut: concurrent.futures.Future[T], job: str) -> T | str:

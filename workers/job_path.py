@@ -129,7 +129,7 @@ async def _admit(
     one, and the claim drops it (no Redis call of its own).
 
     A job whose sibling (same prefix key) this process is sending first waits, before it
-    joins the line, for that sibling's first token (:class:`workers.admission.affinity.Prefills`)."""
+    joins the line, for that sibling's first token (:data:`workers.admission.affinity.Prefills`)."""
     s = rt.settings
     said = False
     held_at = 0.0

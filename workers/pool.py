@@ -70,15 +70,11 @@ class ServerPool:
                 if rec.state == server_records.READY:
                     out.append(ServerView(url, rec.name, rec.max_total_num_tokens, managed=True))
             elif url not in self._suspect:
-                cap = self._capacity(url) if fetch else self._capacities.get(url, (0.0, None))[1]
+                if fetch and self._capacity_due(url, time.monotonic()):  # read from /server_info
+                    self._capacities[url] = (time.monotonic(), self._fetch_capacity(url))
+                cap = self._capacities.get(url, (0.0, None))[1]
                 out.append(ServerView(url, server_records.name_of(url), cap))
         return out
-
-    def _capacity(self, url: str) -> int | None:
-        """``max_total_num_tokens`` of an unmanaged server, from ``/server_info`` (cached)."""
-        if self._capacity_due(url, time.monotonic()):
-            self._capacities[url] = (time.monotonic(), self._fetch_capacity(url))
-        return self._capacities[url][1]
 
     def _capacity_due(self, url: str, now: float) -> bool:
         """Whether ``url``'s capacity is to be read: never read, or unknown for a while."""

@@ -175,7 +175,6 @@ class Scorer(threading.Thread):
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         super().__init__(name="tokenmill-reference", daemon=True)
         self.r, self.settings = client, settings
-        self.stop_event = threading.Event()
         self.references: dict[str, qd.Reference | None] = {}  # run -> its reference, every REFRESH_S
         self.sampled: dict[tuple[str, str], int] = {}  # (run, partition) -> sampled, as last seen
         self.resting: dict[str, float] = {}  # run -> when its failed reference is tried again
@@ -214,7 +213,7 @@ class Scorer(threading.Thread):
     # -- the thread ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        while not self.stop_event.is_set():
+        while True:
             busy = False
             try:
                 if time.monotonic() - self.refreshed > REFRESH_S:
@@ -226,7 +225,7 @@ class Scorer(threading.Thread):
                 log.warning("reference scoring paused: %s", exc)
             except Exception:
                 log.exception("reference scoring failed")
-            self.stop_event.wait(0 if busy else PERIOD_S)
+            time.sleep(0 if busy else PERIOD_S)
 
     def refresh(self) -> None:
         """The runs' references (and what each process has sampled, for the least per partition)."""
@@ -304,6 +303,3 @@ class Scorer(threading.Thread):
                 )
                 if Ledger(self.r, k.run).call(t.pause(k, reason, "rule")):
                     log.warning("run %s paused: %s", k.run, reason)
-
-    def stop(self) -> None:
-        self.stop_event.set()

@@ -12,6 +12,7 @@ its status and body in :mod:`workers.taxonomy`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from tokenmill import errors
 from tokenmill.options import SGLEXT_OUTPUT_IDS
 from tokenmill.url_secrets import split_userinfo
 from workers import taxonomy
-from workers.transport import HttpClient
+from workers.transport import BodySink, HttpClient
 
 VERSION = importlib.metadata.version("tokenmill")
 _DATA = b"data: "
@@ -91,23 +92,8 @@ async def stream_chat(
 ) -> Progress:
     """Stream ``request`` and accumulate into ``progress``; raise a classified error on failure."""
     lines = _Lines(progress, asyncio.get_running_loop(), handler_for(request, progress))
-    try:
-        body = orjson.dumps({**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS})
-        response = await client.http.post(client.url, body, client.headers, lines.feed)
-        if not 200 <= response.status < 300:
-            raise taxonomy.from_answer(response.status, response.body)
-        lines.end()
-    except errors.StopReached:
-        pass  # a stop string across a checkpoint: the text ends there, as one run would have
-    except errors.GenerationError:
-        raise
-    except Exception as exc:  # classified in one place
-        raise taxonomy.from_exception(exc) from exc
-    if progress.finish_reason is None:
-        raise errors.StreamError("the stream ended without a finish_reason")
-    if progress.finish_reason == "abort":
-        raise errors.StreamError("the server aborted the request (finish_reason: abort)")
-    return progress
+    body = {**request, **extra, "stream": True, "stream_options": STREAM_OPTIONS}
+    return await _exchange(client, body, lines.feed, lines.end, progress)
 
 
 LineHandler = Callable[[bytes, Progress, asyncio.AbstractEventLoop], None]
@@ -120,18 +106,36 @@ async def whole_chat(
     classified error on failure (for jobs a stream would give less: ``options.answered_whole``)."""
     loop = asyncio.get_running_loop()
     body: list[bytes] = []
+
+    def end() -> None:
+        _fill(progress, orjson.loads(b"".join(body)), loop.time())
+
+    request = {**request, **extra, "stream": False}
+    return await _exchange(client, request, body.append, end, progress)
+
+
+async def _exchange(
+    client: StreamClient, request: dict[str, Any], sink: BodySink, end: Callable[[], None], progress: Progress
+) -> Progress:
+    """POST ``request``: its answer's body to ``sink`` as it arrives, then ``end()``; raise a
+    classified error on failure."""
+    streamed = request["stream"]
     try:
-        data = orjson.dumps({**request, **extra, "stream": False})
-        response = await client.http.post(client.url, data, client.headers, body.append, unstreamed=True)
+        body = orjson.dumps(request)
+        response = await client.http.post(client.url, body, client.headers, sink, unstreamed=not streamed)
         if not 200 <= response.status < 300:
             raise taxonomy.from_answer(response.status, response.body)
-        _fill(progress, orjson.loads(b"".join(body)), loop.time())
+        end()
+    except errors.StopReached:
+        pass  # a stop string across a checkpoint: the text ends there, as one run would have
     except errors.GenerationError:
         raise
     except Exception as exc:  # classified in one place
         raise taxonomy.from_exception(exc) from exc
     if progress.finish_reason is None:
-        raise errors.StreamError("the answer has no finish_reason")
+        raise errors.StreamError(
+            "the stream ended without a finish_reason" if streamed else "the answer has no finish_reason"
+        )
     if progress.finish_reason == "abort":
         raise errors.StreamError("the server aborted the request (finish_reason: abort)")
     return progress
@@ -190,7 +194,10 @@ def handler_for(request: dict[str, Any], progress: Progress) -> LineHandler:
     return _on_line
 
 
-def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:
+def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop, full: bool = False) -> None:
+    """One ``data:`` line into ``p``; ``full`` (:data:`_on_line_full`) for the requests that need
+    more of each chunk: tool-call fragments assembled by index, log-probabilities appended, the
+    token ids of SGLang's ``sglext`` chunk, and a stop string that straddles a checkpoint."""
     if payload.startswith(_DONE):
         return
     obj = orjson.loads(payload)
@@ -207,48 +214,10 @@ def _on_line(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> No
             if text:
                 p.reasoning.append(text)
                 p.chunks += 1
-        reason = choice.get("finish_reason")
-        if reason:
-            p.finish_reason = reason
-            p.matched_stop = choice.get("matched_stop")
-        p.last_chunk_at = loop.time()
-        if not p.first_chunk_at:
-            p.first_chunk_at = p.last_chunk_at
-            p.model = obj.get("model")
-            if p.on_first is not None:
-                p.on_first()
-    elif "error" in obj:
-        raise taxonomy.from_error_chunk(obj)
-    usage = obj.get("usage")
-    if usage:
-        p.usage = usage
-
-
-def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) -> None:
-    """:func:`_on_line` for the requests that need more of each chunk: tool-call fragments
-    assembled by index, log-probabilities appended, the token ids of SGLang's ``sglext`` chunk,
-    and a stop string that straddles a checkpoint."""
-    if payload.startswith(_DONE):
-        return
-    obj = orjson.loads(payload)
-    choices = obj.get("choices")
-    if choices:
-        choice = choices[0]
-        delta = choice.get("delta") or {}
-        text = delta.get("content")
-        if text:
-            p.content.append(text)
-            p.chunks += 1
-        text = delta.get("reasoning_content")
-        if text:
-            p.reasoning.append(text)
-            p.chunks += 1
-        calls = delta.get("tool_calls")
-        if calls:
-            _add_tool_calls(p, calls)
-            p.chunks += 1
-        logprobs = choice.get("logprobs")
-        if logprobs and logprobs.get("content"):
+            if full and (calls := delta.get("tool_calls")):
+                _add_tool_calls(p, calls)
+                p.chunks += 1
+        if full and (logprobs := choice.get("logprobs")) and logprobs.get("content"):
             if p.logprobs is None:
                 p.logprobs = []
             p.logprobs.extend(logprobs["content"])
@@ -264,15 +233,16 @@ def _on_line_full(payload: bytes, p: Progress, loop: asyncio.AbstractEventLoop) 
                 p.on_first()
     elif "error" in obj:
         raise taxonomy.from_error_chunk(obj)
-    else:
-        ext = obj.get("sglext")
-        if ext and ext.get("output_ids"):
-            p.output_ids = list(ext["output_ids"][0])
+    elif full and (ext := obj.get("sglext")) and ext.get("output_ids"):
+        p.output_ids = list(ext["output_ids"][0])
     usage = obj.get("usage")
     if usage:
         p.usage = usage
-    if p.guard is not None and choices:
+    if full and p.guard is not None and choices:
         p.guard.check(p)
+
+
+_on_line_full: LineHandler = functools.partial(_on_line, full=True)
 
 
 def _add_tool_calls(p: Progress, fragments: list[dict[str, Any]]) -> None:

@@ -90,13 +90,10 @@ def _on_shutting_down(**_: Any) -> None:
     log.warning(
         "shutting down: in-flight streams get %.0fs to finish, then are checkpointed and released", grace
     )
-    timer = threading.Timer(grace, rt.abort_streams.set)
-    timer.daemon = True
-    timer.start()
     last_s = grace + ABANDON_AFTER_S + STOP_SLACK_S
-    deadline = threading.Timer(last_s, _stop_now, (last_s,))
-    deadline.daemon = True
-    deadline.start()
+    for timer in threading.Timer(grace, rt.abort_streams.set), threading.Timer(last_s, _stop_now, (last_s,)):
+        timer.daemon = True
+        timer.start()
     if "upkeep" in _upkeep:
         _upkeep["upkeep"].stop()
     if _hostname[0]:

@@ -37,10 +37,7 @@ class Reconciler:
         self.suspects: dict[str, set[str]] = {}
 
     def pass_(self, client: redis.Redis, ledger: Ledger) -> int:
-        if any(client.llen(keys.broker_queue(q)) for q in keys.QUEUES):
-            self.suspects.pop(ledger.run, None)
-            return 0
-        counts = ledger.counts()
+        counts = {} if any(client.llen(keys.broker_queue(q)) for q in keys.QUEUES) else ledger.counts()
         if not any(c["queued"] for c in counts.values()):
             self.suspects.pop(ledger.run, None)
             return 0

@@ -5,7 +5,6 @@ Batch API runs on one's own SGLang servers.
 ``/v1/models``, bearer keys, OpenAI-shaped errors), :mod:`producer.api.files` the files (their
 bytes in the result store, their records in Redis), :mod:`producer.api.batches` a batch's record
 and its transitions, :mod:`producer.api.lifecycle` what moves a batch along (validation and
-enqueue, finalization by the ``openai-batch`` export, cancel, expiry), :mod:`producer.api.spool`
-the jobs validation built, on disk until they are enqueued, :mod:`producer.api.cli`
+enqueue, finalization by the ``openai-batch`` export, cancel, expiry), :mod:`producer.api.cli`
 the command. A batch is an ordinary run named by the batch id, with one partition, ``batch``.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from producer.api.batches import ENDPOINT, Batches, check_metadata, window_s
 from producer.api.errors import ApiError, bad
 from producer.api.files import Files
 from producer.api.lifecycle import Lifecycle
-from producer.dashboard.server import SECURITY_HEADERS
+from producer.dashboard.server import as_json, secure
 from producer.web_access import authorized, host_allowed
 from tokenmill.settings import Settings
 
@@ -41,7 +42,7 @@ def make_app(
 ) -> web.Application:
     """The application; its background loop advances the active batches."""
     app = web.Application(middlewares=[_errors, _guard(keys_, hosts)])
-    app.on_response_prepare.append(_secure)
+    app.on_response_prepare.append(functools.partial(secure, static=False))
     api = _Api(r, settings, files)
     app.router.add_post("/v1/files", api.upload)
     app.router.add_get("/v1/files", api.list_files)
@@ -87,16 +88,6 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         log.warning("api: Redis unavailable: %s", exc)
         error = ApiError(503, f"Redis is unavailable: {exc}")
     return web.json_response(error.body(), status=error.status, dumps=lambda d: orjson.dumps(d).decode())
-
-
-async def _secure(request: web.Request, response: web.StreamResponse) -> None:
-    for name, value in SECURITY_HEADERS.items():
-        response.headers.setdefault(name, value)
-    response.headers.setdefault("Cache-Control", "no-store")
-
-
-def _json(doc: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
 
 def _limit(request: web.Request) -> int:
@@ -145,7 +136,7 @@ class _Api:
                 await asyncio.to_thread(self.files.store.remove, self.files.path(stored[0]))
             raise
         doc = await asyncio.to_thread(self.files.record, stored[0], filename or "", "batch", stored[1])
-        return _json(doc)
+        return as_json(doc)
 
     async def _store(self, part: BodyPartReader, limit: int) -> tuple[str, int]:
         """The part's bytes into the store, a chunk at a time; (file id, size)."""
@@ -166,13 +157,13 @@ class _Api:
     async def list_files(self, request: web.Request) -> web.StreamResponse:
         q = request.query
         doc = await asyncio.to_thread(self.files.list, q.get("purpose"), q.get("after"), _limit(request))
-        return _json(doc)
+        return as_json(doc)
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
-        return _json(await asyncio.to_thread(self.files.get, request.match_info["id"]))
+        return as_json(await asyncio.to_thread(self.files.get, request.match_info["id"]))
 
     async def delete_file(self, request: web.Request) -> web.StreamResponse:
-        return _json(await asyncio.to_thread(self.files.delete, request.match_info["id"]))
+        return as_json(await asyncio.to_thread(self.files.delete, request.match_info["id"]))
 
     async def content(self, request: web.Request) -> web.StreamResponse:
         chunks = self.files.chunks(request.match_info["id"])
@@ -214,14 +205,14 @@ class _Api:
             raise bad(f"file {file_id} has purpose {found['purpose']!r}, not 'batch'", "input_file_id")
         batch_id = await asyncio.to_thread(self.batches.create, file_id, window, metadata)
         self.kick.set()
-        return _json(await asyncio.to_thread(self.batches.get, batch_id))
+        return as_json(await asyncio.to_thread(self.batches.get, batch_id))
 
     async def get_batch(self, request: web.Request) -> web.StreamResponse:
-        return _json(await asyncio.to_thread(self.batches.get, request.match_info["id"]))
+        return as_json(await asyncio.to_thread(self.batches.get, request.match_info["id"]))
 
     async def list_batches(self, request: web.Request) -> web.StreamResponse:
         doc = await asyncio.to_thread(self.batches.list, request.query.get("after"), _limit(request))
-        return _json(doc)
+        return as_json(doc)
 
     async def cancel_batch(self, request: web.Request) -> web.StreamResponse:
         batch_id = request.match_info["id"]
@@ -235,12 +226,12 @@ class _Api:
                 why = "only a validating or in_progress batch can be cancelled"
                 raise bad(f"batch {batch_id} is {doc['status']}: {why}")
             self.kick.set()
-        return _json(await asyncio.to_thread(self.batches.get, batch_id))
+        return as_json(await asyncio.to_thread(self.batches.get, batch_id))
 
     # -- models -----------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return _json(await asyncio.to_thread(self._models))
+        return as_json(await asyncio.to_thread(self._models))
 
     def _models(self) -> dict[str, Any]:
         """The union of what each server lists on its ``/v1/models``."""

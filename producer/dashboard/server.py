@@ -58,7 +58,7 @@ def make_app(client: Client, credentials: list[str], hosts: frozenset[str]) -> w
     ``api/``; every request's ``Host`` one of ``hosts`` and its authorization one of
     ``credentials`` (none: open, loopback only)."""
     app = web.Application(middlewares=[_guard(credentials, hosts)])
-    app.on_response_prepare.append(_secure)
+    app.on_response_prepare.append(secure)
     api = _Api(client)
     app.router.add_get("/", _index)
     app.router.add_get("/favicon.ico", _no_content)
@@ -93,13 +93,13 @@ def _guard(credentials: list[str], hosts: frozenset[str]) -> Any:
     return guard
 
 
-async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+async def secure(request: web.Request, response: web.StreamResponse, static: bool = True) -> None:
     """Run on every response before it is sent, errors included (a raised 4xx, aiohttp's own
     404 and 405, an unhandled error's 500): the security headers, and no caching but of the
-    static files."""
+    static files (none with ``static`` False: the API's)."""
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
-    if not request.path.startswith("/static/"):
+    if not (static and request.path.startswith("/static/")):
         response.headers.setdefault("Cache-Control", "no-store")
 
 
@@ -173,18 +173,18 @@ async def _answer(read: Callable[[], Any]) -> web.Response:
     try:
         doc = await asyncio.to_thread(read)
     except ConfigError as exc:  # an unknown run or partition: the message names it
-        return _json({"error": str(exc)}, 404)
+        return as_json({"error": str(exc)}, 404)
     except RedisUnavailableError as exc:
-        return _json({"error": str(exc)}, 503)
+        return as_json({"error": str(exc)}, 503)
     except TokenmillError as exc:
-        return _json({"error": str(exc)}, 400)
+        return as_json({"error": str(exc)}, 400)
     except redis.RedisError as exc:
         log.warning("dashboard: Redis unavailable: %s", exc)
-        return _json({"error": f"Redis is unavailable: {exc}"}, 503)
-    return _json(doc, 200)
+        return as_json({"error": f"Redis is unavailable: {exc}"}, 503)
+    return as_json(doc)
 
 
-def _json(doc: Any, status: int) -> web.Response:
+def as_json(doc: Any, status: int = 200) -> web.Response:
     return web.Response(
         body=orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
         status=status,

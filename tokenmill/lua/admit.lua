@@ -49,14 +49,12 @@
 -- Returns 1 admitted, 0 no room, -ms paced: no group opens for that many ms (at least 1).
 local MAX_LEASE_MS = 86400000  -- a day: a slot's lease further ahead is garbage, not a lease
 local now_ms = clock_ms()
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms)
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now_ms + MAX_LEASE_MS), '+inf')) do
-  expired[#expired + 1] = m
-end
-for _, m in ipairs(expired) do
-  local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m, 'tl:' .. m)
-  unhold(KEYS[2], m, held)
-  redis.call('ZREM', KEYS[1], m)
+for _, range in ipairs({{'-inf', now_ms}, {'(' .. (now_ms + MAX_LEASE_MS), '+inf'}}) do
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], range[1], range[2])) do
+    local held = redis.call('HMGET', KEYS[2], 'slot:' .. m, 'slotq:' .. m, 'up:' .. m, 'tl:' .. m)
+    unhold(KEYS[2], m, held)
+    redis.call('ZREM', KEYS[1], m)
+  end
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then
   -- nothing in flight: whatever the counts of requests in flight say (drift, garbage) is 0

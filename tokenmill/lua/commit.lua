@@ -42,15 +42,9 @@ move(KEYS[2], f[3], 'running', 'done')
 bump(KEYS[4], 'completion_tokens', ARGV[4], 0)
 bump(KEYS[4], 'prompt_tokens', ARGV[5], 0)
 redis.call('HSET', KEYS[4], 'last_activity_ms', now_ms)
-if int(ARGV[6], 0) > 0 then
-  bump(KEYS[4], 'continued_jobs', 1, 0)
-  bump(KEYS[4], 'continued_tokens', ARGV[6], 0)
-end
+if int(ARGV[6], 0) > 0 then bumps(KEYS[4], 0, {'continued_jobs', 1, 'continued_tokens', ARGV[6]}) end
 if ARGV[8] == '1' then bump(KEYS[4], 'truncated', 1, 0) end
-if int(ARGV[9], 0) > 0 then
-  bump(KEYS[4], 'restarted_jobs', 1, 0)
-  bump(KEYS[4], 'discarded_tokens', ARGV[9], 0)
-end
+if int(ARGV[9], 0) > 0 then bumps(KEYS[4], 0, {'restarted_jobs', 1, 'discarded_tokens', ARGV[9]}) end
 for i = 10, 12 do
   if ARGV[i] ~= '' then bump(KEYS[7], ARGV[i], 1, 0) end
 end
@@ -62,20 +56,18 @@ if ARGV[14] ~= '' then
   local p, mask = f[3], int(ARGV[14], 0, 0, 2 ^ #QUALITY_FLAGS - 1)
   local judged, moves = {p .. '|judged', 1}, {p .. '|n', 1}
   local len = redis.call('LPUSH', KEYS[10], mask)
-  for i, flag in ipairs(QUALITY_FLAGS) do
-    if floor(mask / 2 ^ (i - 1)) % 2 == 1 then
-      judged[#judged + 1], judged[#judged + 2] = p .. '|' .. flag, 1
-      moves[#moves + 1], moves[#moves + 2] = p .. '|' .. flag, 1
-    end
-  end
-  while len > int(ARGV[15], 1, 1) do  -- the oldest masks leave the window
-    local old = int(redis.call('RPOP', KEYS[10]), 0, 0, 2 ^ #QUALITY_FLAGS - 1)
-    len = len - 1
+  -- for each flag set in mask `m`: `p|flag`, `delta` appended to each list of `lists`
+  local function add_flags(m, delta, lists)
     for i, flag in ipairs(QUALITY_FLAGS) do
-      if floor(old / 2 ^ (i - 1)) % 2 == 1 then
-        moves[#moves + 1], moves[#moves + 2] = p .. '|' .. flag, -1
+      if floor(m / 2 ^ (i - 1)) % 2 == 1 then
+        for _, l in ipairs(lists) do l[#l + 1], l[#l + 2] = p .. '|' .. flag, delta end
       end
     end
+  end
+  add_flags(mask, 1, {judged, moves})
+  while len > int(ARGV[15], 1, 1) do  -- the oldest masks leave the window
+    add_flags(int(redis.call('RPOP', KEYS[10]), 0, 0, 2 ^ #QUALITY_FLAGS - 1), -1, {moves})
+    len = len - 1
   end
   bumps(KEYS[9], 0, judged)
   bumps(KEYS[11], 0, moves)

@@ -9,12 +9,9 @@
 -- Returns 1 when the job was requeued, 2 when it ended cancelled, else 0.
 local now_ms = clock_ms()
 local f = redis.call('HMGET', KEYS[1], 'state', 'lease', 'partition', 'cancel')
-if f[1] ~= 'running' then
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  return 0
-end
-if num(f[2], 0) > now_ms then return 0 end
+if f[1] == 'running' and num(f[2], 0) > now_ms then return 0 end  -- a renewed lease is kept
 redis.call('ZREM', KEYS[3], ARGV[1])
+if f[1] ~= 'running' then return 0 end  -- no longer running: it just leaves the leases set
 redis.call('HDEL', KEYS[1], 'lease', 'worker')
 bump(KEYS[2], 'running|' .. f[3], -1, 0)
 if f[4] then

@@ -9,7 +9,7 @@ that reach one server together, in one prefill batch, are each prefilled in full
 ``#new-seq: 5, #new-token: 4096, #cached-token: 0`` in bench/servers.py). So each job has a
 *prefix key*, and three rules use it:
 
-1. **The first job of a key leads** (:class:`Prefills`). Its siblings in this process (jobs of
+1. **The first job of a key leads** (:data:`Prefills`). Its siblings in this process (jobs of
    the same key delivered while it has no first token yet) wait before they ask for a slot, up
    to ``server_prefill_wait_s`` (default 10 s), until its first token: by then its prompt is in
    its server's cache (SGLang sends the first chunk after the prefill). A job that ends without
@@ -220,28 +220,10 @@ class Homes:
             home.warm[server] = now
 
 
-class Prefills:
-    """The prefix keys whose first job in this process is on its way to its first token: the
-    key's leader, whose siblings wait for that token (rule 1 of the module's docstring). Touched
-    only on the event loop."""
-
-    def __init__(self) -> None:
-        self._pending: dict[bytes, asyncio.Event] = {}
-
-    def pending(self, key: bytes) -> asyncio.Event | None:
-        """The event a leader of ``key`` sets at its first token, or None when none leads."""
-        return self._pending.get(key)
-
-    def lead(self, key: bytes) -> asyncio.Event:
-        """A job of ``key`` leads from now: the event its siblings wait on."""
-        event = self._pending[key] = asyncio.Event()
-        return event
-
-    def done(self, key: bytes, event: asyncio.Event) -> None:
-        """The leader's first token came, or it ended without one: its siblings go."""
-        event.set()
-        if self._pending.get(key) is event:
-            del self._pending[key]
+# The prefix keys whose first job in this process is on its way to its first token (the key's
+# leader), each with the event the leader sets at that token or its end, which its siblings wait
+# on (rule 1 of the module's docstring). Touched only on the event loop.
+Prefills = dict[bytes, asyncio.Event]
 
 
 @dataclass(slots=True, eq=False)
@@ -275,9 +257,9 @@ class JobAffinity:
         (no sibling admitted lately) and no leader leads: :meth:`prefilled` lets its siblings go."""
         if self.key is None or self.prefills is None:
             return None
-        event = self.prefills.pending(self.key)
+        event = self.prefills.get(self.key)
         if event is None and self.homes.get(self.key, now) is None:
-            self._lead = self.prefills.lead(self.key)
+            self._lead = self.prefills[self.key] = asyncio.Event()  # it leads from now
         return event
 
     def first_token(self) -> None:
@@ -295,7 +277,9 @@ class JobAffinity:
             self.homes.ended(self.key, self._cold_on, now)
             self._cold_on = None
         if self._lead is not None and self.prefills is not None:  # the siblings waiting for it go
-            self.prefills.done(self.key, self._lead)
+            self._lead.set()
+            if self.prefills.get(self.key) is self._lead:
+                del self.prefills[self.key]
             self._lead = None
 
     def home(self, now: float) -> tuple[str | None, bool]:

@@ -227,11 +227,7 @@ def learn(
     nothing of requests together); the highest starts again once ``forget_ms`` old (0: never)."""
     seen, seen_rise = num(f.get("seen_each"), 0, 0), num(f.get("seen_rise"), 0, 0)
     seen_ms = num(f.get("seen_ms"), now_ms, 0, now_ms)
-    use_sum, use_n, use_min = (
-        num(f.get("use_sum"), 0, 0),
-        num(f.get("use_n"), 0, 0),
-        num(f.get("use_min"), 0, 0),
-    )
+    use_sum, use_n, use_min = (num(f.get(name), 0, 0) for name in ("use_sum", "use_n", "use_min"))
     # outputs that end at different lengths desynchronise by themselves: the highest mean use
     # seen, once it is a lifetime old, was held by requests that have ended (a cold start's first
     # batch, which started together), not by those in flight, and starts again
