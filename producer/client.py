@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -45,7 +44,7 @@ Rows = Union[
 ]
 
 
-class Client(AbstractContextManager["Client"]):
+class Client:
     """tokenmill from Python: enqueue rows into runs, watch them, read their completions back.
 
     Settings are the CLI's: ``TOKENMILL_*`` variables, overridden by the arguments given
@@ -65,6 +64,9 @@ class Client(AbstractContextManager["Client"]):
     def close(self) -> None:
         """Close the client's Redis connections."""
         self._redis.close()
+
+    def __enter__(self) -> Client:
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -198,7 +198,7 @@ def _iter_parquet(p: Path) -> Iterator[Record]:
     name = str(p)
     try:
         with pq.ParquetFile(p) as pf:
-            yield from arrow_records(pf.iter_batches(batch_size=BATCH_ROWS), f"{name}:row {{}}".format, 1)
+            yield from arrow_records(pf.iter_batches(batch_size=BATCH_ROWS), lambda n: f"{name}:row {n}", 1)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(name, f"Parquet read failed: {exc}") from None
 
@@ -260,7 +260,7 @@ def _iter_arrow_rows(name: str, files: list[Path]) -> Iterator[Record]:
     for file in files:
         try:
             with pa.OSFile(str(file), "rb") as f:
-                for record in arrow_records(ipc.open_stream(f), f"{name}:row {{}}".format, n):
+                for record in arrow_records(ipc.open_stream(f), lambda n: f"{name}:row {n}", n):
                     yield record
                     n += 1
         except (pa.ArrowException, OSError) as exc:

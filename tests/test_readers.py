@@ -231,6 +231,15 @@ def test_parquet_rows_become_dicts_numbered_from_one(tmp_path: Path) -> None:
     assert records == [Record(f"{path}:row 1", rows[0]), Record(f"{path}:row 2", rows[1])]
 
 
+def test_a_parquet_file_under_a_folder_with_braces_names_its_rows_by_that_path(tmp_path: Path) -> None:
+    # a row's name is the path, then the number: the path is not a format string
+    path = tmp_path / "{run}" / "rows.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p"}]), path)
+
+    assert [r.source for r in iter_records(path)] == [f"{path}:row 1"]
+
+
 def test_parquet_row_numbers_run_on_across_batches_and_row_groups(tmp_path: Path) -> None:
     path = tmp_path / "many.parquet"
     n = 3000
