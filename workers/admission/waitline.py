@@ -33,18 +33,7 @@ class Turn:
         """Let the first job that has not stepped back ask before this one (the head waits for
         one server only; the job behind may have room elsewhere). False when there is none:
         this job stays the head and waits."""
-        turns = self._line._turns
-        if not turns or turns[0] is not self:
-            return False
-        at = next((i for i, t in enumerate(turns) if not t.passed and t is not self), None)
-        if at is None:
-            return False
-        ahead = turns[at]
-        del turns[at]
-        turns.appendleft(ahead)  # the first job that has not stepped back asks now
-        self._passed_at = self._line.epoch
-        ahead.wake()
-        return True
+        return self._line.step_back(self)
 
     def first(self) -> bool:
         """Whether this job is at the head of the line (the one that asks for room)."""
@@ -98,6 +87,19 @@ class WaitLine:
         self.epoch += 1  # room may have come: every job that stepped back asks again, in order
         if self._turns:
             self._turns[0].wake()
+
+    def step_back(self, turn: Turn) -> bool:
+        if not self._turns or self._turns[0] is not turn:
+            return False
+        at = next((i for i, t in enumerate(self._turns) if not t.passed and t is not turn), None)
+        if at is None:
+            return False
+        ahead = self._turns[at]
+        del self._turns[at]
+        self._turns.appendleft(ahead)  # the first job that has not stepped back asks now
+        turn._passed_at = self.epoch
+        ahead.wake()
+        return True
 
     @contextlib.asynccontextmanager
     async def join(self, ahead: bool = False) -> AsyncIterator[Turn]:
