@@ -10,6 +10,8 @@ server's retractions and the highest KV it used. Variants:
 - ``directN``: no tokenmill at all: the direct asyncio client of ``bench/e2e.py`` at N requests
   at a time (what the worker's own overhead costs, apart from any admission policy);
 - ``admission``: no concurrency set by hand (a large thread pool); admission decides;
+- ``placeboN``: fixed N again under another name, judged as admission is: the ratio a variant
+  that *is* a fixed setting gets, so the verdict's noise floor on this host;
 - ``oracle``: admission told at the start what a cold start cannot know: the lifetime and the
   highest window the cell's last ``admission`` run reached (written into the admission hash
   before the enqueue, as if a watcher had just set them, the window also its cap), so it paces
@@ -498,6 +500,9 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             out.append((f"admission told its window (oracle, threads {args.high})", "oracle", args.high))
         elif name == "unpaced":
             out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
+        elif m := re.fullmatch(r"placebo(\d+)", name):
+            # fixed N again, judged as admission is: what the verdict says of a fixed setting
+            out.append((f"placebo (fixed {m[1]} again)", "fixed", int(m[1])))
         elif m := re.fullmatch(r"paced(\d+)", name):
             out.append((f"admission, paced {m[1]} at once (threads {args.high})", name, args.high))
         elif name in named:
@@ -506,7 +511,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             kind = m[1]
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
-            known = "low, tuned, high, admission, oracle, unpaced, pacedN, fixedN, directN"
+            known = "low, tuned, high, admission, oracle, unpaced, pacedN, fixedN, placeboN, directN"
             raise SystemExit(f"--only: unknown variant {name!r} ({known})")
     return out
 
@@ -727,16 +732,13 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         print(f"outputs of {args.prompts}: {seen}")
     heads = ["variant", "wall s (rounds)", "retractions (rounds)", "mean running"]
     print(table([*heads, *(["server passes (rounds)"] if passes else []), "vs fastest fixed"], rows))
+    for judged in (n for n in results if best and n.startswith("placebo (")):
+        # a fixed setting judged as admission is: how far this host's noise alone moves the verdict
+        print(verdicts(judged, best, med, retr, "placebo") + "; " + paired(judged, best, results))
     adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
-        # each round's variants ran within a minute or two of each other: the ratio within a
-        # round leaves out the host's drift between rounds (not its jitter within one)
-        pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(results[adm], results[best], strict=True)]
-        print(
-            f"paired by round: admission / {best} in the same round = median "
-            f"{statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)})"
-        )
+        print(paired(adm, best, results))
         if passes:
             # the same verdicts with the server's passes in place of the wall time: what the
             # variant made the server do, on a host whose speed drifts between runs (a pass of a
@@ -761,12 +763,24 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             )
 
 
-def verdicts(adm: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:
+def paired(adm: str, best: str, results: dict[str, list[dict]]) -> str:
+    """The ratio within each round (its variants ran within a minute or two of each other: it
+    leaves out the host's drift between rounds, not its jitter within one), and their median."""
+    pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(results[adm], results[best], strict=True)]
+    return (
+        f"paired by round: {adm.split(' (')[0]} / {best} in the same round = median "
+        f"{statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)})"
+    )
+
+
+def verdicts(
+    adm: str, best: str, med: dict[str, float], retr: dict[str, float], who: str = "admission"
+) -> str:
     """Issue 55's verdict (issue 26's was 10%): within 5% of the fastest fixed setting with no more
     retractions than it; and within 5% of the fastest fixed setting that did not retract."""
     fast = med[adm] <= TARGET * med[best] and retr[adm] <= retr[best]
     line = (
-        f"admission / fastest fixed ({best}) = {med[adm] / med[best]:.3f}, retractions {retr[adm]:g} vs "
+        f"{who} / fastest fixed ({best}) = {med[adm] / med[best]:.3f}, retractions {retr[adm]:g} vs "
         f"{retr[best]:g}: {verdict(fast)}"
     )
     clean = [n for n in med if n.startswith("fixed") and retr[n] == 0]
