@@ -734,7 +734,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     print(table([*heads, *(["server passes (rounds)"] if passes else []), "vs fastest fixed"], rows))
     for judged in (n for n in results if best and n.startswith("placebo (")):
         # a fixed setting judged as admission is: how far this host's noise alone moves the verdict
-        print(verdicts(judged, best, med, retr, "placebo") + "; " + paired(judged, best, results))
+        print(verdicts(judged, best, med, retr) + "; " + paired(judged, best, results))
     adm = next((n for n in results if n.startswith("admission (")), None)
     if adm and best:
         print(verdicts(adm, best, med, retr))
@@ -773,15 +773,13 @@ def paired(adm: str, best: str, results: dict[str, list[dict]]) -> str:
     )
 
 
-def verdicts(
-    adm: str, best: str, med: dict[str, float], retr: dict[str, float], who: str = "admission"
-) -> str:
+def verdicts(adm: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:
     """Issue 55's verdict (issue 26's was 10%): within 5% of the fastest fixed setting with no more
     retractions than it; and within 5% of the fastest fixed setting that did not retract."""
     fast = med[adm] <= TARGET * med[best] and retr[adm] <= retr[best]
     line = (
-        f"{who} / fastest fixed ({best}) = {med[adm] / med[best]:.3f}, retractions {retr[adm]:g} vs "
-        f"{retr[best]:g}: {verdict(fast)}"
+        f"{adm.split(' (')[0]} / fastest fixed ({best}) = {med[adm] / med[best]:.3f}, "
+        f"retractions {retr[adm]:g} vs {retr[best]:g}: {verdict(fast)}"
     )
     clean = [n for n in med if n.startswith("fixed") and retr[n] == 0]
     if clean:
