@@ -763,29 +763,29 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             )
 
 
-def paired(adm: str, best: str, results: dict[str, list[dict]]) -> str:
+def paired(judged: str, best: str, results: dict[str, list[dict]]) -> str:
     """The ratio within each round (its variants ran within a minute or two of each other: it
     leaves out the host's drift between rounds, not its jitter within one), and their median."""
-    pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(results[adm], results[best], strict=True)]
+    pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(results[judged], results[best], strict=True)]
     return (
-        f"paired by round: {adm.split(' (')[0]} / {best} in the same round = median "
+        f"paired by round: {judged.split(' (')[0]} / {best} in the same round = median "
         f"{statistics.median(pairs):.3f} ({', '.join(f'{p:.2f}' for p in pairs)})"
     )
 
 
-def verdicts(adm: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:
+def verdicts(judged: str, best: str, med: dict[str, float], retr: dict[str, float]) -> str:
     """Issue 55's verdict (issue 26's was 10%): within 5% of the fastest fixed setting with no more
     retractions than it; and within 5% of the fastest fixed setting that did not retract."""
-    fast = med[adm] <= TARGET * med[best] and retr[adm] <= retr[best]
+    fast = med[judged] <= TARGET * med[best] and retr[judged] <= retr[best]
     line = (
-        f"{adm.split(' (')[0]} / fastest fixed ({best}) = {med[adm] / med[best]:.3f}, "
-        f"retractions {retr[adm]:g} vs {retr[best]:g}: {verdict(fast)}"
+        f"{judged.split(' (')[0]} / fastest fixed ({best}) = {med[judged] / med[best]:.3f}, "
+        f"retractions {retr[judged]:g} vs {retr[best]:g}: {verdict(fast)}"
     )
     clean = [n for n in med if n.startswith("fixed") and retr[n] == 0]
     if clean:
         ref = min(clean, key=lambda n: med[n])
-        ok = med[adm] <= TARGET * med[ref]
-        line += f"; / fastest zero-retraction fixed ({ref}) = {med[adm] / med[ref]:.3f}: {verdict(ok)}"
+        ok = med[judged] <= TARGET * med[ref]
+        line += f"; / fastest zero-retraction fixed ({ref}) = {med[judged] / med[ref]:.3f}: {verdict(ok)}"
     return line
 
 
