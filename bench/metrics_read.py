@@ -13,17 +13,32 @@ process: HTTP and tokenizer manager; on this machine it shares the scheduler's c
 cheaper, but 0.5.23's multiprocess registry answers it with an empty page: seen.)
 
     .venv/bin/python bench/metrics_read.py [--rounds 5] [--calls 50] [--lock /tmp/tokenmill-heavy.lock]
+
+``--steps`` measures instead what the reads cost the server's work: ``--streams`` streaming
+requests kept in flight (each of ``max_tokens`` 200, replaced when it ends, on a pool that holds
+them all), and phases of ``--phase-s`` seconds in each of ``--rounds`` rounds, their order
+rotated from round to round: no reads, ``/v1/loads`` at ``--hz``, and ``/v1/loads`` plus
+``/metrics`` at ``--hz`` (the load watch at its tightest). Each phase's mean decode step, from
+SGLang's log (``--decode-log-interval 1``), and each phase's against the no-read phase of its
+round.
+
+    .venv/bin/python bench/metrics_read.py --steps [--streams 16] [--hz 2] [--rounds 12] [--phase-s 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import threading
+import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from _common import (
     Children,
+    SglangLog,
     exit_on_sigterm,
     heavy,
     machine,
@@ -74,15 +89,86 @@ def warm_up(url: str) -> None:
             resp.read()
 
 
+def stream_forever(url: str, stop: threading.Event) -> None:
+    """One request in flight until ``stop``: each streams 200 tokens, then the next starts."""
+    body = {"model": "default", "max_tokens": 200, "stream": True, "temperature": 1.0}
+    while not stop.is_set():
+        data = json.dumps({**body, "messages": [{"role": "user", "content": "Tell me a long story."}]})
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=data.encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            while resp.readline():
+                pass
+
+
+def read_loop(url: str, hz: float, stop: threading.Event, phase: list[str]) -> None:
+    """The load watch's reads at its tightest: ``/v1/loads``, and ``/metrics`` too, ``hz`` a second."""
+    while not stop.wait(1 / hz):
+        if phase[0] != "no reads":
+            get_bytes(url + "/v1/loads", None, 10.0)
+        if phase[0] == "/v1/loads + /metrics":
+            get_bytes(url + "/metrics", None, 10.0)
+
+
+def step_ms(log: Path, start: int, end: int) -> float:
+    """The mean decode step (ms) in ``log``'s bytes [start, end)."""
+    with open(log, "rb") as fh:
+        fh.seek(start)
+        steps = SglangLog.parse(fh.read(end - start).decode(errors="replace")).decode_steps
+    n = sum(c for c, _ in steps.values())
+    return sum(s for _, s in steps.values()) / n * 1000 if n else float("nan")
+
+
+def steps_main(args: argparse.Namespace) -> None:
+    phases = ("no reads", "/v1/loads", "/v1/loads + /metrics")
+    got: dict[str, list[float]] = {p: [] for p in phases}
+    with heavy(args.lock), workdir(prefix="tm-bench-metrics-") as work, Children() as children:
+        flags = ("--enable-metrics", "--decode-log-interval", "1", "--max-total-tokens", "20000")
+        engine, url = start_sglang(children, work, *flags)
+        stop, phase = threading.Event(), ["no reads"]
+        threads = [threading.Thread(target=stream_forever, args=(url, stop)) for _ in range(args.streams)]
+        threads.append(threading.Thread(target=read_loop, args=(url, args.hz, stop, phase)))
+        for t in threads:
+            t.daemon = True
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(5)  # the streams spread out
+            for r in range(args.rounds):
+                for name in phases[r % 3 :] + phases[: r % 3]:  # rotated: the host drifts
+                    phase[0] = name
+                    time.sleep(0.5)  # reads of the phase before are done
+                    start = engine.log.stat().st_size
+                    time.sleep(args.phase_s)
+                    got[name].append(step_ms(engine.log, start, engine.log.stat().st_size))
+        finally:
+            stop.set()
+    rows = []
+    for name, v in got.items():
+        ratios = [x / base for x, base in zip(v, got["no reads"], strict=True)]
+        rows.append([name, ", ".join(f"{x:.2f}" for x in v), f"{median(ratios):.3f}"])
+    shape = f"{args.rounds} rounds of {args.phase_s} s phases"
+    print(f"{args.streams} streams in flight, reads at {args.hz} Hz, {shape}")
+    print(table(["phase", "mean decode step, ms (rounds)", "/ no reads (median of rounds)"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--lock", default=None, help="a file to flock around the run (shared CPU)")
+    ap.add_argument("--steps", action="store_true", help="what the reads cost the server's decode steps")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--hz", type=float, default=2.0)
+    ap.add_argument("--phase-s", type=float, default=8.0)
     args = ap.parse_args()
     exit_on_sigterm()
     print(f"machine: {machine()}")
     print(f"cores: {pin_clients()}")
+    if args.steps:
+        steps_main(args)
+        return
     with heavy(args.lock), workdir(prefix="tm-bench-metrics-") as work, Children() as children:
         engine, url = start_sglang(children, work, "--enable-metrics")
         warm_up(url)
