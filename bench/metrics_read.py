@@ -130,8 +130,7 @@ def steps_main(args: argparse.Namespace) -> None:
         threads = [threading.Thread(target=stream_forever, args=(url, stop)) for _ in range(args.streams)]
         threads.append(threading.Thread(target=read_loop, args=(url, args.hz, stop, phase)))
         for t in threads:
-            t.daemon = True
-        for t in threads:
+            t.daemon = True  # a stream blocked in its read does not hold up the exit
             t.start()
         try:
             time.sleep(5)  # the streams spread out
@@ -161,7 +160,7 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="what the reads cost the server's decode steps")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--hz", type=float, default=2.0)
-    ap.add_argument("--phase-s", type=float, default=8.0)
+    ap.add_argument("--phase-s", type=float, default=4.0)
     args = ap.parse_args()
     exit_on_sigterm()
     print(f"machine: {machine()}")
