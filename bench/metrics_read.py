@@ -79,24 +79,26 @@ def whole_page(text: str) -> int:
     return sum(len(f.samples) for f in text_string_to_metric_families(text))
 
 
+def chat(url: str, content: str, **options: object) -> urllib.request.Request:
+    """A chat request to the server at ``url``."""
+    body = {"model": "default", "messages": [{"role": "user", "content": content}], **options}
+    data = json.dumps(body).encode()
+    return urllib.request.Request(
+        url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+
+
 def warm_up(url: str) -> None:
     """A few requests, so that the page holds the histograms a working server shows."""
-    body = b'{"model": "default", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}'
     for _ in range(4):
-        headers = {"Content-Type": "application/json"}
-        req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(chat(url, "hi", max_tokens=16), timeout=120) as resp:
             resp.read()
 
 
 def stream_forever(url: str, stop: threading.Event) -> None:
     """One request in flight until ``stop``: each streams 200 tokens, then the next starts."""
-    body = {"model": "default", "max_tokens": 200, "stream": True, "temperature": 1.0}
     while not stop.is_set():
-        data = json.dumps({**body, "messages": [{"role": "user", "content": "Tell me a long story."}]})
-        req = urllib.request.Request(
-            url + "/v1/chat/completions", data=data.encode(), headers={"Content-Type": "application/json"}
-        )
+        req = chat(url, "Tell me a long story.", max_tokens=200, stream=True, temperature=1.0)
         with urllib.request.urlopen(req, timeout=120) as resp:
             while resp.readline():
                 pass
@@ -111,11 +113,9 @@ def read_loop(url: str, hz: float, stop: threading.Event, phase: list[str]) -> N
             get_bytes(url + "/metrics", None, 10.0)
 
 
-def step_ms(log: Path, start: int, end: int) -> float:
-    """The mean decode step (ms) in ``log``'s bytes [start, end)."""
-    with open(log, "rb") as fh:
-        fh.seek(start)
-        steps = SglangLog.parse(fh.read(end - start).decode(errors="replace")).decode_steps
+def step_ms(log: Path, start: int) -> float:
+    """The mean decode step (ms) in what ``log`` gained since byte ``start``."""
+    steps = SglangLog.since(log, start).decode_steps
     n = sum(c for c, _ in steps.values())
     return sum(s for _, s in steps.values()) / n * 1000 if n else float("nan")
 
@@ -135,12 +135,12 @@ def steps_main(args: argparse.Namespace) -> None:
         try:
             time.sleep(5)  # the streams spread out
             for r in range(args.rounds):
-                for name in phases[r % 3 :] + phases[: r % 3]:  # rotated: the host drifts
+                for name in phases[r % len(phases) :] + phases[: r % len(phases)]:  # rotated: the host drifts
                     phase[0] = name
                     time.sleep(0.5)  # reads of the phase before are done
                     start = engine.log.stat().st_size
                     time.sleep(args.phase_s)
-                    got[name].append(step_ms(engine.log, start, engine.log.stat().st_size))
+                    got[name].append(step_ms(engine.log, start))
         finally:
             stop.set()
     rows = []
