@@ -104,11 +104,15 @@ class Child:
 class Children(contextlib.ExitStack):
     """Processes a benchmark started; each is stopped when the stack closes (last first)."""
 
-    def spawn(self, name: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Child:
+    def spawn(
+        self, name: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
+    ) -> Child:
+        """``args`` as a child process run from ``cwd`` (a copy of the source: ``python -m`` imports
+        from there first), its output in ``log``."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
             proc = subprocess.Popen(
-                list(args), stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
+                list(args), stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
             )
         child = Child(proc, log, name)
         _LIVE[proc.pid] = proc
@@ -280,16 +284,18 @@ def start_worker(
     concurrency: int,
     env: dict[str, str],
     noop_expect: int | None = None,
+    source: Path = ROOT,
 ) -> Child:
-    """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume; with
-    ``noop_expect``, Celery's floor instead (bench/noop_worker.py: the same Celery configuration,
-    a task that does nothing), which says when it ran that many messages."""
+    """A real ``tokenmill worker`` (Celery, threads pool) on ``queue``, ready to consume, run from
+    the copy of the source in ``source``; with ``noop_expect``, Celery's floor instead
+    (bench/noop_worker.py: the same Celery configuration, a task that does nothing), which says
+    when it ran that many messages."""
     name = f"worker-{queue}-{free_port()}"
     command = [sys.executable, "-m", "tokenmill.cli", "worker"]
     if noop_expect is not None:
         command = [sys.executable, str(ROOT / "bench" / "noop_worker.py"), "--expect", str(noop_expect)]
     args = [*command, "--queue", queue, "--concurrency", str(concurrency), "--hostname", f"{name}@%h"]
-    child = children.spawn(name, args, where / f"{name}.log", env)
+    child = children.spawn(name, args, where / f"{name}.log", env, source)
     wait_for(lambda: " ready." in child.output() or not child.alive(), 90, f"{name} ready", 0.1)
     if not child.alive():
         raise RuntimeError(f"{name} exited early:\n{child.output()[-2000:]}")

@@ -10,6 +10,8 @@ server's retractions and the highest KV it used. Variants:
 - ``directN``: no tokenmill at all: the direct asyncio client of ``bench/e2e.py`` at N requests
   at a time (what the worker's own overhead costs, apart from any admission policy);
 - ``admission``: no concurrency set by hand (a large thread pool); admission decides;
+- ``against``: admission again, its workers run from another copy of the source (``--against
+  DIR``, a git worktree of another commit): two versions of the policy side by side in one run;
 - ``placeboN``: fixed N again under another name, judged as admission is: the ratio a variant
   that *is* a fixed setting gets, so the verdict's noise floor on this host;
 - ``oracle``: admission told at the start what a cold start cannot know: the lifetime and the
@@ -71,6 +73,7 @@ from typing import Any
 import orjson
 import redis
 from _common import (
+    ROOT,
     Children,
     MachineLoad,
     SglangLog,
@@ -228,7 +231,7 @@ def sim_output(args: argparse.Namespace) -> int:
 # of the admission hash
 TRACED = (
     "total", "n", "window", "rule", "pace_ms", "life_ms", "life_dev",
-    "use_min", "use_sum", "use_n", "young_fit",
+    "use_min", "use_sum", "use_n", "young_fit", "len_mean", "len_dev",
 )  # fmt: skip
 
 
@@ -260,18 +263,20 @@ class Sampler(threading.Thread):
             except Exception:
                 continue
             self.running.append(running)
-            held, n, window, rule, pace, life, dev, use_min, use_sum, use_n, fit = (
+            held, n, window, rule, pace, life, dev, use_min, use_sum, use_n, fit, length, length_dev = (
                 x.decode() if x else "-" for x in f
             )
             if window != "-" and rule == "window":
                 self.windows.append(int(window))
             if life != "-":
                 self.life_ms = float(life)
-            life, dev, young, fit = (v if v == "-" else f"{float(v):.0f}" for v in (life, dev, use_min, fit))
+            life, dev, young, fit, length, length_dev = (
+                v if v == "-" else f"{float(v):.0f}" for v in (life, dev, use_min, fit, length, length_dev)
+            )
             self.rows.append(
                 f"{time.monotonic() - self.t0:6.2f}s run {running:3d} queue {queued:3d} kv {used:6d} "
                 f"| adm in flight {n:>3} window {window:>3} rule {rule:6} held {held:>6} pace {pace:>4} ms"
-                f" life {life:>5} ± {dev:>4} ms"
+                f" life {life:>5} ± {dev:>4} ms, output {length:>4} ± {length_dev:>3}"
                 f" | young {young:>4} mean {mean_use(use_sum, use_n):>4} fitted {fit:>4}"
             )
 
@@ -299,10 +304,12 @@ def run_tokenmill(
     group: int | None = None,
     shared: Server | None = None,
     oracle: tuple[int, float] | None = None,
+    source: Path = ROOT,
 ) -> dict:
     """One variant: ``args.workers`` workers (fixed: ``threads`` split among them; admission:
     ``threads`` each; ``paced``: admission_pacing; ``group``: admission_pace_group; ``oracle``:
-    the window and lifetime admission is told at the start), after a warm-up run of the dataset
+    the window and lifetime admission is told at the start; ``source``: the copy of the source the
+    workers run from), after a warm-up run of the dataset
     under another run id when ``args.warm``; on ``shared`` if given, else on a server of its
     own."""
     with Children() as children:
@@ -318,7 +325,9 @@ def run_tokenmill(
         if group is not None:
             env["TOKENMILL_ADMISSION_PACE_GROUP"] = str(group)
         each = threads if admission else max(1, threads // args.workers)
-        workers = [start_worker(children, work, "short", each, env) for _ in range(args.workers)]
+        workers = [
+            start_worker(children, work, "short", each, env, source=source) for _ in range(args.workers)
+        ]
         client = redis.Redis.from_url(rds.url)
         if args.warm:
             warm = make_dataset(
@@ -498,6 +507,10 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             if "admission" not in [k for _, k, _ in out]:
                 raise SystemExit("--only: oracle takes its window from an admission run named before it")
             out.append((f"admission told its window (oracle, threads {args.high})", "oracle", args.high))
+        elif name == "against":
+            if args.against is None:
+                raise SystemExit("--only: against runs admission from the copy of the source --against names")
+            out.append((f"admission [{args.against}] (threads {args.high})", "against", args.high))
         elif name == "unpaced":
             out.append((f"admission, not paced (threads {args.high})", "unpaced", args.high))
         elif m := re.fullmatch(r"placebo(\d+)", name):
@@ -511,7 +524,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             kind = m[1]
             out.append((f"{kind} {m[2]}" + (" (direct client)" if kind == "direct" else ""), kind, int(m[2])))
         else:
-            known = "low, tuned, high, admission, oracle, unpaced, pacedN, fixedN, placeboN, directN"
+            known = "low, tuned, high, admission, against, oracle, unpaced, pacedN, fixedN, placeboN, directN"
             raise SystemExit(f"--only: unknown variant {name!r} ({known})")
     return out
 
@@ -609,6 +622,10 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="variants, comma-separated (see above)")
     ap.add_argument("--trace", action="store_true", help="print a 0.5 s timeline of each variant")
     ap.add_argument(
+        "--against", type=Path, default=None, metavar="DIR",
+        help="another copy of the source (a git worktree): variant 'against' is admission run from it",
+    )  # fmt: skip
+    ap.add_argument(
         "--matrix", default=None, metavar="CELLS",
         help=f"cells, comma-separated or 'all' ({', '.join(CELLS)}); --repeat defaults to 3 there",
     )  # fmt: skip
@@ -684,6 +701,7 @@ def measure(
                             work, data, args, admission=kind != "fixed", threads=n,
                             paced=kind != "unpaced", group=group, shared=shared,
                             oracle=learned if kind == "oracle" else None,
+                            source=args.against if kind == "against" else ROOT,
                         )  # fmt: skip
                         if kind == "admission" and "window_max" in r:
                             learned = (r["window_max"], r["life_ms"])
