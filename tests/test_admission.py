@@ -372,9 +372,9 @@ def test_a_window_starts_its_requests_in_groups_spread_over_a_lifetime(rclient: 
     # turn, refused as paced, not as refused by the window (which would grow it)
     assert len(admit_all(a, 10)) == 2
     assert rclient.hmget(USED, "paced", "refused") == [b"1", None]
-    # And they all start at once when lifetimes differ by a quarter of their mean or more
+    # And they all start at once when lifetimes differ by an eighth of their mean or more
     # (requests started together end apart), or with pacing off
-    for fields, pacing in (({"life_dev": 2_500}, True), ({}, False)):
+    for fields, pacing in (({"life_dev": 1_500}, True), ({}, False)):
         rclient.delete(USED, keys.admission("srv"))
         set_window(rclient, 10, **{"life_ms": 10_000, "life_dev": 1_000, "bound": 1, **fields})
         assert len(admit_all(adm(rclient, admission_queue_target=3, admission_pacing=pacing), 10)) == 10
@@ -484,7 +484,8 @@ def test_a_mix_of_outputs_paced_for_a_while_does_not_start_the_runs_last_request
     rclient: redis.Redis,
 ) -> None:
     # Given the ten requests in flight of the test above, on a run whose outputs are a mix: a
-    # moving mean of 150 tokens and a deviation of 30, alike enough to pace (under a quarter)
+    # moving mean of 150 tokens and a deviation of 30 (a fifth: under a quarter, once enough to
+    # pace, and their lifetimes alike)
     a = adm(rclient, admission_queue_target=3)
     spread_in_flight(rclient)
     rclient.hset(USED, mapping={"len_mean": 150, "len_dev": 30})
@@ -558,11 +559,12 @@ def test_a_slots_lifetime_and_its_spread_are_measured_and_pace_the_window(rclien
         rclient.hset(USED, f"at:{slot.member}", now_ms - held_ms)
         a.release(slot)
         lives.append(float(rclient.hget(USED, "life_ms") or 0))
-    # Then the lifetime is a moving mean (the first taken whole), its spread a moving mean
-    # deviation (0, then 0, then 0.1 of the 400 ms one's 200 off the mean)
-    assert 200 <= lives[0] < 220 and lives[1] < 225 and 220 <= lives[2] < 250
+    # Then the lifetime is a moving mean (the plain mean of the first ten), its spread a moving
+    # mean deviation (200, as large as the one lifetime known; then 0; then half of (200 off the
+    # mean + 0))
+    assert 200 <= lives[0] < 220 and lives[1] < 225 and 260 <= lives[2] < 290
     dev = float(rclient.hget(USED, "life_dev") or 0)
-    assert 15 < dev < 25
+    assert 90 < dev < 110
     # And while the pool binds (4 in flight at 3,000 tokens each on a 10,000-token pool: a fifth
     # would not fit), the window's requests start a lifetime / window apart
     set_window(rclient, 4, life_dev=10, n=4, total=4 * 3_000)
@@ -598,13 +600,37 @@ def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed
     assert len(admit_all(a, 10)) == 10
     a.adapt("srv", load(10), None)
     assert rclient.hget(USED, "pace_ms") == b"0"
-    # And the lengths are measured at each release that says how many tokens the request made
+    # And outputs half of which run to max_tokens, the rest spread below it (the mean deviation a
+    # quarter of the mean: a cohort started together ends spread over a lifetime), are not
     rclient.delete(USED, keys.admission("srv"))
-    for out in (200, 100, 200):
+    set_window(rclient, 10, **{**fields, "life_dev": 100}, len_mean=160, len_dev=38)
+    assert len(admit_all(a, 10)) == 10
+    # And the lengths are measured at each release that says how many tokens the request made:
+    # their plain mean, and the mean deviation from the mean before, unknown from one (as large as
+    # it), so that three outputs apart do not read as one length
+    rclient.delete(USED, keys.admission("srv"))
+    lengths = []
+    for out in (60, 90, 120):
         slot = try_admit(a, "srv", 10_000, 100, "short")
         assert slot is not None
         a.ledger.call(t.Call("unadmit", [keys.admission("srv"), USED], [slot.member, out], int))
-    assert rclient.hmget(USED, "len_mean", "len_dev") == [b"191", b"10"]
+        lengths.append(rclient.hmget(USED, "len_mean", "len_dev", "len_n"))
+    assert lengths == [[b"60", b"60", b"1"], [b"75", b"30", b"2"], [b"90", b"37.5", b"3"]]
+    set_window(rclient, 10, **{**fields, "life_dev": 100})
+    assert len(admit_all(a, 10)) == 10
+    # And from the eleventh on (or without a count: a figure kept before there was one), each
+    # moves them a tenth of the way
+    rclient.delete(USED, keys.admission("srv"))
+    rclient.hset(USED, mapping={"len_mean": 200, "len_dev": 0, "len_n": 11})
+    slot = try_admit(a, "srv", 10_000, 100, "short")
+    assert slot is not None
+    a.ledger.call(t.Call("unadmit", [keys.admission("srv"), USED], [slot.member, 100], int))
+    assert rclient.hmget(USED, "len_mean", "len_dev", "len_n") == [b"190", b"10", b"11"]
+    rclient.hdel(USED, "len_n")
+    slot = try_admit(a, "srv", 10_000, 100, "short")
+    assert slot is not None
+    a.ledger.call(t.Call("unadmit", [keys.admission("srv"), USED], [slot.member, 90], int))
+    assert rclient.hmget(USED, "len_mean", "len_dev", "len_n") == [b"180", b"19", b"11"]
 
 
 def test_paced_requests_young_size_comes_from_their_length_and_the_window_follows_the_fit_down(
@@ -645,8 +671,8 @@ def test_paced_requests_are_sized_by_their_mean_use_over_time_not_by_their_peak_
     # young to peak, (3,800 - 2 * (223 - 60)) / 141.5
     assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 24
     # And not while one that started unpaced (with others, maybe) is in flight, nor when
-    # lifetimes differ by a quarter of their mean: successors that start together end apart
-    for fields in ({"unpaced": 1}, {"life_dev": 300}):
+    # lifetimes differ by an eighth of their mean: successors that start together end apart
+    for fields in ({"unpaced": 1}, {"life_dev": 200}):
         rclient.hset(USED, mapping={**lives, "unpaced": 0, "window": 17, **fields})
         assert a.adapt("srv", load(4, used=4 * 25, capacity=4000), None) == 17
     # And once the server retracted paced requests (23 of them, at their stages, overflowed),

@@ -15,7 +15,7 @@ from tokenmill.server_report import Load
 from workers.admission import policy
 
 # TOKENMILL_ADMISSION_TRACE=FILE bench/admission.py --matrix base,mixed-outputs --only admission
-# --repeat 1 --step-ms 4 --step-ms-per-req 0.05 (the sim; 2026-12-06): every decision of the two
+# --repeat 1 --step-ms 4 --step-ms-per-req 0.05 (the sim; 2026-12-07): every decision of the two
 # runs' watchers
 TRACE = Path(__file__).parent / "data" / "admission-trace.jsonl"
 KNOBS = policy.Knobs(

@@ -40,8 +40,8 @@ GARBAGE = [
 ]
 # every field of a server's used hash that admit.lua, unadmit.lua and the window rule read
 FIELDS = (
-    "total short long n n:short n:long unpaced tail window window_ms life_ms life_dev pace_tat bound "
-    "pace_open young_fit len_mean len_dev wanted:short wanted:long srv_retractions hold_until refused "
+    "total short long n n:short n:long unpaced tail window window_ms life_ms life_dev life_n pace_tat bound "
+    "pace_open young_fit len_mean len_dev len_n wanted:short wanted:long srv_retractions hold_until refused "
     "refused_seen srv_waiting srv_running srv_used seen_each seen_rise seen_ms admitted start_admitted "
     "start_n use_sum use_n use_min paced_cap paced tailed backoffs"
 ).split()

@@ -10,7 +10,7 @@
 --       * guard (no fresh window: the first seconds of a run, a silent watcher): the tokens held
 --         stay within the budget (ARGV 4), a queue's within its cap (ARGV 5).
 --       * paced (closed loop only): while the pool binds (`bound`, set by policy.py) and the
---         requests' outputs are of about one length (`len_dev` under a quarter of `len_mean`,
+--         requests' outputs are of one length (`len_dev` under an eighth of `len_mean`,
 --         unadmit.lua; before any is known, their lifetimes: `life_dev`, `life_ms`), a
 --         request starts every `life_ms` / window ms on average, in groups of ARGV 10: a group
 --         opens when all its starts are due (GCRA: `pace_tat`), and for one pace after (from
@@ -18,14 +18,12 @@
 --         refusal counts in `paced`, not in `refused`, and says when the next group opens. A
 --         slot admitted unpaced is marked (`up:<member>`) and counted in `unpaced` until
 --         released.
---       * the tail (paced, and outputs of one length: their moving mean deviation under an
---         eighth of their moving mean; until one is known, lifetimes): when the run's requests
---         still to start (ARGV 11, this one included; start.lua counts them) could all start
---         now without the pool overflowing at any moment until they end (`fits_after`: each
---         request in flight grows linearly from a young size to its projected peak over a
---         lifetime and then ends; the young size, `young_fit`, is what made the requests in
---         flight hold the KV use the server last reported, fitted by policy.py), this one
---         starts at once, past the pace and past the
+--       * the tail (paced): when the run's requests still to start (ARGV 11, this one included;
+--         start.lua counts them) could all start now without the pool overflowing at any moment
+--         until they end (`fits_after`: each request in flight grows linearly from a young size
+--         to its projected peak over a lifetime and then ends; the young size, `young_fit`, is
+--         what made the requests in flight hold the KV use the server last reported, fitted by
+--         policy.py), this one starts at once, past the pace and past the
 --         window: nothing queued behind it would start together with it later, and started now
 --         it ends sooner. If they would fit together only once some of those in flight end, but
 --         sooner than pacing would start the last of them, this one waits for then (a paced
@@ -134,15 +132,11 @@ if window > 0 and now_ms - window_ms <= num(ARGV[9], 0, 0) then
   -- other (those started together would end together, their successors start together again):
   -- a request every lifetime / window, in groups of ARGV 10
   local life, dev, group = num(f[9], 0, 0, MAX_LEASE_MS), num(f[10], 0, 0), int(ARGV[10], 0, 0)
-  -- whether outputs are of about one length: their moving mean deviation under a `parts`th of
-  -- their moving mean (until one is known, lifetimes)
+  -- paced while outputs are of one length: their moving mean deviation under an eighth of their
+  -- moving mean (until one is known, lifetimes; policy.py decides alike the same way)
   local len, len_dev = num(f[16], 0, 0), num(f[17], 0, 0)
-  local function one_length(parts)
-    if len > 0 then return len_dev * parts < len end
-    return life > 0 and dev * parts < life
-  end
-  -- paced while they are within a quarter (policy.py decides alike the same way)
-  if group > 0 and f[12] == '1' and life > 0 and one_length(4) then
+  local alike = len > 0 and len_dev * 8 < len or len <= 0 and life > 0 and dev * 8 < life
+  if group > 0 and f[12] == '1' and life > 0 and alike then
     pace = life / window
   end
   -- a due time no start could have set (beyond a lifetime and a group's paces) is garbage
@@ -155,11 +149,9 @@ if window > 0 and now_ms - window_ms <= num(ARGV[9], 0, 0) then
   local behind, young = num(ARGV[11], -1), num(f[15], -1)
   -- how soon the rest of the run fits together, while pacing would still start it (nil: not
   -- before then, or not asked). The projection holds each request to its projected peak, a
-  -- bound only where outputs are within an eighth: a mix of long and short outputs may look
-  -- alike enough to pace for a while, but its peak is an expectation, and half of it started
-  -- together would overflow the pool
+  -- bound because outputs are of one length
   local wait
-  if pace > 0 and one_length(8) and behind > 0 and not other_active and young >= 0 and n > 0 then
+  if pace > 0 and behind > 0 and not other_active and young >= 0 and n > 0 then
     wait = fits_after(behind, tokens, budget, life, young, (behind - group) * pace)
   end
   local tail_waits = wait ~= nil and wait > 0

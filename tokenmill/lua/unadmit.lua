@@ -12,29 +12,37 @@
 --       held the slot (absent: not known, a slot given back without a result).
 -- Returns 1 when a slot was released, else 0.
 local held = redis.call('HMGET', KEYS[2], 'slot:' .. ARGV[1], 'slotq:' .. ARGV[1], 'up:' .. ARGV[1],
-  'tl:' .. ARGV[1], 'at:' .. ARGV[1], 'life_ms', 'life_dev', 'len_mean', 'len_dev')
+  'tl:' .. ARGV[1], 'at:' .. ARGV[1], 'life_ms', 'life_dev', 'len_mean', 'len_dev', 'life_n', 'len_n')
 redis.call('ZREM', KEYS[1], ARGV[1])
 if not held[1] then return 0 end
--- a moving mean (a tenth of the way to each value; the first taken whole) and the moving mean
--- of the deviations from it
-local function moving(value, mean_field, dev_field, mean, dev)
-  mean, dev = num(mean, -1), num(dev, 0, 0)
-  if mean >= 0 then
-    dev = dev + (math.abs(value - mean) - dev) * 0.1
-    value = mean + (value - mean) * 0.1
+-- a moving mean (a tenth of the way to each value, the plain mean of the first ten) and the
+-- moving mean of the deviations from it, counted in `count_field` up to 11 (a mean stored without
+-- a count is an old one: a tenth). A deviation is not known from one value: it reads as large as
+-- the value itself (not of one length) until a second one. Weighted from 0 as a tenth, a few
+-- values that differ would read as alike and pace outputs of many lengths.
+local function moving(value, mean_field, dev_field, count_field, mean, dev, count)
+  local k = 1
+  if count then k = int(count, 0, 0, 10) + 1 elseif mean then k = 11 end
+  mean, dev = num(mean, 0), num(dev, 0, 0)
+  if k == 1 then
+    mean, dev = value, value
+  else
+    dev = dev + (math.abs(value - mean) - dev) * math.max(0.1, 1 / (k - 1))
+    mean = mean + (value - mean) * math.max(0.1, 1 / k)
   end
-  redis.call('HSET', KEYS[2], mean_field, value, dev_field, dev)
+  redis.call('HSET', KEYS[2], mean_field, mean, dev_field, dev, count_field, k)
 end
 if held[5] then
   -- how long the request held its slot: the mean lifetime and its mean deviation pace starts
   -- (admit.lua)
   local now_ms = clock_ms()
-  moving(now_ms - num(held[5], now_ms, 0, now_ms), 'life_ms', 'life_dev', held[6], held[7])
+  moving(now_ms - num(held[5], now_ms, 0, now_ms), 'life_ms', 'life_dev', 'life_n', held[6], held[7],
+    held[10])
   -- how many tokens it generated: outputs of one length are what pacing is for (their lifetimes
   -- also agree, but a lifetime also moves with how full the server's batches are and how long a
   -- request waited in its queue)
   local out = num(ARGV[2], -1)
-  if out >= 0 then moving(out, 'len_mean', 'len_dev', held[8], held[9]) end
+  if out >= 0 then moving(out, 'len_mean', 'len_dev', 'len_n', held[8], held[9], held[11]) end
 end
 unhold(KEYS[2], ARGV[1], held)
 return 1

@@ -28,7 +28,7 @@ decode steps), so every rule is safe to apply twice to the same figures. In orde
    ended under the window as half of those in flight (a cold start's first batch, which started
    together and peaks together), each is sized at its whole projected peak below the guard's
    budget (``guard`` of the pool).
-3'. **Paced** (the pool binds and outputs are of about one length; admit.lua then starts requests
+3'. **Paced** (the pool binds and outputs are of one length; admit.lua then starts requests
    spread over a lifetime) and every request in flight started paced: instead of rule 3, the
    window becomes as many as fit below the ceiling, less room for a group's growth from young to
    peak, at what a request holds on average over its lifetime (halfway between its young size and
@@ -211,12 +211,12 @@ def steer(
 
 
 def one_length(f: Mapping[str, Any], life: float) -> bool:
-    """Outputs of about one length: their moving mean deviation (unadmit.lua) under a quarter of
-    their moving mean; until one is known, lifetimes alike in the same way (admit.lua decides so)."""
+    """Outputs of one length: their moving mean deviation (unadmit.lua) under an eighth of their
+    moving mean; until one is known, lifetimes alike in the same way (admit.lua decides so)."""
     length = num(f.get("len_mean"), 0, 0)
     if length > 0:
-        return num(f.get("len_dev"), 0, 0) * 4 < length
-    return life > 0 and num(f.get("life_dev"), 0, 0) * 4 < life
+        return num(f.get("len_dev"), 0, 0) * 8 < length
+    return life > 0 and num(f.get("life_dev"), 0, 0) * 8 < life
 
 
 def learn(
