@@ -480,12 +480,11 @@ def test_the_runs_last_requests_start_at_once_when_together_they_fit_until_they_
     assert tail_admit(a, None) == 1
 
 
-def test_a_mix_of_outputs_paced_for_a_while_does_not_start_the_runs_last_requests_together(
+def test_a_mix_of_outputs_does_not_start_the_runs_last_requests_together(
     rclient: redis.Redis,
 ) -> None:
     # Given the ten requests in flight of the test above, on a run whose outputs are a mix: a
-    # moving mean of 150 tokens and a deviation of 30 (a fifth: under a quarter, once enough to
-    # pace, and their lifetimes alike)
+    # moving mean of 150 tokens and a deviation of 30 (a fifth of it; their lifetimes alike)
     a = adm(rclient, admission_queue_target=3)
     spread_in_flight(rclient)
     rclient.hset(USED, mapping={"len_mean": 150, "len_dev": 30})
@@ -600,8 +599,8 @@ def test_outputs_of_one_length_are_paced_though_their_lifetimes_differ_and_mixed
     assert len(admit_all(a, 10)) == 10
     a.adapt("srv", load(10), None)
     assert rclient.hget(USED, "pace_ms") == b"0"
-    # And outputs half of which run to max_tokens, the rest spread below it (the mean deviation a
-    # quarter of the mean: a cohort started together ends spread over a lifetime), are not
+    # And outputs half of which run to max_tokens, the rest spread below it (a mean deviation of
+    # nearly a quarter of the mean: a cohort started together ends spread over a lifetime), are not
     rclient.delete(USED, keys.admission("srv"))
     set_window(rclient, 10, **{**fields, "life_dev": 100}, len_mean=160, len_dev=38)
     assert len(admit_all(a, 10)) == 10
