@@ -338,6 +338,33 @@ def test_a_cold_starts_first_batch_is_sized_at_its_whole_peak_until_half_as_many
         assert window == 16 if ended < 8 else window > 16
 
 
+@pytest.mark.parametrize(
+    ("len_dev", "len_n", "grown"), [(25, 4, 16 + 4), (0, 4, 16), (150, 1, 16)], ids=["differ", "alike", "one"]
+)
+def test_once_outputs_end_at_different_lengths_a_cold_batch_no_longer_holds_the_window(
+    rclient: redis.Redis, len_dev: int, len_n: int, grown: int
+) -> None:
+    # Given a cold start's 16 requests, projected at 223 tokens each (prompt + max_tokens 200),
+    # seen at 150 then 156 tokens each on a 4,000-token pool (rising 6 a reading)
+    a = adm(
+        rclient, admission_fraction=0.9, admission_queue_target=3, admission_reserve=0.6,
+        admission_pacing=False,
+    )  # fmt: skip
+    set_window(rclient, 16, n=16, admitted=16, total=16 * 223)
+    a.adapt("srv", load(16, used=16 * 150, capacity=4000), None)
+    a.adapt("srv", load(16, used=16 * 156, capacity=4000), None)
+    # When 4 of them ended (fewer than half), their successors young (25 tokens), a request
+    # refused, and the outputs' moving mean is 150 tokens, over `len_n` outputs, `len_dev` apart
+    lengths = {"len_mean": 150, "len_dev": len_dev, "len_n": len_n}
+    rclient.hset(USED, mapping={"admitted": 20, "refused": 1, **lengths})
+    window = a.adapt("srv", load(16, used=12 * 170 + 4 * 25, capacity=4000), None)
+    # Then where they differ, the rest of the batch will not peak together: each request is sized
+    # by its present use and 0.6 of its growth (134 + 0.6 * 89), not by the batch's rise (162) nor
+    # at its whole peak, and the window takes all 4 more that fit below 3,800 at once. Where they
+    # are of one length (or only one is known), the batch still peaks together: 16, as before
+    assert window == grown
+
+
 def test_a_retraction_does_not_take_the_window_below_what_fits_at_the_projected_peaks(
     rclient: redis.Redis,
 ) -> None:

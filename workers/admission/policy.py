@@ -27,7 +27,9 @@ decode steps), so every rule is safe to apply twice to the same figures. In orde
    (what was seen a lifetime ago was held by requests that have ended). Until as many requests
    ended under the window as half of those in flight (a cold start's first batch, which started
    together and peaks together), each is sized at its whole projected peak below the guard's
-   budget (``guard`` of the pool).
+   budget (``guard`` of the pool). Once outputs are seen to end at different lengths (two or more
+   known, not of one length), the requests in flight will not peak together: neither the cold
+   batch's whole peak nor the rise sizes a request, and the window takes all the room at once.
 3'. **Paced** (the pool binds and outputs are of one length; admit.lua then starts requests
    spread over a lifetime) and every request in flight started paced: instead of rule 3, the
    window becomes as many as fit below the ceiling, less room for a group's growth from young to
@@ -69,7 +71,7 @@ SLOT_MAX = 2**40
 FIELDS = (
     "n window srv_retractions hold_until refused refused_seen srv_waiting total window_ms seen_each "
     "admitted start_admitted start_n srv_running srv_used seen_rise life_ms life_dev use_sum use_n "
-    "unpaced use_min paced_cap bound seen_ms len_mean len_dev backoffs"
+    "unpaced use_min paced_cap bound seen_ms len_mean len_dev len_n backoffs"
 ).split()
 # ... those it learns afresh when a window starts
 RELEARNED = "seen_each seen_rise seen_ms use_sum use_n use_min paced_cap bound".split()
@@ -165,7 +167,10 @@ def steer(
     learned = learn(f, running, present, window, life if not alike else 0, now_ms)
     out: dict[str, float] = {**seen_by, **learned, "refused_seen": refused}
     out |= {"start_admitted": start_admitted, "start_n": start_n, "bound": int(bound)}
-    held_each = max(learned["seen_each"], min(learned["seen_rise"], peak))
+    # outputs seen to end at different lengths (a deviation is known from two): those in flight
+    # end apart and do not peak together (a mean stored without a count is an old one, unadmit.lua)
+    mixed = num(f.get("len_mean"), 0, 0) > 0 and num(f.get("len_n"), 11) >= 2 and not alike
+    held_each = max(learned["seen_each"], 0 if mixed else min(learned["seen_rise"], peak))
     hold_ms = num(k.hold_ms, 0, 0)
     holding = now_ms < num(f.get("hold_until"), 0, 0, now_ms + hold_ms)
     target = whole(max(num(k.queue_target, 0, 0), math.ceil(running * num(k.queue_share, 0, 0, 1))), 0, 0)
@@ -194,13 +199,16 @@ def steer(
         elif waiting == 0 and limiting and capacity > 0 and used < ceiling:
             # present use plus `reserve` of the growth projected beyond it, at least the highest
             # seen; until as many requests ended as half of those in flight, most of those in flight
-            # may have started together (a cold start's first batch) and will peak together
-            share, limit = (1.0, min(ceiling, guard)) if ended * 2 < n else (num(k.reserve, 1, 0), ceiling)
+            # may have started together (a cold start's first batch) and will peak together,
+            # unless their outputs end apart
+            cold = ended * 2 < n and not mixed
+            share, limit = (1.0, min(ceiling, guard)) if cold else (num(k.reserve, 1, 0), ceiling)
             each = max(held_each, present + share * max(0.0, peak - present))
-            if each > 0:  # half of what still fits at that size (at least one, if any fits)
+            if each > 0:  # half of what still fits at that size (at least one, if any fits; all
+                # of it where outputs end apart)
                 room = math.floor(limit / each) - max(n, window)
                 if room > 0:
-                    window += max(1, math.floor(room / 2))
+                    window += room if mixed else max(1, math.floor(room / 2))
             else:  # nothing to size a request by yet
                 window += target
     window = whole(window, smallest, smallest)
